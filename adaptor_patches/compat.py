@@ -1,0 +1,97 @@
+"""What upstream needs to run at all off CUDA, and under transformers 5.
+
+The four minimal shims (the reference run for equivalence tests applies exactly these):
+  1. `torch.cuda.set_device(...)` in `HunyuanMoE.forward` and `torch.autocast("cuda")` in the
+     model and pipeline: upstream modules see a device-neutral `torch` whose `cuda.set_device`
+     only acts on CUDA and whose `autocast("cuda")` means "autocast on the device we run on".
+  2. `torch.cuda.nvtx` ranges become no-ops off CUDA.
+  3. `AutoencoderKLConv3D.decode` off CUDA runs in the VAE's own dtype (latents cast to it).
+  4. transformers 5 changed `StaticLayer.lazy_initialization(key_states)` to take
+     `(key_states, value_states)`: layers are initialised before upstream's `update` looks.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+import torch
+
+from .device import Device
+
+
+class _DeviceNeutralCuda:
+    """Stands in for `torch.cuda` inside upstream modules."""
+
+    def __init__(self, device: Device):
+        self._device = device
+
+    def set_device(self, index):
+        if self._device.kind == "cuda":
+            torch.cuda.set_device(index)
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class DeviceNeutralTorch(types.ModuleType):
+    """The `torch` module as upstream should see it on `device`: only `cuda` and `autocast` differ."""
+
+    def __init__(self, device: Device):
+        super().__init__("torch")
+        self._device = device
+        self.cuda = _DeviceNeutralCuda(device)
+
+    def autocast(self, device_type="cuda", dtype=None, enabled=True, cache_enabled=None):
+        if device_type == "cuda":
+            device_type = self._device.autocast_type
+        return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled,
+                              cache_enabled=cache_enabled)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class _NoNvtx:
+    @staticmethod
+    def range(*_args, **_kwargs):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def range_push(*_args, **_kwargs):
+        return 0
+
+    @staticmethod
+    def range_pop():
+        return 0
+
+
+def device_neutral_torch(_original, device: Device):
+    return DeviceNeutralTorch(device)
+
+
+def nvtx_for(original, device: Device):
+    return original if device.kind == "cuda" else _NoNvtx()
+
+
+def static_cache_update(original, _device: Device):
+    @functools.wraps(original)
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        layers = getattr(self, "layers", None)
+        if layers is not None and getattr(layers[layer_idx], "keys", None) is None:
+            layers[layer_idx].lazy_initialization(key_states, value_states)
+        return original(self, key_states, value_states, layer_idx, cache_kwargs)
+    return update
+
+
+def vae_decode_in_own_dtype(original, device: Device):
+    """Off CUDA, autocast's fp16 policy leaves GroupNorm with fp32 input and bf16 weights (CPU
+    raises "mixed dtype"): decode there runs without autocast, in the VAE's own dtype."""
+    if device.kind == "cuda":
+        return original
+
+    @functools.wraps(original)
+    def decode(self, z, *args, **kwargs):
+        with torch.autocast(device_type=device.autocast_type, enabled=False):
+            return original(self, z.to(self.dtype), *args, **kwargs)
+    return decode

@@ -1,0 +1,144 @@
+"""The backend we run on (npu | cuda | cpu) and its primitives.
+
+Everything that differs between Ascend NPU, NVIDIA CUDA and CPU lives here (and in ops.py):
+the distributed backend, streams and events (none on CPU: the same code runs sequentially),
+synchronisation, peak-memory readings and the autocast device type.
+
+`torch_npu` is imported lazily and only when the NPU is asked for or when it is installed and
+`auto` is requested: installing it without CANN breaks `import torch`, so CPU environments never
+have it. The NPU branches are written from the torch_npu 2.13 op schemas and public docs; they
+have NOT been run on real Ascend hardware in this project.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import resource
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+BACKEND_KINDS = ("npu", "cuda", "cpu")
+DEVICE_CHOICES = ("auto",) + BACKEND_KINDS
+DIST_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used here."""
+
+
+def _npu_module():
+    """Import torch_npu on demand; return torch.npu or None when it is not installed."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return None
+    importlib.import_module("torch_npu")
+    return getattr(torch, "npu", None)
+
+
+def _accelerator_module(kind: str):
+    return {"npu": lambda: getattr(torch, "npu"), "cuda": lambda: torch.cuda}[kind]()
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str
+    index: Optional[int] = None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.kind) if self.index is None else torch.device(self.kind, self.index)
+
+    @property
+    def dist_backend(self) -> str:
+        return DIST_BACKEND[self.kind]
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind != "cpu"
+
+    @property
+    def has_streams(self) -> bool:
+        return self.is_accelerator
+
+    def _module(self):
+        return _accelerator_module(self.kind)
+
+    def make_current(self) -> None:
+        if self.is_accelerator and self.index is not None:
+            self._module().set_device(self.index)
+
+    def new_stream(self):
+        """A new side stream, or None on CPU (callers then run inline)."""
+        return self._module().Stream(device=self.torch_device) if self.has_streams else None
+
+    def current_stream(self):
+        return self._module().current_stream() if self.has_streams else None
+
+    def stream_context(self, stream):
+        """Context that makes `stream` current; a no-op for None (CPU)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        return self._module().stream(stream)
+
+    def new_event(self):
+        return self._module().Event() if self.has_streams else None
+
+    def synchronize(self) -> None:
+        if self.is_accelerator:
+            self._module().synchronize()
+
+    def reset_peak_memory(self) -> None:
+        if self.is_accelerator:
+            self._module().reset_peak_memory_stats()
+
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory allocated; on CPU, the process's peak resident set size."""
+        if self.is_accelerator:
+            return int(self._module().max_memory_allocated())
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    @property
+    def autocast_type(self) -> str:
+        return self.kind
+
+
+def detect_kind() -> str:
+    if _npu_module() is not None and torch.npu.is_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def resolve(requested: str = "auto", local_rank: int = 0) -> Device:
+    """Turn `--device auto|npu|cuda|cpu` into a Device bound to this process's local rank."""
+    if requested not in DEVICE_CHOICES:
+        raise DeviceError(f"device: unknown '{requested}'; choose one of {', '.join(DEVICE_CHOICES)}")
+    kind = detect_kind() if requested == "auto" else requested
+    if kind == "npu" and (_npu_module() is None or not torch.npu.is_available()):
+        raise DeviceError("device: npu requested but torch_npu is not installed or sees no NPU; "
+                          "install torch_npu with CANN (see README) or use --device cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("device: cuda requested but no CUDA device is visible; use --device cpu")
+    if kind == "cpu":
+        return Device("cpu")
+    count = _accelerator_module(kind).device_count()
+    return Device(kind, local_rank % max(count, 1))
+
+
+def autocast(device: Device, dtype: torch.dtype, enabled: bool = True):
+    return torch.autocast(device_type=device.autocast_type, dtype=dtype, enabled=enabled)
+
+
+def platform_env_defaults(kind: str) -> dict:
+    """Environment a launcher sets before starting ranks on this backend (NPU only needs any)."""
+    if kind == "npu":
+        return {
+            "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+            "TASK_QUEUE_ENABLE": "2",
+            "CPU_AFFINITY_CONF": "1",
+            "HCCL_OP_EXPANSION_MODE": "AIV",
+        }
+    return {}

@@ -1,0 +1,118 @@
+"""TEST DOUBLE of the torch_npu ops that ops.py calls -- plain torch, never used in production.
+
+Each function implements the op's documented semantics (Ascend Extension for PyTorch docs and
+the torch_npu 2.13 schemas, see ../shared/reference/npu_ops.md) and checks the documented
+argument constraints ops.py relies on (dtypes, modes), so a wrong call in the NPU form fails on
+CPU. It is written independently of ops.py's torch forms so the two can be compared. Where the
+docs were ambiguous the chosen reading is stated; none of it was checked on Ascend hardware.
+
+    with ops.use_form("npu", npu_ops=npu_double): ...
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IS_TEST_DOUBLE = True
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"npu_double: {message}")
+
+
+def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, group_type=None, group_list_type=0,
+                       split_item=0, **unsupported):
+    """One matmul per contiguous row group of x[0] against weight[0][g] ([G, in, out])."""
+    _require(len(x) == 1 and len(weight) == 1, "only the single-tensor x / weight form is modelled")
+    _require(group_type == 0, "group_type must be 0 (groups split the rows, M axis)")
+    _require(split_item in (2, 3), "split_item 2/3 (one output tensor) is the modelled form")
+    _require(bias is None and not any(v is not None for v in unsupported.values()), "quant/bias not modelled")
+    _require(group_list is not None and group_list.dtype == torch.int64, "group_list must be int64")
+    rows, w = x[0], weight[0]
+    _require(w.dim() == 3 and w.shape[1] == rows.shape[1], "weight must be [G, in, out] matching x")
+    counts = group_list.tolist() if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1)).tolist()
+    _require(len(counts) == w.shape[0] and sum(counts) <= rows.shape[0], "group_list does not fit x / weight")
+    out = rows.new_zeros(rows.shape[0], w.shape[2])
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    for g in range(len(counts)):
+        lo, hi = bounds[g], bounds[g + 1]
+        out[lo:hi] = (rows[lo:hi].float() @ w[g].float()).to(rows.dtype)
+    return [out]
+
+
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0,
+                            expert_tokens_num_flag=False, quant_mode=0, active_expert_range=(),
+                            row_idx_type=0, x_dtype=None):
+    """Sort the (token, k) pairs by expert id, stably.
+
+    expanded_x[i] = x[sorted_slot[i] // K]; expanded_row_idx[slot] = i (row_idx_type 0, read as the
+    token-major slot -> expanded-row map that finalize_routing's drop_pad_mode 2 consumes);
+    counts per expert (type 1) or their cumsum (type 0).
+    """
+    _require(expert_idx.dtype == torch.int32 and expert_idx.dim() == 2, "expert_idx must be 2-D int32")
+    _require(x.dim() == 2 and x.shape[0] == expert_idx.shape[0], "x must be [NUM_ROWS, H]")
+    _require(drop_pad_mode == 0 and quant_mode == -1 and scale is None, "only dropless, unquantised is modelled")
+    _require(active_num == expert_idx.numel(), "active_num must equal NUM_ROWS * K")
+    _require(expert_tokens_num_flag and expert_tokens_num_type in (0, 1), "counts must be requested (type 0/1)")
+    _require(list(active_expert_range) == [0, expert_num], "active_expert_range must cover all experts")
+    _require(row_idx_type == 0, "row_idx_type 0 is the modelled index type")
+    topk = expert_idx.shape[1]
+    flat = expert_idx.reshape(-1).long()
+    sorted_slot = torch.sort(flat, stable=True).indices
+    expanded_x = x[sorted_slot // topk]
+    expanded_row_idx = torch.zeros_like(sorted_slot, dtype=torch.int32)
+    expanded_row_idx[sorted_slot] = torch.arange(flat.numel(), dtype=torch.int32)
+    counts = torch.bincount(flat, minlength=expert_num).to(torch.int64)
+    if expert_tokens_num_type == 0:
+        counts = counts.cumsum(0)
+    return expanded_x, expanded_row_idx, counts, torch.empty(0, dtype=torch.float32)
+
+
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                             export_for_source_row, drop_pad_mode=0, k=1):
+    """out[i] = skip1 + skip2 + sum_k scales[i,k] * (rows[src_to_dst[pos(i,k)]] + bias[expert(i,k)]).
+
+    pos(i,k) = i + k*NUM_ROWS for drop_pad_mode 0 (column order), i*K + k for mode 2 (row order).
+    """
+    _require(drop_pad_mode in (0, 2), "only the dropless modes 0 and 2 are modelled")
+    _require(scales is not None and scales.dtype == expanded_permuted_rows.dtype,
+             "scales must have the dtype of expanded_permuted_rows")
+    _require(expanded_src_to_dst_row.dtype == torch.int32, "expanded_src_to_dst_row must be int32")
+    rows_n, topk = scales.shape
+    index = expanded_src_to_dst_row.long()
+    index = index.view(rows_n, topk) if drop_pad_mode == 2 else index.view(topk, rows_n).t()
+    picked = expanded_permuted_rows[index].float()                       # [NUM_ROWS, K, H]
+    if bias is not None:
+        picked = picked + bias[export_for_source_row.long()].float()
+    out = (picked * scales.float().unsqueeze(-1)).sum(dim=1)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.float()
+    return out.to(expanded_permuted_rows.dtype)
+
+
+def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1,
+                       idx_type=0):
+    """Regroup rows laid out (rank, expert) into expert-major order; permute_token_idx is a gather index."""
+    _require(tokens.dtype in (torch.float16, torch.bfloat16, torch.int8), "tokens must be fp16/bf16/int8")
+    _require(expert_token_num_per_rank.dim() == 2, "expert_token_num_per_rank must be [N ranks, E]")
+    _require(expert_token_num_type == 1 and idx_type == 0, "only count mode and gather indices are modelled")
+    counts = expert_token_num_per_rank.long()
+    _require(int(counts.sum()) == tokens.shape[0], "sum of counts must equal the token rows")
+    starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
+    starts = starts.view_as(counts)
+    pieces = [torch.arange(int(starts[r, e]), int(starts[r, e] + counts[r, e]))
+              for e in range(counts.shape[1]) for r in range(counts.shape[0])]
+    gather = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    scales = per_token_scales[gather] if per_token_scales is not None else torch.empty(0)
+    return tokens[gather], scales, gather.to(torch.int32), counts.sum(0).to(expert_token_num_per_rank.dtype)
+
+
+def npu_swiglu(x, dim=-1):
+    """silu(first half) * second half along `dim`."""
+    first, second = x.chunk(2, dim=dim)
+    return (F.silu(first.float()) * second.float()).to(x.dtype)

@@ -1,0 +1,217 @@
+"""The MoE kernels, each with a fused NPU form and a plain-torch form.
+
+    grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
+    route(logits, topk, norm, scale)       upstream topkgating's combine weights, dropless
+    permute(x, topk_idx, num_experts)      token copies sorted by expert (+ per-expert counts)
+    unpermute(y, row_idx, topk_weight)     weighted sum of each token's K expert rows
+    regroup(x, counts_per_rank)            EP: rows grouped (source rank, expert) -> by expert
+    ungroup(y, order)                      inverse of regroup
+    swiglu(x)                              silu(first half) * second half
+
+Forms (one is chosen per device kind, once; call sites never branch on the device):
+  "npu"         torch_npu.npu_grouped_matmul / npu_moe_init_routing_v2 / npu_moe_finalize_routing /
+                npu_moe_re_routing / npu_swiglu. Written from the torch_npu 2.13 schemas and the
+                Ascend docs; NOT run on Ascend hardware. Tested on CPU against npu_double.py.
+  "grouped_mm"  torch._grouped_mm (CPU: fp32/bf16/fp16; CUDA: bf16 only, not run on CUDA here)
+                when strides are 16-byte aligned, else the loop; the rest in plain torch.
+  "loop"        one matmul per expert; the reference the other forms are tested against.
+
+`use_form("loop")` (a context manager) forces a form; `use_form("npu", npu_ops=npu_double)` runs
+the NPU call sites on CPU against the test double.
+
+Host syncs: none in any form except the loop grouped matmul (one `.tolist()` of the counts).
+SwiGLU convention: silu is applied to the FIRST half, as npu_swiglu does. Upstream's HunyuanMLP
+computes x1 * silu(x2) (second half activated); moe_weights.py swaps the halves once at load time
+so the stacked expert weights produce [x2 | x1] and this function equals upstream's.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+FORMS = ("npu", "grouped_mm", "loop")
+_ALIGN_BYTES = 16
+_GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+
+_forced: Optional[tuple] = None      # (form, npu_ops) while use_form() is active
+_form_by_kind: dict = {}
+
+
+def form_for_kind(kind: str) -> str:
+    if kind == "npu":
+        return "npu"
+    return "grouped_mm" if hasattr(torch, "_grouped_mm") else "loop"
+
+
+def active_form() -> str:
+    """The form in force: the forced one, else the one chosen (once) for the runtime's device."""
+    if _forced is not None:
+        return _forced[0]
+    from .parallel import runtime
+    kind = runtime().device.kind
+    if kind not in _form_by_kind:
+        _form_by_kind[kind] = form_for_kind(kind)
+    return _form_by_kind[kind]
+
+
+@contextlib.contextmanager
+def use_form(form: str, npu_ops=None):
+    """Force `form` inside the block; `npu_ops` stands in for the torch_npu module (tests)."""
+    global _forced
+    if form not in FORMS:
+        raise ValueError(f"ops form: '{form}' is not one of {', '.join(FORMS)}")
+    previous, _forced = _forced, (form, npu_ops)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def _npu():
+    if _forced is not None and _forced[1] is not None:
+        return _forced[1]
+    return importlib.import_module("torch_npu")
+
+
+# ---------------------------------------------------------------- grouped matmul
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """y[rows of group e] = x[rows of group e] @ w[e]; x [N, in], w [E, in, out], counts [E] (sum N)."""
+    form = active_form()
+    if form == "npu":
+        return _grouped_matmul_npu(x, w, counts)
+    if form == "grouped_mm" and grouped_mm_applies(x, w):
+        return _grouped_matmul_grouped_mm(x, w, counts)
+    return grouped_matmul_loop(x, w, counts)
+
+
+def grouped_matmul_loop(x, w, counts):
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            torch.matmul(x[start:start + count], w[expert], out=out[start:start + count])
+        start += count
+    return out
+
+
+def grouped_mm_applies(x, w) -> bool:
+    if x.dtype != w.dtype or x.dtype not in _GROUPED_MM_DTYPES.get(x.device.type, ()):
+        return False
+    size = x.element_size()
+    return (x.shape[-1] * size) % _ALIGN_BYTES == 0 and (w.shape[-1] * size) % _ALIGN_BYTES == 0
+
+
+def _grouped_matmul_grouped_mm(x, w, counts):
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
+
+
+def _grouped_matmul_npu(x, w, counts):
+    # group_list_type=1: group_list holds per-group counts; split_item=2: one output tensor.
+    return _npu().npu_grouped_matmul([x], [w], group_list=counts.to(torch.int64), group_type=0,
+                                     group_list_type=1, split_item=2)[0]
+
+
+# ---------------------------------------------------------------- routing
+
+def route(logits: torch.Tensor, topk: int, norm_topk_prob: bool, routed_scaling_factor: float):
+    """(topk_weight fp32 [T, K], topk_idx [T, K]): upstream topkgating's combine weights, dropless.
+
+    Same operations in the same order as upstream: fp32 softmax over experts, top-k, then either
+    normalise by the (eps-clamped) sum of the top-k or multiply by routed_scaling_factor.
+    """
+    gates = F.softmax(logits.float(), dim=1)
+    topk_weight, topk_idx = torch.topk(gates, topk)
+    if norm_topk_prob and topk > 1:
+        total = topk_weight.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+        topk_weight = topk_weight / total
+    else:
+        topk_weight = topk_weight * routed_scaling_factor
+    return topk_weight, topk_idx
+
+
+def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
+    """Sort the T*K token copies by expert (stable).
+
+    Returns (sorted_x [T*K, H], row_idx [T*K], counts [E] int64) where row_idx[t*K + k] is the
+    sorted row holding token t's k-th expert choice.
+    """
+    if active_form() == "npu":
+        return _permute_npu(x, topk_idx, num_experts)
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_x = x[order // topk_idx.shape[1]]
+    row_idx = torch.empty_like(order)
+    row_idx[order] = torch.arange(order.numel(), device=order.device)
+    return sorted_x, row_idx, expert_counts(flat, num_experts)
+
+
+def expert_counts(flat_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    # scatter_add, not bincount: bincount syncs with the host on accelerators to size its output.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_idx.device)
+    return counts.scatter_add_(0, flat_idx.long(), torch.ones_like(flat_idx, dtype=torch.int64))
+
+
+def _permute_npu(x, topk_idx, num_experts):
+    rows = topk_idx.numel()
+    sorted_x, row_idx, counts, _ = _npu().npu_moe_init_routing_v2(
+        x, topk_idx.to(torch.int32), active_num=rows, expert_num=num_experts,
+        expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, num_experts],
+        quant_mode=-1, row_idx_type=0)
+    return sorted_x, row_idx, counts.to(torch.int64)
+
+
+def unpermute(y: torch.Tensor, row_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k topk_weight[t, k] * y[row_idx[t*K + k]], in y's dtype."""
+    if active_form() == "npu":
+        return _unpermute_npu(y, row_idx, topk_weight)
+    tokens, topk = topk_weight.shape
+    rows = y[row_idx.long()].view(tokens, topk, y.shape[-1])
+    return torch.einsum("tkh,tk->th", rows.float(), topk_weight.float()).to(y.dtype)
+
+
+def _unpermute_npu(y, row_idx, topk_weight):
+    # drop_pad_mode=2: dropless, expanded_src_to_dst_row indexed token-major (t*K + k), matching
+    # init_routing_v2's row_idx_type=0 output.
+    return _npu().npu_moe_finalize_routing(y, None, None, None, topk_weight.to(y.dtype), row_idx.to(torch.int32),
+                                           None, drop_pad_mode=2)
+
+
+# ---------------------------------------------------------------- EP regrouping
+
+def regroup(x: torch.Tensor, counts_per_rank: torch.Tensor):
+    """Rows arrive grouped (source rank, local expert); return them grouped by local expert.
+
+    counts_per_rank [R, E_local]. Returns (grouped_x, order, local_counts [E_local] int64) with
+    grouped_x = x[order].
+    """
+    if active_form() == "npu" and x.dtype in (torch.float16, torch.bfloat16):
+        grouped, _, order, local_counts = _npu().npu_moe_re_routing(
+            x, counts_per_rank, expert_token_num_type=1, idx_type=0)
+        return grouped, order, local_counts.to(torch.int64)
+    local_experts = counts_per_rank.shape[1]
+    expert_of_slot = torch.arange(counts_per_rank.numel(), device=x.device) % local_experts
+    expert_of_row = torch.repeat_interleave(expert_of_slot, counts_per_rank.reshape(-1), output_size=x.shape[0])
+    order = torch.argsort(expert_of_row, stable=True)
+    return x[order], order, counts_per_rank.sum(0).to(torch.int64)
+
+
+def ungroup(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(y)
+    out[order.long()] = y
+    return out
+
+
+# ---------------------------------------------------------------- activation
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(first half) * second half (npu_swiglu's convention; see the module docstring)."""
+    if active_form() == "npu":
+        return _npu().npu_swiglu(x, dim=-1)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

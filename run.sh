@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Launch a job from a YAML config: run.sh [CONFIG_YAML] [--dry-run]
+# Default config: config/tiny_cpu.yaml. Keys: config/README.md. Logic: utils/launch.py.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+if [ -n "${PYTHON:-}" ]; then
+  py=$PYTHON
+elif [ -x "$root/.venv/bin/python" ]; then
+  py=$root/.venv/bin/python
+else
+  py=python3
+fi
+if ! command -v "$py" >/dev/null 2>&1; then
+  echo "error: PYTHON: '$py' is not an executable; set PYTHON to a Python with torch installed" >&2
+  exit 2
+fi
+exec "$py" "$root/utils/launch.py" "$@"

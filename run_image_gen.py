@@ -1,0 +1,216 @@
+"""Generate an image with HunyuanImage-3.0 through the parallel adaptor.
+
+Flags are upstream's (`--prompt --model-id --attn-impl --moe-impl --seed --diff-infer-steps
+--image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`) plus
+ours (`--device --warmup --rounds --metrics-json`, parallel switches, `--adaptor`). Works as one
+process or under torchrun. Rank 0 writes the PNG (atomically) and the metrics JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser("run_image_gen.py", description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", type=str, required=True)
+    p.add_argument("--model-id", type=str, default="./HunyuanImage-3")
+    p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--moe-impl", default="eager", choices=["eager"])
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--diff-infer-steps", type=int, default=50)
+    p.add_argument("--image-size", type=str, default="auto", help="auto, HxW or H:W")
+    p.add_argument("--use-system-prompt", type=str, default=None,
+                   choices=["None", "dynamic", "en_vanilla", "en_recaption", "en_think_recaption", "custom"])
+    p.add_argument("--system-prompt", type=str, default=None)
+    p.add_argument("--bot-task", type=str, default=None, choices=["image", "auto", "think", "recaption"])
+    p.add_argument("--save", type=str, default="image.png")
+    p.add_argument("--verbose", type=int, default=0)
+    p.add_argument("--reproduce", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="cap for think/recaption text")
+    p.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
+    p.add_argument("--warmup", type=int, default=0, help="untimed generations before the timed ones")
+    p.add_argument("--rounds", type=int, default=1, help="timed generations")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--save-latents", type=str, default=None, help="also save the final latents (torch .pt)")
+    p.add_argument("--adaptor", default="full", choices=["full", "shims"],
+                   help="'shims': only what upstream needs to run off CUDA (the eager reference)")
+    p.add_argument("--moe-tp", action="store_true")
+    p.add_argument("--moe-ep", action="store_true")
+    p.add_argument("--multi-stream", choices=["on", "off"], default=None)
+    p.add_argument("--cfg-parallel", action="store_true")
+    p.add_argument("--vae-parallel", action="store_true")
+    return p.parse_args(argv)
+
+
+def validate(args):
+    if not args.prompt.strip():
+        raise UsageError("prompt: empty; pass --prompt 'a description'")
+    model_dir = Path(args.model_id)
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"model-id: {model_dir} has no config.json; pass a HunyuanImage-3 checkpoint dir "
+                         f"(utils/make_tiny_model.py --out DIR makes a tiny one)")
+    if args.diff_infer_steps < 1:
+        raise UsageError(f"diff-infer-steps: must be >= 1, got {args.diff_infer_steps}")
+    if args.warmup < 0 or args.rounds < 1:
+        raise UsageError("warmup/rounds: need warmup >= 0 and rounds >= 1")
+    if args.image_size != "auto":
+        parts = args.image_size.replace(":", "x").split("x")
+        if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise UsageError(f"image-size: '{args.image_size}' is not auto, HxW or H:W")
+    if args.use_system_prompt == "custom" and not args.system_prompt:
+        raise UsageError("system-prompt: required with --use-system-prompt custom")
+
+
+def set_reproducibility(torch, seed):
+    random.seed(seed)
+    import numpy as np
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
+
+
+def init_distributed(torch, settings, device):
+    if not settings.is_distributed:
+        return None
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group(backend=device.dist_backend, rank=settings.rank, world_size=settings.world_size)
+    return dist
+
+
+def shared_seed(torch, dist, seed):
+    """One seed for every rank: the given one, or rank 0's random choice broadcast to all."""
+    if seed is not None:
+        return seed
+    chosen = [random.randrange(2**31) if dist is None or dist.get_rank() == 0 else None]
+    if dist is not None:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def write_atomically(path: Path, write) -> None:
+    """write(tmp_path) into a temporary sibling, then rename: readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def generate(model, args, seed):
+    kwargs = dict(prompt=args.prompt, seed=seed, image_size=args.image_size,
+                  use_system_prompt=args.use_system_prompt, system_prompt=args.system_prompt,
+                  bot_task=args.bot_task, diff_infer_steps=args.diff_infer_steps,
+                  verbose=args.verbose, stream=args.verbose > 0)
+    if args.max_new_tokens is not None:
+        kwargs["max_new_tokens"] = args.max_new_tokens
+    return model.generate_image(**kwargs)
+
+
+def versions(torch):
+    import transformers
+    import diffusers
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "diffusers": diffusers.__version__}
+
+
+def run(args):
+    import torch
+    import model_adaptor
+    from adaptor_patches.loading import load_model
+    from adaptor_patches.metrics import PhaseTimer
+    from adaptor_patches.parallel import settings_from_args
+
+    settings = settings_from_args(args)
+    t0 = time.perf_counter()
+    device = model_adaptor.apply(settings, shims_only=args.adaptor == "shims")
+    device.make_current()
+    dist = init_distributed(torch, settings, device)
+    seed = shared_seed(torch, dist, args.seed)
+    if args.reproduce:
+        set_reproducibility(torch, seed)
+    rank = settings.rank
+    log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
+    log(f"device={device.torch_device} world_size={settings.world_size} adaptor={args.adaptor} seed={seed}")
+
+    with torch.no_grad():
+        model = load_model(args.model_id, device, args.attn_impl, args.moe_impl)
+        load_s = time.perf_counter() - t0
+        log(f"loaded {args.model_id} in {load_s:.2f}s")
+        timer = PhaseTimer(device).attach(model)
+        for i in range(args.warmup):
+            generate(model, args, seed)
+            log(f"warmup {i + 1}/{args.warmup} done")
+        device.reset_peak_memory()
+        rounds, image = [], None
+        for i in range(args.rounds):
+            timer.reset()
+            start = time.perf_counter()
+            image = generate(model, args, seed)
+            device.synchronize()
+            rounds.append({"total_s": round(time.perf_counter() - start, 6), **timer.summary()})
+            log(f"round {i + 1}/{args.rounds}: {rounds[-1]['total_s']:.3f}s")
+
+    peak = device.peak_memory_bytes()
+    peaks = [peak]
+    if dist is not None:
+        peaks = [None] * settings.world_size
+        dist.all_gather_object(peaks, peak)
+    if rank == 0:
+        write_atomically(Path(args.save), lambda tmp: image.save(tmp, format="PNG"))
+        log(f"image saved to {args.save} ({image.width}x{image.height})")
+        if args.save_latents:
+            write_atomically(Path(args.save_latents), lambda tmp: torch.save(timer.last_latents, tmp))
+        if args.metrics_json:
+            metrics = {"load_s": round(load_s, 6), "rounds": rounds, "peak_memory_bytes_per_rank": peaks,
+                       "settings": {**vars(args), "seed": seed, "parallel": settings.describe(),
+                                    "device": str(device.torch_device)},
+                       "versions": versions(torch), "image_size": [image.height, image.width]}
+            write_atomically(Path(args.metrics_json), lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)))
+            log(f"metrics written to {args.metrics_json}")
+    if dist is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        validate(args)
+        from adaptor_patches.device import DeviceError
+        from adaptor_patches.parallel import SettingsError
+        from model_adaptor import UpstreamMismatchError
+        try:
+            return run(args)
+        except (DeviceError, SettingsError, UpstreamMismatchError) as exc:
+            raise UsageError(str(exc)) from exc
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""model_adaptor: apply/remove round-trip, idempotence, and the upstream sha256 guard."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import model_adaptor
+from adaptor_patches.parallel import ParallelSettings
+
+ROOT = model_adaptor.Path(model_adaptor.__file__).resolve().parent
+
+
+def _current(patches):
+    return {(p.target, p.attr): vars(model_adaptor._resolve_owner(p.target)).get(p.attr) for p in patches}
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    model_adaptor.remove()
+    yield
+    model_adaptor.remove()
+
+
+def test_apply_remove_restores_every_original():
+    before = _current(model_adaptor.PATCHES)
+    model_adaptor.apply(ParallelSettings(device="cpu"))
+    during = _current(model_adaptor.PATCHES)
+    assert all(during[k] is not before[k] for k in before), "every row must rebind something"
+    model_adaptor.remove()
+    after = _current(model_adaptor.PATCHES)
+    assert all(after[k] is before[k] for k in before)
+    assert not model_adaptor.is_applied()
+
+
+def test_apply_is_idempotent_and_reapplies_on_new_settings():
+    model_adaptor.apply(ParallelSettings(device="cpu"))
+    first = _current(model_adaptor.PATCHES)
+    model_adaptor.apply(ParallelSettings(device="cpu"))
+    assert _current(model_adaptor.PATCHES) == first
+    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    shims = _current(model_adaptor.selected(shims_only=True))
+    assert all(shims[k] is not first[k] for k in shims), "new settings must rebuild the patches"
+    full_only = [p for p in model_adaptor.PATCHES if not p.shim]
+    originals = _current(full_only)
+    model_adaptor.remove()
+    assert _current(full_only) == originals, "shims_only must leave non-shim attributes alone"
+
+
+def test_no_side_effects_at_import():
+    code = ("import sys; sys.path.insert(0, '.'); import model_adaptor; "
+            "import hunyuan_image_3.hunyuan as h; import torch; "
+            "assert h.torch is torch and not model_adaptor.is_applied(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_cpu_shims_neutralise_cuda_calls():
+    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    import hunyuan_image_3.hunyuan as h
+    h.torch.cuda.set_device(None)          # upstream's HunyuanMoE.forward does this with a CPU tensor
+    with h.torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4))
+    assert y.dtype == torch.bfloat16, "autocast('cuda') must mean autocast on our device"
+    with h.nvtx.range("MoE"):
+        pass
+
+
+def _staged_copy_with_edit(tmp_path):
+    dst = tmp_path / "proj"
+    dst.mkdir()
+    shutil.copytree(ROOT / "hunyuan_image_3", dst / "hunyuan_image_3")
+    shutil.copytree(ROOT / "adaptor_patches", dst / "adaptor_patches")
+    shutil.copy(ROOT / "model_adaptor.py", dst)
+    hunyuan = dst / "hunyuan_image_3" / "hunyuan.py"
+    hunyuan.write_text(hunyuan.read_text() + "\n# locally edited\n")
+    return dst
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_sha_mismatch_is_refused_unless_overridden(tmp_path, allow):
+    proj = _staged_copy_with_edit(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != model_adaptor.ALLOW_MISMATCH_ENV}
+    if allow:
+        env[model_adaptor.ALLOW_MISMATCH_ENV] = "1"
+    code = ("import sys; sys.path.insert(0, '.'); import model_adaptor as m\n"
+            "from adaptor_patches.parallel import ParallelSettings\n"
+            "try:\n    m.apply(ParallelSettings(device='cpu')); print('applied')\n"
+            "except m.UpstreamMismatchError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=proj, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    if allow:
+        assert "applied" in out.stdout
+    else:
+        assert "refused: upstream:" in out.stdout and "hunyuan.py" in out.stdout

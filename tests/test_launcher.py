@@ -1,0 +1,317 @@
+"""run.sh / utils/launch.py: YAML validation, the exact torchrun command, and a real CPU launch."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_SH = ROOT / "run.sh"
+TINY_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "moe_intermediate_size": 128}
+SCRUBBED_ENV = ("CFG_PARALLEL", "USE_VAE_PARALLEL", "PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE",
+                "CPU_AFFINITY_CONF", "HCCL_OP_EXPANSION_MODE")
+ENTRY = """import os, sys, time
+try:
+    print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]}", flush=True)
+    time.sleep(60 if "--sleep" in sys.argv else 0)
+except KeyboardInterrupt:
+    print(f"rank {os.environ['RANK']} interrupted", flush=True)
+    sys.exit(5)
+sys.exit(3)
+"""
+
+
+def launcher_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
+    env["PYTHON"] = sys.executable
+    return env
+
+
+def run_launcher(*args, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(RUN_SH), *map(str, args)], cwd=ROOT, env=launcher_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    path = tmp_path / "launcher_test_model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return path
+
+
+@pytest.fixture
+def entry(tmp_path) -> Path:
+    path = tmp_path / "entry.py"
+    path.write_text(ENTRY)
+    return path
+
+
+@pytest.fixture
+def base(model_dir, entry) -> dict:
+    return {"world_size": 1, "master_port": 29611, "entry_script": str(entry), "env_vars": {"OMP_NUM_THREADS": 1},
+            "model_args": {"prompt": "a red fox", "model-id": str(model_dir), "device": "cpu", "seed": 42,
+                           "diff-infer-steps": 4, "image-size": "64x64"}}
+
+
+def write_yaml(tmp_path, data) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def assert_one_error(res: subprocess.CompletedProcess, field: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert field in lines[0], lines[0]
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+def top(key, value):
+    return lambda cfg: cfg.update({key: value})
+
+
+def arg(key, value):
+    return lambda cfg: cfg["model_args"].update({key: value})
+
+
+def drop(key):
+    return lambda cfg: cfg.pop(key)
+
+
+BAD_CONFIGS = {
+    "unknown_key": (lambda cfg: cfg.update(wordl_size=1), "wordl_size: unknown top-level key; did you mean 'world_size'"),
+    "missing_key": (drop("entry_script"), "entry_script: missing"),
+    "world_size_zero": (top("world_size", 0), "world_size:"),
+    "world_size_negative": (top("world_size", -2), "world_size:"),
+    "world_size_string": (top("world_size", "2"), "world_size:"),
+    "world_size_bool": (top("world_size", True), "world_size:"),
+    "master_port_zero": (top("master_port", 0), "master_port:"),
+    "master_port_too_big": (top("master_port", 70000), "master_port:"),
+    "master_port_string": (top("master_port", "29500"), "master_port:"),
+    "node_rank_not_below_nnodes": (lambda cfg: cfg.update(nnodes=2, node_rank=2), "node_rank:"),
+    "nnodes_zero": (top("nnodes", 0), "nnodes:"),
+    "master_addr_blank": (top("master_addr", ""), "master_addr:"),
+    "entry_script_missing": (top("entry_script", "no_such_script.py"), "entry_script:"),
+    "env_vars_list": (top("env_vars", ["OMP_NUM_THREADS=1"]), "env_vars:"),
+    "env_vars_nested": (top("env_vars", {"A": {"b": 1}}), "env_vars.A:"),
+    "env_vars_bad_name": (top("env_vars", {"1BAD": 1}), "env_vars.1BAD:"),
+    "build_tiny_model_string": (top("build_tiny_model", "yes"), "build_tiny_model:"),
+    "model_args_list": (top("model_args", ["--prompt", "x"]), "model_args:"),
+    "model_args_underscore": (arg("diff_infer_steps", 4), "model_args.diff_infer_steps:"),
+    "model_args_nested": (arg("extra", {"a": 1}), "model_args.extra:"),
+    "moe_tp_and_ep": (lambda cfg: cfg["model_args"].update({"moe-tp": True, "moe-ep": True}), "moe-tp/moe-ep:"),
+    "moe_tp_not_bool": (arg("moe-tp", "yes"), "model_args.moe-tp:"),
+    "device_unknown": (arg("device", "tpu"), "model_args.device:"),
+    "model_id_missing_dir": (arg("model-id", "/nonexistent/launcher/model"), "model_args.model-id:"),
+    "model_id_absent": (lambda cfg: cfg["model_args"].pop("model-id"), "model_args.model-id:"),
+    "cfg_parallel_odd_world": (lambda cfg: cfg.update(world_size=3) or cfg["model_args"].update({"cfg-parallel": True}),
+                               "cfg-parallel:"),
+    "cfg_parallel_env_odd_world": (lambda cfg: cfg.update(world_size=3, env_vars={"CFG_PARALLEL": 1}), "cfg-parallel:"),
+    "moe_ep_experts_do_not_split": (lambda cfg: cfg.update(world_size=3) or cfg["model_args"].update({"moe-ep": True}),
+                                    "moe-ep:"),
+    "moe_tp_multinode_does_not_split": (
+        lambda cfg: cfg.update(world_size=3, nnodes=2) or cfg["model_args"].update({"moe-tp": True}), "moe-tp:"),
+    "steps_negative": (arg("diff-infer-steps", -1), "model_args.diff-infer-steps:"),
+    "steps_zero": (arg("diff-infer-steps", 0), "model_args.diff-infer-steps:"),
+    "steps_string": (arg("diff-infer-steps", "four"), "model_args.diff-infer-steps:"),
+    "image_size_single_number": (arg("image-size", "64"), "model_args.image-size:"),
+    "image_size_zero": (arg("image-size", "0x64"), "model_args.image-size:"),
+    "image_size_word": (arg("image-size", "large"), "model_args.image-size:"),
+    "seed_string": (arg("seed", "abc"), "model_args.seed:"),
+    "seed_float": (arg("seed", 1.5), "model_args.seed:"),
+    "warmup_negative": (arg("warmup", -1), "model_args.warmup:"),
+    "rounds_zero": (arg("rounds", 0), "model_args.rounds:"),
+    "multi_stream_bad": (arg("multi-stream", "maybe"), "model_args.multi-stream:"),
+    "prompt_empty": (arg("prompt", "  "), "model_args.prompt:"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_is_one_error_line(case, base, tmp_path):
+    mutate, field = BAD_CONFIGS[case]
+    mutate(base)
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"), field)
+
+
+def test_config_file_missing(tmp_path):
+    assert_one_error(run_launcher(tmp_path / "absent.yaml", "--dry-run"), "config:")
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = write_yaml(tmp_path, "world_size: 1\nmaster_port: 29611\nmodel_args: {prompt: [unclosed\n")
+    res = run_launcher(path, "--dry-run")
+    assert_one_error(res, "config:")
+    assert "line 4" in res.stderr
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    assert_one_error(run_launcher(write_yaml(tmp_path, "- world_size\n- 1\n"), "--dry-run"), "config:")
+
+
+def test_empty_file_is_not_a_mapping(tmp_path):
+    assert_one_error(run_launcher(write_yaml(tmp_path, ""), "--dry-run"), "config:")
+
+
+def test_duplicate_key(tmp_path, base):
+    text = yaml.safe_dump(base, sort_keys=False) + "world_size: 2\n"
+    assert_one_error(run_launcher(write_yaml(tmp_path, text), "--dry-run"), "world_size: appears twice")
+
+
+def test_unquoted_small_h_colon_w_is_explained(tmp_path, base):
+    text = yaml.safe_dump(base, sort_keys=False).replace("image-size: 64x64", "image-size: 64:48")
+    res = run_launcher(write_yaml(tmp_path, text), "--dry-run")
+    assert_one_error(res, "model_args.image-size:")
+    assert "base-60" in res.stderr
+
+
+def test_model_dir_without_config_json(tmp_path, base, model_dir):
+    (model_dir / "config.json").unlink()
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"), "model_args.model-id:")
+
+
+def test_model_config_json_invalid(tmp_path, base, model_dir):
+    (model_dir / "config.json").write_text("{not json")
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"), "model_args.model-id:")
+
+
+def test_unknown_cli_option(tmp_path, base):
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dryrun"), "arguments:")
+
+
+def test_dry_run_prints_exact_command(tmp_path, model_dir, entry):
+    text = f"""\
+world_size: 2
+master_port: 29700
+entry_script: {entry}
+nnodes: 2
+node_rank: 1
+master_addr: 10.0.0.1
+env_vars:
+  OMP_NUM_THREADS: 1
+  NOTE: "two words"
+  CFG_PARALLEL: true
+model_args:
+  prompt: "a red fox in the snow"
+  model-id: {model_dir}
+  device: cpu
+  seed: 42
+  moe-ep: true
+  moe-tp: false
+  reproduce: false
+  verbose: null
+  cfg-parallel: true
+  multi-stream: off
+  image-size: "64:48"
+  extra-list: [1, two, true]
+"""
+    res = run_launcher(write_yaml(tmp_path, text), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    expected = (f"OMP_NUM_THREADS=1 NOTE='two words' CFG_PARALLEL=true {shlex.quote(sys.executable)} "
+                f"-m torch.distributed.run --nproc_per_node=2 --nnodes=2 --node_rank=1 --master_addr=10.0.0.1 "
+                f"--master_port=29700 {shlex.quote(str(entry))} --prompt 'a red fox in the snow' "
+                f"--model-id {shlex.quote(str(model_dir))} --device cpu --seed 42 --moe-ep --cfg-parallel "
+                f"--multi-stream off --image-size 64:48 --extra-list 1 two true")
+    assert res.stdout.strip() == expected
+    assert res.stderr == ""
+
+
+def test_npu_platform_defaults_do_not_override_yaml(tmp_path, base):
+    base["model_args"]["device"] = "npu"
+    base["env_vars"] = {"TASK_QUEUE_ENABLE": 1}
+    res = run_launcher(write_yaml(tmp_path, base), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    prefix = res.stdout.split(sys.executable)[0].split()
+    assert prefix[0] == "TASK_QUEUE_ENABLE=1"
+    assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True" in prefix
+    assert "TASK_QUEUE_ENABLE=2" not in prefix
+
+
+def test_default_config_validates(tmp_path, model_dir):
+    cfg = yaml.safe_load((ROOT / "config" / "tiny_cpu.yaml").read_text())
+    cfg["model_args"]["model-id"] = str(model_dir)
+    res = run_launcher(write_yaml(tmp_path, cfg), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert " run_image_gen.py --prompt 'a red fox in the snow' " in res.stdout
+    assert "--nproc_per_node=1 " in res.stdout and "--device cpu" in res.stdout
+
+
+def test_default_config_used_without_arguments():
+    res = subprocess.run(["bash", str(RUN_SH), "--dry-run"], cwd=ROOT, env=launcher_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "--model-id ./models/tiny" in res.stdout
+
+
+def test_dry_run_does_not_build_tiny_model(tmp_path, base):
+    missing = tmp_path / "not_built_yet"
+    base["build_tiny_model"] = True
+    base["model_args"]["model-id"] = str(missing)
+    res = run_launcher(write_yaml(tmp_path, base), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "make_tiny_model.py --out" in res.stderr
+    assert not missing.exists()
+
+
+def log_from(stdout: str) -> Path:
+    line = next(line for line in stdout.splitlines() if line.startswith("log: "))
+    return Path(line[len("log: "):])
+
+
+def remove_log(log: Path) -> None:
+    log.unlink(missing_ok=True)
+    for parent in (log.parent, log.parent.parent, log.parent.parent.parent):
+        if parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+
+
+def test_real_launch_two_cpu_ranks_returns_job_exit_code(tmp_path, base):
+    base.update(world_size=2, master_port=free_port())
+    base["model_args"]["flag"] = True
+    res = run_launcher(write_yaml(tmp_path, base))
+    log = log_from(res.stdout)
+    try:
+        assert res.returncode == 3, res.stdout + res.stderr
+        assert log.parent == ROOT / "res" / log.parent.parent.name / "launcher_test_model"
+        assert log.name.startswith("log_") and log.suffix == ".log"
+        text = log.read_text()
+        for rank in (0, 1):
+            assert f"rank {rank} of 2 args ['--prompt', 'a red fox', " in text
+        assert "'--flag'" in text
+    finally:
+        remove_log(log)
+
+
+def test_ctrl_c_is_forwarded_to_the_job(tmp_path, base):
+    base.update(world_size=2, master_port=free_port())
+    base["model_args"]["sleep"] = True
+    proc = subprocess.Popen(["bash", str(RUN_SH), str(write_yaml(tmp_path, base))], cwd=ROOT, env=launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, deadline = [], time.monotonic() + 30
+    while sum("args" in line for line in lines) < 2 and time.monotonic() < deadline:
+        lines.append(proc.stdout.readline())
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    log = log_from("".join(lines))
+    try:
+        assert proc.returncode == 130
+        assert out.count("interrupted") == 2, out
+    finally:
+        remove_log(log)

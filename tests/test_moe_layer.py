@@ -1,0 +1,270 @@
+"""Patched HunyuanMoE == upstream eager HunyuanMoE, alone and over real gloo TP / EP groups.
+
+Every case builds the upstream layer (compat shims only) with random non-zero weights, takes its
+state_dict, loads it into the patched layer on each rank and compares outputs. Cases: fp32 and
+bf16, experts {4, 8}, top-k {1, 2, 3}, tokens {1, 7, 64}; one spawn per layout runs them all.
+
+Tolerances (max |patched - upstream| / max |upstream|):
+  fp32  1e-5: the same math, only summation order differs (combine, TP partial sums), ~1e-7.
+  bf16  2e-2: upstream rounds its combine weights to bf16 and sums in bf16 einsums; we combine
+        in fp32, and under TP each rank's partial sum is rounded to bf16 before the all-reduce.
+        That is a few roundings of 2^-8 (3.9e-3) at the output's magnitude.
+"""
+import itertools
+
+import pytest
+import torch
+
+import model_adaptor
+from adaptor_patches import npu_double, ops
+from adaptor_patches.parallel import ParallelSettings
+from multirank import run_ranks
+
+HIDDEN, INTERMEDIATE, SHARED_EXPERTS = 64, 32, 2
+DTYPES = ("float32", "bfloat16")
+CASES = list(itertools.product(DTYPES, (4, 8), (1, 2, 3), (1, 7, 64)))    # dtype, experts, top-k, tokens
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def _upstream():
+    import hunyuan_image_3.hunyuan as upstream
+    return upstream
+
+
+def moe_config(experts, topk):
+    from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
+    return HunyuanImage3Config(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, moe_intermediate_size=INTERMEDIATE,
+        num_experts=experts, moe_topk=topk, use_mixed_mlp_moe=True, num_shared_expert=SHARED_EXPERTS,
+        hidden_act="silu", num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        attention_head_dim=16)
+
+
+def _to_dtype(layer, dtype):
+    """Experts and shared MLP in `dtype`; the gate stays fp32 as upstream builds it."""
+    for name, child in layer.named_children():
+        if name != "gate":
+            child.to(dtype)
+    return layer
+
+
+def upstream_case(index, case):
+    """(state_dict, input, output) of an upstream eager layer; identical on every rank (seeded)."""
+    dtype, experts, topk, tokens = case
+    torch.manual_seed(1000 + index)
+    layer = _to_dtype(_upstream().HunyuanMoE(moe_config(experts, topk), layer_idx=0), getattr(torch, dtype))
+    shape = (2, tokens // 2, HIDDEN) if tokens % 2 == 0 else (1, tokens, HIDDEN)
+    x = torch.randn(shape).to(getattr(torch, dtype))
+    with torch.no_grad():
+        return layer.state_dict(), x, layer(x)
+
+
+def patched_output(case, state, x):
+    dtype, experts, topk, _ = case
+    layer = _to_dtype(_upstream().HunyuanMoE(moe_config(experts, topk), layer_idx=0), getattr(torch, dtype))
+    layer.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        return layer(x)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def _form(name):
+    return ops.use_form("npu", npu_ops=npu_double) if name == "npu-double" else ops.use_form(name)
+
+
+def compare_with_upstream(rank, world_size, moe_mode, forms):
+    """Runs on every rank: {(form, case): relative error} of the patched layer vs upstream."""
+    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    references = [upstream_case(i, case) for i, case in enumerate(CASES)]
+    model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, local_rank=rank,
+                                         moe_mode=moe_mode))
+    errors = {}
+    try:
+        for form in forms:
+            with _form(form):
+                for case, (state, x, ref) in zip(CASES, references):
+                    out = patched_output(case, state, x)
+                    assert out.shape == ref.shape and out.dtype == ref.dtype, (form, case)
+                    errors[(form, case)] = rel_err(out, ref)
+    finally:
+        model_adaptor.remove()
+    return errors
+
+
+def _assert_close(errors, layout):
+    bad = {key: err for key, err in errors.items() if not err <= TOLERANCE[key[1][0]]}
+    assert not bad, f"{layout}: {len(bad)} cases off upstream, e.g. {sorted(bad.items())[:4]}"
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    model_adaptor.remove()
+    yield
+    model_adaptor.remove()
+
+
+def test_single_process_matches_upstream_in_every_ops_form():
+    _assert_close(compare_with_upstream(0, 1, "replicated", ("grouped_mm", "loop", "npu-double")), "single")
+
+
+def test_moe_tp2_matches_upstream():
+    for rank_errors in run_ranks(2, compare_with_upstream, "tp", ("grouped_mm",)):
+        _assert_close(rank_errors, "tp2")
+
+
+def test_moe_ep2_matches_upstream_also_through_the_npu_op_double():
+    for rank_errors in run_ranks(2, compare_with_upstream, "ep", ("grouped_mm", "npu-double")):
+        _assert_close(rank_errors, "ep2")
+
+
+def test_moe_ep4_matches_upstream_with_empty_ranks():
+    # tokens=1 leaves three of four ranks with no rows: they still join every collective.
+    for rank_errors in run_ranks(4, compare_with_upstream, "ep", ("grouped_mm",)):
+        _assert_close(rank_errors, "ep4")
+
+
+# ---------------------------------------------------------------- loading
+
+def test_unpatched_state_dict_loads_strictly_and_stacks_each_expert():
+    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    upstream_layer = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
+    state = upstream_layer.state_dict()
+    model_adaptor.apply(ParallelSettings(device="cpu"))
+    layer = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
+    result = layer.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for e in range(4):
+        x1, x2 = state[f"experts.{e}.gate_and_up_proj.weight"].chunk(2)
+        assert torch.equal(layer.experts.w13[e], torch.cat([x2, x1]).t())
+        assert torch.equal(layer.experts.w2[e], state[f"experts.{e}.down_proj.weight"].t())
+    again = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
+    again.load_state_dict(layer.state_dict(), strict=True)          # the stacked layout loads as is
+    assert torch.equal(again.experts.w13, layer.experts.w13)
+    del state["experts.3.down_proj.weight"]
+    with pytest.raises(KeyError, match="lacks 1 expert"):
+        again.load_state_dict(state)
+
+
+def test_apply_remove_round_trip_restores_upstream_moe():
+    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    state, x, ref = upstream_case(0, ("float32", 4, 2, 7))
+    model_adaptor.apply(ParallelSettings(device="cpu"))
+    assert hasattr(_upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0), "shared_mlp_stream")
+    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)      # removes, then shims again
+    layer = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
+    assert isinstance(layer.experts, torch.nn.ModuleList) and not hasattr(layer, "shared_mlp_stream")
+    layer.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        assert torch.equal(layer(x), ref)
+    assert "from_pretrained" not in vars(_upstream().HunyuanImage3PreTrainedModel)
+
+
+def _expected_share(checkpoint, prefix, mode, rank, degree, experts, intermediate):
+    """This rank's stacked weights computed straight from the checkpoint tensors."""
+    first, count = (rank * experts // degree, experts // degree) if mode == "ep" else (0, experts)
+    cols = slice(rank * intermediate // degree, (rank + 1) * intermediate // degree) if mode == "tp" else slice(None)
+    w13, w2 = [], []
+    for e in range(first, first + count):
+        x1, x2 = checkpoint[f"{prefix}experts.{e}.gate_and_up_proj.weight"].chunk(2)
+        w13.append(torch.cat([x2[cols], x1[cols]]).t())
+        w2.append(checkpoint[f"{prefix}experts.{e}.down_proj.weight"][:, cols].t())
+    x1, x2 = checkpoint[f"{prefix}shared_mlp.gate_and_up_proj.weight"].chunk(2)
+    shared_cols = cols if mode == "tp" else slice(None)
+    if mode == "tp":
+        size = x1.shape[0] // degree
+        shared_cols = slice(rank * size, (rank + 1) * size)
+    shared = torch.cat([x1[shared_cols], x2[shared_cols]])
+    shared_down = checkpoint[f"{prefix}shared_mlp.down_proj.weight"][:, shared_cols]
+    return torch.stack(w13), torch.stack(w2), shared, shared_down
+
+
+def load_with_from_pretrained(rank, world_size, model_dir, modes):
+    """Runs on every rank: upstream from_pretrained under each MoE mode; returns problems found."""
+    import json
+    from pathlib import Path
+    from safetensors.torch import load_file
+    checkpoint = {}
+    for shard_file in set(json.loads((Path(model_dir) / "model.safetensors.index.json").read_text())["weight_map"].values()):
+        checkpoint.update(load_file(str(Path(model_dir) / shard_file)))
+    problems = []
+    for mode in modes:
+        model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, local_rank=rank,
+                                             moe_mode=mode))
+        model, info = _upstream().HunyuanImage3ForCausalMM.from_pretrained(model_dir, output_loading_info=True)
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+            if info[kind]:
+                problems.append((mode, kind, sorted(info[kind])[:3]))
+        for index, layer in enumerate(model.model.layers):
+            moe = layer.mlp
+            expected = _expected_share(checkpoint, f"model.layers.{index}.mlp.", mode, rank, world_size,
+                                       moe.num_experts, moe_config_intermediate(model.config))
+            actual = (moe.experts.w13, moe.experts.w2, moe.shared_mlp.gate_and_up_proj.weight,
+                      moe.shared_mlp.down_proj.weight)
+            for name, a, b in zip(("w13", "w2", "shared.gate_and_up", "shared.down"), actual, expected):
+                if a.shape != b.shape or not torch.equal(a, b.to(a.dtype)):
+                    problems.append((mode, index, name, tuple(a.shape), tuple(b.shape)))
+        model_adaptor.remove()
+    return problems
+
+
+def moe_config_intermediate(config):
+    return config.moe_intermediate_size or config.intermediate_size
+
+
+def test_from_pretrained_single_process_loads_every_key_into_the_stacked_layout(tiny_model):
+    assert load_with_from_pretrained(0, 1, str(tiny_model), ("replicated",)) == []
+
+
+def test_from_pretrained_tp2_and_ep2_each_rank_holds_its_share(tiny_model):
+    for problems in run_ranks(2, load_with_from_pretrained, str(tiny_model), ("tp", "ep")):
+        assert problems == []
+
+
+# ---------------------------------------------------------------- the shared-MLP side stream
+
+class _StreamDevice:
+    """Stands in for an accelerator Device at __init__ time only: counts the streams it makes."""
+    kind, has_streams = "cuda", True
+
+    def __init__(self):
+        self.streams = []
+
+    def new_stream(self):
+        self.streams.append(object())
+        return self.streams[-1]
+
+
+def _tiny_model_config():
+    config = moe_config(4, 2)
+    config.vocab_size, config.num_hidden_layers, config.rope_scaling = 64, 3, {"type": "custom"}
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _runtime_with(device, multi_stream):
+    from adaptor_patches.parallel import Runtime
+    return lambda: Runtime(ParallelSettings(device="cpu", multi_stream=multi_stream), device)
+
+
+def test_model_injects_one_side_stream_into_every_moe_layer(monkeypatch):
+    from adaptor_patches import model as model_patches
+    model_adaptor.apply(ParallelSettings(device="cpu"))
+    device = _StreamDevice()
+    monkeypatch.setattr(model_patches, "runtime", _runtime_with(device, None))
+    model = _upstream().HunyuanImage3Model(_tiny_model_config())
+    streams = [layer.mlp.shared_mlp_stream for layer in model.layers]
+    assert len(device.streams) == 1 and all(s is device.streams[0] for s in streams)
+    assert _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0).shared_mlp_stream is None
+
+
+@pytest.mark.parametrize("multi_stream", [False, None, True])
+def test_no_side_stream_when_switched_off_or_on_cpu(monkeypatch, multi_stream):
+    from adaptor_patches import model as model_patches
+    model_adaptor.apply(ParallelSettings(device="cpu", multi_stream=multi_stream))
+    if multi_stream is False:
+        monkeypatch.setattr(model_patches, "runtime", _runtime_with(_StreamDevice(), False))
+    model = _upstream().HunyuanImage3Model(_tiny_model_config())
+    assert all(layer.mlp.shared_mlp_stream is None for layer in model.layers)

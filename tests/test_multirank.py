@@ -1,0 +1,35 @@
+"""The multi-rank harness itself: real gloo groups in spawned processes, errors surface."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from multirank import RankFailed, run_ranks
+
+
+def _collectives(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    send_counts = [rank + 1 if r != rank else 0 for r in range(world_size)]
+    recv_counts = [r + 1 if r != rank else 0 for r in range(world_size)]
+    inp = torch.full((sum(send_counts),), float(rank))
+    out = torch.empty(sum(recv_counts))
+    dist.all_to_all_single(out, inp, recv_counts, send_counts)
+    return t.item(), out.tolist()
+
+
+def _fails_on_rank1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def test_two_rank_collectives():
+    results = run_ranks(2, _collectives)
+    assert [r[0] for r in results] == [3.0, 3.0]
+    assert results[0][1] == [1.0, 1.0]
+    assert results[1][1] == [0.0]
+
+
+def test_rank_exception_is_reported():
+    with pytest.raises(RankFailed, match="boom on rank 1"):
+        run_ranks(2, _fails_on_rank1)

@@ -1,0 +1,186 @@
+"""adaptor_patches/ops.py: every form of every MoE kernel against a plain reference.
+
+The "npu" form runs here against adaptor_patches/npu_double.py, a TEST DOUBLE implementing the
+documented torch_npu semantics in plain torch: it checks that ops.py calls the NPU ops with the
+arguments and index conventions the docs describe, not that the NPU kernels behave so.
+"""
+import pytest
+import torch
+
+from adaptor_patches import moe_weights, npu_double, ops
+from adaptor_patches.moe_weights import MoeShard
+
+DTYPES = (torch.float32, torch.bfloat16)
+# Per-expert matmul of bf16 inputs: grouped forms may accumulate in another order than the
+# reference, so allow a couple of bf16 ulps at the output's magnitude.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-12)).item()
+
+
+def _forms():
+    """(name, use_form context) for every form, the NPU one backed by the test double."""
+    return [("loop", lambda: ops.use_form("loop")),
+            ("grouped_mm", lambda: ops.use_form("grouped_mm")),
+            ("npu-double", lambda: ops.use_form("npu", npu_ops=npu_double))]
+
+
+def _grouped_problem(dtype, hidden=32, out=48, counts=(3, 0, 5, 1)):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), hidden, generator=g).to(dtype)
+    w = torch.randn(len(counts), hidden, out, generator=g).to(dtype)
+    ref, start = [], 0
+    for e, c in enumerate(counts):
+        ref.append(x[start:start + c].double() @ w[e].double())
+        start += c
+    return x, w, torch.tensor(counts), torch.cat(ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_matmul_every_form_matches_per_expert_matmul(dtype):
+    x, w, counts, ref = _grouped_problem(dtype)
+    for name, form in _forms():
+        with form():
+            out = ops.grouped_matmul(x, w, counts)
+        assert out.dtype == dtype and out.shape == ref.shape, name
+        assert _rel_err(out, ref) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_mm_form_uses_torch_grouped_mm_on_cpu(dtype, monkeypatch):
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w, counts, ref = _grouped_problem(dtype)
+    assert ops.grouped_mm_applies(x, w)
+    with ops.use_form("grouped_mm"):
+        out = ops.grouped_matmul(x, w, counts)
+    assert calls, "aligned fp32/bf16 on CPU must go through torch._grouped_mm"
+    assert _rel_err(out, ref) < TOL[dtype]
+
+
+def test_grouped_mm_falls_back_when_strides_are_unaligned():
+    x, w, counts, ref = _grouped_problem(torch.float32, hidden=5, out=3)   # 20-byte / 12-byte rows
+    assert not ops.grouped_mm_applies(x, w)
+    with ops.use_form("grouped_mm"):
+        assert _rel_err(ops.grouped_matmul(x, w, counts), ref) < 1e-6
+
+
+def test_grouped_matmul_with_no_rows():
+    x, w = torch.zeros(0, 32), torch.randn(3, 32, 16)
+    for name, form in _forms():
+        with form():
+            assert ops.grouped_matmul(x, w, torch.zeros(3, dtype=torch.int64)).shape == (0, 16), name
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3])
+@pytest.mark.parametrize("norm,scale", [(True, 1.0), (False, 1.0), (False, 2.5), (True, 2.5)])
+def test_route_equals_upstream_topkgating_dropless(topk, norm, scale):
+    from hunyuan_image_3.hunyuan import topkgating
+    logits = torch.randn(37, 8, generator=torch.Generator().manual_seed(topk))
+    _, combine, dispatch, counts = topkgating(logits, topk, norm_topk_prob=norm, routed_scaling_factor=scale,
+                                              drop_tokens=False)
+    weight, idx = ops.route(logits, topk, norm, scale)
+    dense = torch.zeros(37, 8).scatter(1, idx, weight)
+    assert weight.dtype == torch.float32
+    assert torch.allclose(dense, combine.sum(-1), rtol=1e-6, atol=1e-7)
+    assert torch.equal(dense > 0, dispatch.any(-1)), "same experts chosen, no token dropped"
+    assert torch.equal(ops.expert_counts(idx.reshape(-1), 8), counts.long())
+
+
+def _routing_problem(dtype, tokens=11, experts=5, topk=3, hidden=16):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    weight = torch.rand(tokens, topk, generator=g)
+    return x, idx, weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_permute_sorts_token_copies_by_expert_in_every_form(dtype):
+    x, idx, _ = _routing_problem(dtype)
+    for name, form in _forms():
+        with form():
+            sorted_x, row_idx, counts = ops.permute(x, idx, 5)
+        experts_in_order = idx.reshape(-1)[torch.argsort(idx.reshape(-1), stable=True)]
+        assert torch.equal(counts, torch.bincount(idx.reshape(-1), minlength=5)), name
+        assert torch.equal(experts_in_order, torch.repeat_interleave(torch.arange(5), counts)), name
+        for slot in range(idx.numel()):          # row_idx[t*K + k] holds token t's k-th copy
+            assert torch.equal(sorted_x[row_idx[slot]], x[slot // idx.shape[1]]), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpermute_is_the_weighted_combine_in_every_form(dtype):
+    x, idx, weight = _routing_problem(dtype)
+    expert_scale = torch.arange(1, 6, dtype=torch.float32)          # "expert e multiplies by e+1"
+    ref = (x.double().unsqueeze(1) * (weight.double() * expert_scale[idx].double()).unsqueeze(-1)).sum(1)
+    for name, form in _forms():
+        with form():
+            sorted_x, row_idx, counts = ops.permute(x, idx, 5)
+            expert_of_row = torch.repeat_interleave(torch.arange(5), counts)
+            y = (sorted_x.float() * expert_scale[expert_of_row, None]).to(dtype)
+            out = ops.unpermute(y, row_idx, weight)
+        assert out.dtype == dtype and _rel_err(out, ref) < TOL[dtype] * 2, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_regroup_orders_rows_by_local_expert_and_ungroup_inverts(dtype):
+    counts = torch.tensor([[2, 0, 1], [0, 0, 0], [1, 3, 2]])       # [source rank, local expert]
+    rows = int(counts.sum())
+    x = torch.arange(rows, dtype=torch.float32).unsqueeze(1).repeat(1, 4).to(dtype)
+    # rows arrive (rank0: e0 e0 e2)(rank2: e0 e1 e1 e1 e2 e2): expert-major order is
+    expected = torch.tensor([0, 1, 3, 4, 5, 6, 2, 7, 8])
+    for name, form in _forms():
+        with form():
+            grouped, order, local_counts = ops.regroup(x, counts)
+            back = ops.ungroup(grouped, order)
+        assert torch.equal(grouped[:, 0].long(), expected), name
+        assert torch.equal(local_counts, torch.tensor([3, 3, 3])), name
+        assert torch.equal(back, x), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_on_stacked_weights_equals_upstream_mlp(dtype):
+    """Upstream computes x1 * silu(x2); the stacked w13 puts x2 first for npu_swiglu's convention."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(2)
+    hidden, inter = 16, 8
+    gate_and_up = torch.randn(2 * inter, hidden, generator=g)
+    down = torch.randn(hidden, inter, generator=g)
+    x = torch.randn(5, hidden, generator=g)
+    x1, x2 = (x @ gate_and_up.t()).chunk(2, dim=-1)
+    ref = (x1 * F.silu(x2)) @ down.t()                              # upstream HunyuanMLP.forward
+    shard = MoeShard.for_rank("replicated", 1, 1, 0)
+    w13 = moe_weights.expert_w13(gate_and_up, shard).to(dtype)
+    w2 = moe_weights.expert_w2(down, shard).to(dtype)
+    for name, form in _forms():
+        with form():
+            out = ops.swiglu(x.to(dtype) @ w13) @ w2
+        assert _rel_err(out, ref) < TOL[dtype] * 3, name
+
+
+def test_form_is_chosen_per_device_kind_and_can_be_forced():
+    assert ops.form_for_kind("npu") == "npu"
+    assert ops.form_for_kind("cpu") == ops.form_for_kind("cuda") == "grouped_mm"
+    assert ops.active_form() == "grouped_mm"          # no runtime applied: the CPU default
+    with ops.use_form("loop"):
+        assert ops.active_form() == "loop"
+        with ops.use_form("npu", npu_ops=npu_double):
+            assert ops.active_form() == "npu"
+        assert ops.active_form() == "loop"
+    assert ops.active_form() == "grouped_mm"
+    with pytest.raises(ValueError, match="not one of"):
+        with ops.use_form("cublas"):
+            pass
+
+
+def test_npu_double_rejects_calls_outside_the_documented_contract():
+    x, idx, _ = _routing_problem(torch.float32)
+    with pytest.raises(ValueError, match="int32"):
+        npu_double.npu_moe_init_routing_v2(x, idx, active_num=idx.numel(), expert_num=5, expert_tokens_num_type=1,
+                                           expert_tokens_num_flag=True, active_expert_range=[0, 5], quant_mode=-1)
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        npu_double.npu_moe_re_routing(torch.zeros(2, 4), torch.tensor([[1, 1]]))
+    assert npu_double.IS_TEST_DOUBLE

@@ -1,0 +1,394 @@
+"""YAML -> validated -> torchrun launcher behind run.sh. Keys: config/README.md.
+
+Usage: run.sh [CONFIG_YAML] [--dry-run]   (default: config/tiny_cpu.yaml)
+
+Any bad input stops it before anything starts: one stderr line `error: <field>: <problem>; <fix>`,
+exit code 2. YAML paths are relative to the project root, where the job runs. The job's output
+goes to the console and to res/<date>/<model name>/log_<time>.log; its exit code is ours.
+"""
+from __future__ import annotations
+
+import datetime
+import difflib
+import importlib.util
+import json
+import os
+import re
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
+TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
+USAGE = "usage: run.sh [CONFIG_YAML] [--dry-run]"
+
+REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
+DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False}
+TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
+DEVICES = ("auto", "npu", "cuda", "cpu")
+SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce")
+NUMBERS = {"diff-infer-steps": (1, None), "seed": (0, 2**32 - 1), "warmup": (0, None), "rounds": (1, None),
+           "verbose": (0, None), "max-new-tokens": (1, None)}
+SCALARS = (str, int, float, bool)
+FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+IMAGE_SIZE = re.compile(r"(\d+)[x:](\d+)\Z")
+ROOT_CAUSE_EXITCODE = re.compile(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+class ConfigError(Exception):
+    def __init__(self, field: str, problem: str, fix: str):
+        super().__init__(f"{field}: {problem}; {fix}")
+
+
+def load_config(path: Path) -> dict:
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            for key_node, key in zip((k for k, _ in node.value), keys):
+                if keys.count(key) > 1:
+                    raise ConfigError(str(key), f"appears twice (line {key_node.start_mark.line + 1})",
+                                      "keep one entry")
+            return super().construct_mapping(node, deep)
+
+    if not path.is_file():
+        raise ConfigError("config", f"'{path}' does not exist", "pass an existing YAML file (see config/)")
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError("config", f"YAML syntax error in {path}{where}: {getattr(e, 'problem', None) or e}",
+                          "fix the YAML there (indentation, ':' after keys, quotes)") from None
+    except UnicodeDecodeError:
+        raise ConfigError("config", f"{path} is not UTF-8 text", "save it as UTF-8 YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"the top level of {path} is {type(data).__name__}, not a mapping",
+                          "write `key: value` lines as in config/tiny_cpu.yaml")
+    return data
+
+
+def need_int(value, field: str, lo: int, hi: int | None = None, fix: str = "") -> None:
+    span = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(field, f"{value!r} is not an integer", fix or f"use an integer {span}")
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(field, f"{value} is not {span}", fix or f"use an integer {span}")
+
+
+def resolve_path(value: str) -> Path:
+    path = Path(os.path.expanduser(value))
+    return path if path.is_absolute() else ROOT / path
+
+
+def env_string(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_top(cfg: dict) -> dict:
+    for key in cfg:
+        if key not in TOP_KEYS:
+            close = difflib.get_close_matches(str(key), TOP_KEYS, n=1)
+            fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(TOP_KEYS)}"
+            raise ConfigError(str(key), "unknown top-level key", fix)
+    for key in REQUIRED_KEYS:
+        if key not in cfg:
+            raise ConfigError(key, "missing", f"add `{key}:` (see config/README.md)")
+    job = {**DEFAULTS, **cfg}
+    need_int(job["world_size"], "world_size", 1, fix="set the ranks per node, e.g. 1, 2 or 8")
+    need_int(job["master_port"], "master_port", 1, 65535, fix="pick a free TCP port, e.g. 29611")
+    need_int(job["nnodes"], "nnodes", 1, fix="set the number of nodes, 1 for one machine")
+    need_int(job["node_rank"], "node_rank", 0, fix="set this node's index, 0 on the master node")
+    if job["node_rank"] >= job["nnodes"]:
+        raise ConfigError("node_rank", f"{job['node_rank']} is not below nnodes={job['nnodes']}",
+                          f"use a node_rank in 0..{job['nnodes'] - 1} or raise nnodes")
+    addr = job["master_addr"]
+    if not isinstance(addr, str) or not addr or any(c.isspace() for c in addr):
+        raise ConfigError("master_addr", f"{addr!r} is not a host name or IP", "use e.g. 127.0.0.1 or node0")
+    script = job["entry_script"]
+    if not isinstance(script, str) or not script or not resolve_path(script).is_file():
+        raise ConfigError("entry_script", f"{script!r} is not a file under {ROOT}",
+                          "point it at an existing script, e.g. run_image_gen.py")
+    if not isinstance(job["build_tiny_model"], bool):
+        raise ConfigError("build_tiny_model", f"{job['build_tiny_model']!r} is not true/false", "use true or false")
+    job["env_vars"] = check_env_vars(job["env_vars"])
+    return job
+
+
+def check_env_vars(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError("env_vars", f"is {type(value).__name__}, not a mapping", "write `NAME: value` lines")
+    for name, val in value.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise ConfigError(f"env_vars.{name}", "is not an environment variable name",
+                              "use letters, digits and '_', not starting with a digit")
+        if not isinstance(val, SCALARS):
+            raise ConfigError(f"env_vars.{name}", f"value {val!r} is not a scalar", "use a string or a number")
+    return {name: env_string(val) for name, val in value.items()}
+
+
+def check_model_args(margs, build_tiny: bool) -> dict | None:
+    """Validate model_args; return the checkpoint's config.json (None if it is yet to be built)."""
+    if not isinstance(margs, dict):
+        raise ConfigError("model_args", f"is {type(margs).__name__}, not a mapping",
+                          "write `flag-name: value` lines under model_args")
+    for key, val in margs.items():
+        check_flag(key, val)
+
+    def get(key, default=None):
+        return default if margs.get(key) is None else margs[key]
+
+    prompt = get("prompt")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+        raise ConfigError("model_args.prompt", f"{prompt!r} is empty or not text", "write the prompt as a string")
+    if get("device", "auto") not in DEVICES:
+        raise ConfigError("model_args.device", f"{margs['device']!r} is not one of {'|'.join(DEVICES)}",
+                          "use auto, npu, cuda or cpu")
+    for key in SWITCHES:
+        if not isinstance(get(key, False), bool):
+            raise ConfigError(f"model_args.{key}", f"{margs[key]!r} is not true/false", "use true or false")
+    if get("moe-tp") and get("moe-ep"):
+        raise ConfigError("model_args.moe-tp/moe-ep", "both true; they are exclusive", "keep one of them")
+    for key, (lo, hi) in NUMBERS.items():
+        if get(key) is not None:
+            need_int(margs[key], f"model_args.{key}", lo, hi)
+    check_image_size(get("image-size", "auto"))
+    if get("multi-stream") not in (None, True, False, "on", "off"):
+        raise ConfigError("model_args.multi-stream", f"{margs['multi-stream']!r} is not on|off", "use on or off")
+    return model_config(get("model-id"), build_tiny)
+
+
+def check_flag(key, val) -> None:
+    if not isinstance(key, str) or not FLAG_NAME.match(key):
+        fix = f"write it with dashes: {key.replace('_', '-')}" if isinstance(key, str) and "_" in key else \
+            "use a flag name like diff-infer-steps, without '--'"
+        raise ConfigError(f"model_args.{key}", "is not a flag name", fix)
+    if val is None or isinstance(val, SCALARS) or (isinstance(val, list) and all(isinstance(v, SCALARS) for v in val)):
+        return
+    raise ConfigError(f"model_args.{key}", f"a {type(val).__name__} value cannot be a flag",
+                      "use a string, number, true/false, null or a list of those")
+
+
+def check_image_size(value) -> None:
+    match = IMAGE_SIZE.match(value) if isinstance(value, str) else None
+    if value == "auto" or (match and all(int(g) > 0 for g in match.groups())):
+        return
+    problem = f"{value!r} is not auto, HxW or H:W with positive integers"
+    if isinstance(value, int) and not isinstance(value, bool):
+        problem += " (YAML reads an unquoted H:W of small numbers as one base-60 number)"
+    raise ConfigError("model_args.image-size", problem, 'use auto or a quoted size such as "1024x1024"')
+
+
+def model_config(model_id, build_tiny: bool) -> dict | None:
+    """The checkpoint's config.json, or None when build_tiny_model will create the directory."""
+    field = "model_args.model-id"
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise ConfigError(field, "missing or not a path", "set model-id: <checkpoint dir>")
+    path = resolve_path(model_id)
+    if not path.exists():
+        if not build_tiny:
+            raise ConfigError(field, f"'{model_id}' does not exist",
+                              "point it at a checkpoint dir, or set build_tiny_model: true to make a tiny one there")
+        if not (ROOT / TINY_MODEL_SCRIPT).is_file():
+            raise ConfigError("build_tiny_model", f"{TINY_MODEL_SCRIPT} is missing", "point model-id at a checkpoint")
+        return None
+    if not (path / "config.json").is_file():
+        raise ConfigError(field, f"'{model_id}' is not a directory with a config.json",
+                          "point it at a HunyuanImage-3 checkpoint dir")
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        data = e
+    if not isinstance(data, dict):
+        raise ConfigError(field, f"{path}/config.json is not a JSON object ({data})", "repair or regenerate it")
+    return data
+
+
+def check_parallel(job: dict, config: dict | None, env: dict) -> None:
+    """The layout rules of adaptor_patches.parallel, applied to the whole job (all nodes)."""
+    sys.path.insert(0, str(ROOT))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from adaptor_patches.parallel import ParallelSettings, SettingsError, env_flag
+    margs = job["model_args"]
+    multi = margs.get("multi-stream")
+    try:
+        settings = ParallelSettings(
+            device=margs.get("device") or "auto",
+            world_size=job["world_size"] * job["nnodes"],
+            cfg_parallel=bool(margs.get("cfg-parallel")) or env_flag("CFG_PARALLEL", env),
+            moe_mode="tp" if margs.get("moe-tp") else "ep" if margs.get("moe-ep") else "replicated",
+            multi_stream=None if multi is None else multi in (True, "on"),
+            vae_parallel=bool(margs.get("vae-parallel")) or env_flag("USE_VAE_PARALLEL", env),
+        )
+        if config is not None:
+            settings.check_model(config)
+    except SettingsError as e:
+        field, _, rest = str(e).partition(": ")
+        problem, _, fix = rest.partition("; ")
+        raise ConfigError(field, problem, fix or "see config/README.md") from None
+
+
+def flags(margs: dict) -> list[str]:
+    out = []
+    for key, val in margs.items():
+        if key == "multi-stream" and isinstance(val, bool):
+            val = "on" if val else "off"
+        if val is None or val is False or val == []:
+            continue
+        out.append(f"--{key}")
+        if isinstance(val, list):
+            out.extend(env_string(v) for v in val)
+        elif val is not True:
+            out.append(str(val))
+    return out
+
+
+def exports(job: dict) -> dict:
+    """env_vars, plus the NPU platform defaults the YAML and the shell do not already set."""
+    env = dict(job["env_vars"])
+    device = job["model_args"].get("device") or "auto"
+    if device == "npu" or (device == "auto" and importlib.util.find_spec("torch_npu") is not None):
+        from adaptor_patches.device import platform_env_defaults
+        for name, val in platform_env_defaults("npu").items():
+            if name not in env and name not in os.environ:
+                env[name] = val
+    return env
+
+
+def torchrun_command(job: dict) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={job['world_size']}",
+            f"--nnodes={job['nnodes']}", f"--node_rank={job['node_rank']}", f"--master_addr={job['master_addr']}",
+            f"--master_port={job['master_port']}", job["entry_script"], *flags(job["model_args"])]
+
+
+def shell_line(env: dict, cmd: list[str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.join(cmd)])
+
+
+def log_path(model_id: str) -> Path:
+    now = datetime.datetime.now()
+    name = Path(os.path.normpath(model_id)).name or "model"
+    return ROOT / "res" / now.strftime("%Y-%m-%d") / name / f"log_{now.strftime('%Y%m%d_%H%M%S')}.log"
+
+
+def read_chunks(fd: int):
+    """fd's output until EOF. Waking every 0.2 s lets our signal handlers run promptly even when
+    the kernel hands a signal to one of torch's threads instead of the main thread."""
+    while True:
+        if select.select([fd], [], [], 0.2)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            yield chunk
+
+
+def run_tee(cmd: list[str], env: dict, log) -> int:
+    """Run cmd from the project root; its combined output goes to the console and the log.
+
+    The child has its own session, so Ctrl-C reaches it once, through us; a second one kills it."""
+    log.write(f"$ {shlex.join(cmd)}\n".encode())
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    received = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        if len(received) == 1:
+            proc.send_signal(signum)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    tail = b""
+    try:
+        for chunk in read_chunks(proc.stdout.fileno()):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            log.write(chunk)
+            log.flush()
+            tail = (tail + chunk)[-65536:]
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + received[0] if received else job_exit_code(rc, tail.decode(errors="replace"))
+
+
+def job_exit_code(rc: int, output: str) -> int:
+    """torchrun exits 1 whenever a worker fails; recover the root-cause worker's own code."""
+    causes = ROOT_CAUSE_EXITCODE.findall(output) if rc == 1 else []
+    code = int(causes[-1]) if causes else rc
+    return 128 - code if code < 0 else code or rc
+
+
+def needs_tiny_model(job: dict) -> bool:
+    return job["build_tiny_model"] and not resolve_path(job["model_args"]["model-id"]).exists()
+
+
+def launch(job: dict, env: dict) -> int:
+    cmd = torchrun_command(job)
+    model_id = job["model_args"]["model-id"]
+    path = log_path(model_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"log: {path}", flush=True)
+    child_env = {**os.environ, **env}
+    with open(path, "ab") as log:
+        log.write(f"# {shell_line(env, cmd)}\n".encode())
+        if needs_tiny_model(job):
+            rc = run_tee([sys.executable, TINY_MODEL_SCRIPT, "--out", model_id], child_env, log)
+            if rc:
+                print(f"error: build_tiny_model: {TINY_MODEL_SCRIPT} failed (exit {rc}); see {path}", file=sys.stderr)
+                return rc
+            check_parallel(job, model_config(model_id, False), child_env)
+        return run_tee(cmd, child_env, log)
+
+
+def parse_argv(argv: list[str]) -> tuple[Path, bool]:
+    rest = [a for a in argv if a != "--dry-run"]
+    if any(a.startswith("-") for a in rest) or len(rest) > 1:
+        raise ConfigError("arguments", f"cannot use {' '.join(rest)!r}", USAGE)
+    return (Path(rest[0]) if rest else DEFAULT_CONFIG), len(rest) < len(argv)
+
+
+def run(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    path, dry_run = parse_argv(argv)
+    job = check_top(load_config(path))
+    config = check_model_args(job["model_args"], job["build_tiny_model"])
+    check_parallel(job, config, {**os.environ, **job["env_vars"]})
+    env = exports(job)
+    if not dry_run:
+        return launch(job, env)
+    if needs_tiny_model(job):
+        print(f"note: would first run {TINY_MODEL_SCRIPT} --out {job['model_args']['model-id']}", file=sys.stderr)
+    print(shell_line(env, torchrun_command(job)))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return run(argv)
+    except ConfigError as e:
+        message, code = str(e), 2
+    except KeyboardInterrupt:
+        message, code = "launcher: interrupted before the job started; run it again", 130
+    except Exception as e:
+        message, code = f"launcher: unexpected {type(e).__name__}: {e}; please report it", 2
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

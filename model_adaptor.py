@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from adaptor_patches import compat, device as device_mod
 from adaptor_patches import model as model_patches, moe, moe_weights
-from adaptor_patches import parallel
+from adaptor_patches import parallel, vae_parallel
 from adaptor_patches.parallel import ParallelSettings
 
 UPSTREAM_COMMIT = "62da220178f4b0b7d83e91665a46a20a3ee4f7cd"
@@ -63,6 +63,9 @@ PATCHES = (
           "one shared-MLP side stream, injected into every layer's MoE"),
     Patch(f"{H}:HunyuanImage3PreTrainedModel", "from_pretrained", moe_weights.from_pretrained_stacking_experts,
           "transformers 5 loading: per-expert checkpoint keys -> this rank's stacked expert weights"),
+    Patch(f"{VAE}:Decoder", "forward", vae_parallel.decoder_forward,
+          "VAE-parallel decode: latent rows split over all ranks, halo-exchanged convs, "
+          "GroupNorm on all-gathered statistics, full image all-gathered to every rank"),
 )
 
 

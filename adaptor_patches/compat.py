@@ -27,8 +27,7 @@ class _DeviceNeutralCuda:
         self._device = device
 
     def set_device(self, index):
-        if self._device.kind == "cuda":
-            torch.cuda.set_device(index)
+        self._device.apply_upstream_set_device(index)
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -70,8 +69,8 @@ def device_neutral_torch(_original, device: Device):
     return DeviceNeutralTorch(device)
 
 
-def nvtx_for(original, device: Device):
-    return original if device.kind == "cuda" else _NoNvtx()
+def nvtx_for(_original, device: Device):
+    return device.nvtx() or _NoNvtx()
 
 
 def static_cache_update(original, _device: Device):
@@ -87,7 +86,7 @@ def static_cache_update(original, _device: Device):
 def vae_decode_in_own_dtype(original, device: Device):
     """Off CUDA, autocast's fp16 policy leaves GroupNorm with fp32 input and bf16 weights (CPU
     raises "mixed dtype"): decode there runs without autocast, in the VAE's own dtype."""
-    if device.kind == "cuda":
+    if device.runs_upstream_vae_autocast:
         return original
 
     @functools.wraps(original)

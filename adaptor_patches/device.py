@@ -103,6 +103,21 @@ class Device:
     def autocast_type(self) -> str:
         return self.kind
 
+    # What upstream's CUDA-only calls mean here (used by compat.py).
+    def apply_upstream_set_device(self, index) -> None:
+        """Upstream calls torch.cuda.set_device(tensor.device.index): meaningful on CUDA only."""
+        if self.kind == "cuda":
+            torch.cuda.set_device(index)
+
+    def nvtx(self):
+        """torch.cuda.nvtx on CUDA, else None (ranges become no-ops)."""
+        return torch.cuda.nvtx if self.kind == "cuda" else None
+
+    @property
+    def runs_upstream_vae_autocast(self) -> bool:
+        """Upstream decodes under fp16 autocast; only CUDA's autocast policy handles its GroupNorms."""
+        return self.kind == "cuda"
+
 
 def detect_kind() -> str:
     if _npu_module() is not None and torch.npu.is_available():

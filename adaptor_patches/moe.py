@@ -15,7 +15,7 @@ Modes (from `parallel.runtime()`: sharding read at __init__, groups at forward):
               into contiguous per-rank chunks (uneven and empty allowed); each rank routes its chunk:
               all_to_all of per-expert counts, all_to_all_single of the rows, local grouped matmul,
               all_to_all_single back, weighted combine, + the shared MLP of the chunk; one
-              all_gather_into_tensor (rows padded to the largest chunk) replicates the output again.
+              all-gather (rows padded to the largest chunk) replicates the output again.
 
 Host syncs per layer: replicated 0, tp 0, ep 1 (one `.tolist()` of the exchanged counts, which
 the all-to-all split sizes need). The loop fallback of grouped matmul adds one per matmul (2).
@@ -188,10 +188,14 @@ def _experts_across_ranks(experts, sorted_x, counts, group):
     return returned
 
 
+# torch 2.14 renamed all_gather_into_tensor to all_gather_single; torch_npu builds may predate it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def chunk_sizes(rows: int, parts: int) -> list:
     """Contiguous split sizes of `rows` over `parts` ranks, like torch.tensor_split (first ones longer)."""
     base, extra = divmod(rows, parts)
-    return [base + (1 if p < extra else 0) for p in range(parts)]
+    return [base + (1 if p >= parts - extra else 0) for p in range(parts)]
 
 
 def all_gather_rows(local: torch.Tensor, sizes: list, group) -> torch.Tensor:
@@ -202,7 +206,7 @@ def all_gather_rows(local: torch.Tensor, sizes: list, group) -> torch.Tensor:
         padded = local.new_zeros(longest, local.shape[1])
         padded[:local.shape[0]] = local
     gathered = local.new_empty(len(sizes) * longest, local.shape[1])
-    dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+    _all_gather_single(gathered, padded.contiguous(), group=group)
     if all(size == longest for size in sizes):
         return gathered
     gathered = gathered.view(len(sizes), longest, -1)

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import sys
-import types
 import warnings
 from pathlib import Path
 
@@ -94,29 +93,11 @@ def _add_root_to_path():
 
 
 def import_upstream():
-    """Upstream's config and model classes; supplies the module transformers 5 dropped."""
+    """Upstream's config and model classes (staged by utils/stage_upstream.sh)."""
     _add_root_to_path()
-    try:
-        import transformers.modeling_attn_mask_utils  # noqa: F401
-    except ModuleNotFoundError:
-        sys.modules["transformers.modeling_attn_mask_utils"] = _attn_mask_utils_module()
     from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
     return HunyuanImage3Config, HunyuanImage3ForCausalMM
-
-
-def _attn_mask_utils_module():
-    """transformers 4.x's `_prepare_4d_attention_mask`, which upstream's siglip2.py imports."""
-    import torch
-
-    def _prepare_4d_attention_mask(mask, dtype, tgt_len=None):
-        bsz, src_len = mask.shape
-        expanded = mask[:, None, None, :].expand(bsz, 1, tgt_len or src_len, src_len).to(dtype)
-        return (1.0 - expanded).masked_fill(expanded == 0, torch.finfo(dtype).min)
-
-    module = types.ModuleType("transformers.modeling_attn_mask_utils")
-    module._prepare_4d_attention_mask = _prepare_4d_attention_mask
-    return module
 
 
 def build_tokenizer(image_base_size):

@@ -1,0 +1,87 @@
+"""End-to-end benchmark: the adaptor vs upstream eager (only the compat shims), side by side.
+
+    .venv/bin/python bench/e2e.py [--model DIR] [--steps 8] [--rounds 3] [--warmup 1]
+
+Builds a mid-size random checkpoint if DIR is missing (hidden 512, 4 layers, 16 experts top-4,
+128x128 image), runs run_image_gen.py once per variant in a fresh process with the same seed,
+and prints one markdown table: per-step denoise time, VAE decode, total, peak RSS, and ratios
+against upstream eager. Numbers are medians over the timed rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MID_SIZES = dict(layers=4, hidden=512, heads=8, kv_heads=4, experts=16, topk=4, moe_intermediate=256,
+                 image_base_size=128, patch_embed_dim=128)
+VARIANTS = {"upstream eager (shims)": ["--adaptor", "shims"], "adaptor": ["--adaptor", "full"]}
+
+
+def ensure_model(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        from utils.make_tiny_model import make_tiny_model
+        print(f"building mid-size model at {path} ...", file=sys.stderr)
+        make_tiny_model(path, **MID_SIZES)
+    return path
+
+
+def run_variant(model: Path, flags, args, out: Path) -> dict:
+    metrics = out / "metrics.json"
+    cmd = [sys.executable, str(ROOT / "run_image_gen.py"), "--prompt", "a lighthouse at dusk",
+           "--model-id", str(model), "--device", args.device, "--seed", "3", "--image-size",
+           f"{args.size}x{args.size}", "--diff-infer-steps", str(args.steps), "--warmup", str(args.warmup),
+           "--rounds", str(args.rounds), "--save", str(out / "image.png"), "--metrics-json", str(metrics), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    if proc.returncode:
+        sys.exit(f"error: variant {flags}: run_image_gen failed:\n{proc.stderr[-2000:]}")
+    return json.loads(metrics.read_text())
+
+
+def summarise(metrics: dict) -> dict:
+    rounds = metrics["rounds"]
+    step = statistics.median(s for r in rounds for s in r["denoise_step_s"])
+    return {"step_s": step,
+            "vae_s": statistics.median(r["vae_decode_s"] for r in rounds),
+            "total_s": statistics.median(r["total_s"] for r in rounds),
+            "peak_gib": max(metrics["peak_memory_bytes_per_rank"]) / 2**30}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=ROOT / "models" / "mid")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    model = ensure_model(args.model)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, flags in VARIANTS.items():
+            out = Path(tmp) / name.split()[0]
+            out.mkdir()
+            rows[name] = summarise(run_variant(model, flags, args, out))
+    base = rows["upstream eager (shims)"]
+    print(f"\nmodel {model.name}: {args.size}x{args.size}, {args.steps} steps, device {args.device}, "
+          f"OMP threads {args.threads}, median of {args.rounds} rounds after {args.warmup} warm-up\n")
+    print("| variant | denoise step (s) | VAE decode (s) | total (s) | peak RSS (GiB) | step vs eager | total vs eager |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['step_s']:.3f} | {r['vae_s']:.3f} | {r['total_s']:.3f} | {r['peak_gib']:.2f} "
+              f"| {r['step_s'] / base['step_s']:.2f}x | {r['total_s'] / base['total_s']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

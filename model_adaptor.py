@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from adaptor_patches import compat, device as device_mod
+from adaptor_patches import attention, cfg_parallel, compat, device as device_mod
 from adaptor_patches import model as model_patches, moe, moe_weights
 from adaptor_patches import parallel, vae_parallel
 from adaptor_patches.parallel import ParallelSettings
@@ -63,6 +63,17 @@ PATCHES = (
           "one shared-MLP side stream, injected into every layer's MoE"),
     Patch(f"{H}:HunyuanImage3PreTrainedModel", "from_pretrained", moe_weights.from_pretrained_stacking_experts,
           "transformers 5 loading: per-expert checkpoint keys -> this rank's stacked expert weights"),
+    Patch(f"{H}:HunyuanImage3SDPAAttention", "__init__", attention.attention_init,
+          "attention TP: this rank's KV groups (or its query heads of a replicated KV head) of the "
+          "interleaved qkv_proj, row-parallel o_proj; load_state_dict pre-hook slicing full weights"),
+    Patch(f"{H}:HunyuanImage3SDPAAttention", "forward", attention.attention_forward,
+          "upstream's attention on the local heads through ops.attention; one all-reduce after o_proj"),
+    # After the from_pretrained row above: this one wraps the inherited (already patched) classmethod.
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "from_pretrained", attention.from_pretrained_sharding_heads,
+          "transformers 5 loading: full qkv_proj / o_proj -> this rank's attention heads"),
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "forward", cfg_parallel.causal_mm_forward,
+          "CFG parallel: gen_image steps run this rank's half (cond | uncond) of the batch; "
+          "diffusion_prediction all-gathered over the cfg pair"),
     Patch(f"{VAE}:Decoder", "forward", vae_parallel.decoder_forward,
           "VAE-parallel decode: latent rows split over all ranks, halo-exchanged convs, "
           "GroupNorm on all-gathered statistics, full image all-gathered to every rank"),

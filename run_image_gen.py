@@ -76,6 +76,21 @@ def validate(args):
         raise UsageError("system-prompt: required with --use-system-prompt custom")
 
 
+def check_layout(args, settings):
+    """Refuse a layout this checkpoint cannot run, from its JSON files, before any weight is read:
+    head / expert divisibility (ParallelSettings.check_model), and cfg-parallel without guidance."""
+    from adaptor_patches.parallel import SettingsError
+    model_dir = Path(args.model_id)
+    settings.check_model(json.loads((model_dir / "config.json").read_text()))
+    if not settings.cfg_parallel:
+        return
+    path = model_dir / "generation_config.json"
+    scale = json.loads(path.read_text()).get("diff_guidance_scale") if path.is_file() else None
+    if scale is None or scale <= 1:
+        raise SettingsError(f"cfg-parallel: guidance scale {scale} (diff_guidance_scale in {path}) leaves no "
+                            f"unconditional branch to run in parallel; turn cfg-parallel off (and unset CFG_PARALLEL)")
+
+
 def set_reproducibility(torch, seed):
     random.seed(seed)
     import numpy as np
@@ -144,6 +159,8 @@ def run(args):
     from adaptor_patches.parallel import settings_from_args
 
     settings = settings_from_args(args)
+    if args.adaptor == "full":        # the shims alone parallelise nothing
+        check_layout(args, settings)
     t0 = time.perf_counter()
     device = model_adaptor.apply(settings, shims_only=args.adaptor == "shims")
     device.make_current()

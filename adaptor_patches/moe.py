@@ -31,7 +31,6 @@ Weight layout and loading: moe_weights.py.
 """
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 
@@ -69,7 +68,8 @@ class GroupedExperts(nn.Module):
 
 def _check_supported(config) -> None:
     if config.hidden_act != "silu":
-        raise NotImplementedError(f"moe: hidden_act '{config.hidden_act}' is not supported by the patched MoE (silu only)")
+        raise NotImplementedError(f"moe: hidden_act '{config.hidden_act}' is not supported by the patched MoE "
+                                  f"(silu only)")
     if config.mlp_bias:
         raise NotImplementedError("moe: mlp_bias=True is not supported by the patched MoE")
     if config.group_limited_greedy:
@@ -81,6 +81,9 @@ def _check_supported(config) -> None:
 def _layer_shard(num_experts: int) -> MoeShard:
     rt = runtime()
     settings = rt.settings
+    if settings.moe_degree > 1 and rt.mesh is None:
+        raise RuntimeError(f"moe-{settings.moe_mode}: degree {settings.moe_degree} needs an initialised process "
+                           f"group before the model is built (torch.distributed.init_process_group)")
     return MoeShard.for_rank(settings.moe_mode, num_experts, settings.moe_degree, rt.group_rank("tp"))
 
 
@@ -195,7 +198,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def chunk_sizes(rows: int, parts: int) -> list:
     """Contiguous split sizes of `rows` over `parts` ranks, like torch.tensor_split (first ones longer)."""
     base, extra = divmod(rows, parts)
-    return [base + (1 if p >= parts - extra else 0) for p in range(parts)]
+    return [base + (1 if p < extra else 0) for p in range(parts)]
 
 
 def all_gather_rows(local: torch.Tensor, sizes: list, group) -> torch.Tensor:

@@ -161,7 +161,11 @@ def _conversion_ops():
             tensors = tensors if isinstance(tensors, list) else [tensors]
             # experts.w13 sits two levels below the MoE, shared_mlp.gate_and_up_proj.weight three.
             shard = _owner_shard(model, full_layer_name, 2 if self.stacked else 3)
-            value = stack_experts(tensors, self.convert_one, shard) if self.stacked else self.convert_one(tensors[0], shard)
+            if self.stacked:
+                return {target_patterns[0]: stack_experts(tensors, self.convert_one, shard)}
+            # A shared-MLP tensor already cut for this rank (a per-rank checkpoint) passes through.
+            local_shape = model.get_parameter(full_layer_name).shape
+            value = tensors[0] if tensors[0].shape == local_shape else self.convert_one(tensors[0], shard)
             return {target_patterns[0]: value}
 
         @property

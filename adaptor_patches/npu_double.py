@@ -31,7 +31,8 @@ def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, group_type=None
     _require(group_list is not None and group_list.dtype == torch.int64, "group_list must be int64")
     rows, w = x[0], weight[0]
     _require(w.dim() == 3 and w.shape[1] == rows.shape[1], "weight must be [G, in, out] matching x")
-    counts = group_list.tolist() if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1)).tolist()
+    counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    counts = counts.tolist()
     _require(len(counts) == w.shape[0] and sum(counts) <= rows.shape[0], "group_list does not fit x / weight")
     out = rows.new_zeros(rows.shape[0], w.shape[2])
     bounds = [0]
@@ -116,3 +117,38 @@ def npu_swiglu(x, dim=-1):
     """silu(first half) * second half along `dim`."""
     first, second = x.chunk(2, dim=dim)
     return (F.silu(first.float()) * second.float()).to(x.dtype)
+
+
+def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, num_heads=1, scale=1.0,
+                                    input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+                                    pre_tokens=2147483647, next_tokens=2147483647, softmax_lse_flag=False,
+                                    **unsupported):
+    """softmax(Q K^T * scale, masked) V with native GQA; returns (attention_out, softmax_lse).
+
+    Modelled: input_layout "BNSD", sparse_mode 0 (atten_mask used as given), atten_mask bool with
+    True = position does NOT take part (the opposite of SDPA's bool mask), shaped [B|1, 1, Sq, Skv]
+    or [Sq, Skv]; query head h reads KV head h // (num_heads / num_key_value_heads); 0 KV heads
+    means num_heads. Query/key/value fp16 or bf16 and contiguous, as documented. A fully masked
+    row comes out as zeros here; on hardware its value is unspecified.
+    """
+    _require(input_layout == "BNSD", "only input_layout BNSD is modelled")
+    _require(sparse_mode == 0, "only sparse_mode 0 (mask used as given) is modelled")
+    _require(not any(v is not None for v in unsupported.values()), "quant/pse/paged options are not modelled")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _require(t.dtype in (torch.float16, torch.bfloat16), f"{name} must be fp16/bf16, got {t.dtype}")
+        _require(t.is_contiguous(), f"{name} must be contiguous")
+    kv_heads = num_key_value_heads or num_heads
+    _require(query.shape[1] == num_heads and key.shape[1] == kv_heads == value.shape[1],
+             "num_heads / num_key_value_heads must match the N axis of query / key, value")
+    _require(num_heads % kv_heads == 0, "num_heads must be a multiple of num_key_value_heads")
+    groups = num_heads // kv_heads
+    k = key.float().repeat_interleave(groups, dim=1)
+    v = value.float().repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
+    if atten_mask is not None:
+        _require(atten_mask.dtype == torch.bool, "atten_mask must be bool (True = masked out)")
+        _require(atten_mask.dim() in (2, 4), "atten_mask must be [Sq, Skv] or [B|1, 1, Sq, Skv]")
+        scores = scores.masked_fill(atten_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True) if softmax_lse_flag else torch.empty(0)
+    return torch.matmul(probs, v).to(query.dtype), lse

@@ -215,3 +215,43 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         return _npu().npu_swiglu(x, dim=-1)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------- attention
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+              scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T * scale [masked]) v per head, GQA-aware.
+
+    q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D] with Hq % Hkv == 0 (query head h reads KV head h // (Hq/Hkv)).
+    mask: None, bool [B|1, 1, Sq, Sk] with True = attend (SDPA's and upstream's convention), or an
+    additive float mask (0 / large negative). scale: None = 1/sqrt(D). Returns [B, Hq, Sq, D].
+    The torch form is upstream's repeat_kv + SDPA; the NPU form is npu_fused_infer_attention_score.
+    """
+    if active_form() == "npu":
+        return _attention_npu(q, k, v, mask, scale)
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    if q.device.type == "cuda" and mask is not None:
+        # upstream's workaround: the memory-efficient SDPA backend mishandles strided inputs with a mask
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv*groups, S, D], each KV head repeated for its query heads (upstream's repeat_kv)."""
+    if groups == 1:
+        return x
+    batch, kv_heads, seq, dim = x.shape
+    return x[:, :, None].expand(batch, kv_heads, groups, seq, dim).reshape(batch, kv_heads * groups, seq, dim)
+
+
+def _attention_npu(q, k, v, mask, scale):
+    # The fused op masks where atten_mask is True (the opposite of SDPA) and takes KV heads unrepeated.
+    masked = None
+    if mask is not None:
+        masked = ~mask if mask.dtype == torch.bool else mask <= torch.finfo(mask.dtype).min / 2
+    out, _ = _npu().npu_fused_infer_attention_score(
+        q.contiguous(), k.contiguous(), v.contiguous(), atten_mask=masked, num_heads=q.shape[1],
+        num_key_value_heads=k.shape[1], input_layout="BNSD", scale=scale or q.shape[-1] ** -0.5, sparse_mode=0)
+    return out

@@ -19,6 +19,12 @@ class SettingsError(ValueError):
     """Bad layout or flags; str() is a one-line `field: problem; fix` message."""
 
 
+def attention_tp_degrees(heads: int, kv_heads: int) -> list:
+    """Degrees attention TP can use: whole KV groups per rank (degree divides the KV heads), or
+    each KV head replicated on degree/kv_heads ranks that split its query heads evenly."""
+    return [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+
+
 def env_flag(name: str, env=None) -> bool:
     return (os.environ if env is None else env).get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -78,6 +84,20 @@ class ParallelSettings:
         if self.moe_mode == "tp" and inter % self.moe_degree:
             raise SettingsError(f"moe-tp: expert intermediate size {inter} does not split over "
                                 f"{self.moe_degree} ranks; choose a degree dividing it")
+        self._check_attention_heads(config)
+
+    def _check_attention_heads(self, config: dict) -> None:
+        """Attention TP runs whenever a CFG branch has several ranks; its heads must split evenly."""
+        heads = config.get("num_attention_heads")
+        if not heads or self.tp_degree == 1:
+            return
+        kv_heads = config.get("num_key_value_heads") or heads
+        good = attention_tp_degrees(heads, kv_heads)
+        if self.tp_degree not in good:
+            per = " per CFG branch" if self.cfg_parallel else ""
+            world = "world size = degree x 2 with cfg-parallel" if self.cfg_parallel else "world size = degree"
+            raise SettingsError(f"attention-tp: {heads} attention heads with {kv_heads} KV heads do not split over "
+                                f"{self.tp_degree} ranks{per}; use a degree in {good} ({world})")
 
     def describe(self) -> dict:
         return {"device": self.device, "world_size": self.world_size, "cfg_degree": self.cfg_degree,

@@ -125,7 +125,7 @@ class Bands:
         if norm.affine:
             per_channel = (1, channels) + (1,) * (band.dim() - 2)
             out = out * norm.weight.float().view(per_channel) + norm.bias.float().view(per_channel)
-        # Under autocast GroupNorm runs (and returns) fp32; without it, the input's dtype comes back.
+        # As nn.GroupNorm under CUDA autocast: fp32 out (the next conv casts down); else the input's dtype.
         autocast = torch.is_autocast_enabled(band.device.type)
         return out if autocast else out.to(band.dtype)
 

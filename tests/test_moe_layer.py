@@ -2,7 +2,7 @@
 
 Every case builds the upstream layer (compat shims only) with random non-zero weights, takes its
 state_dict, loads it into the patched layer on each rank and compares outputs. Cases: fp32 and
-bf16, experts {4, 8}, top-k {1, 2, 3}, tokens {1, 7, 64}; one spawn per layout runs them all.
+bf16, experts {4, 8}, top-k {1, 2, 3}, tokens {1, 6, 7, 64}; one spawn per layout runs them all.
 
 Tolerances (max |patched - upstream| / max |upstream|):
   fp32  1e-5: the same math, only summation order differs (combine, TP partial sums), ~1e-7.
@@ -22,7 +22,8 @@ from multirank import run_ranks
 
 HIDDEN, INTERMEDIATE, SHARED_EXPERTS = 64, 32, 2
 DTYPES = ("float32", "bfloat16")
-CASES = list(itertools.product(DTYPES, (4, 8), (1, 2, 3), (1, 7, 64)))    # dtype, experts, top-k, tokens
+# tokens: 1 leaves EP ranks empty; 6 over EP4 is [2, 2, 1, 1], padding between gathered blocks.
+CASES = list(itertools.product(DTYPES, (4, 8), (1, 2, 3), (1, 6, 7, 64)))    # dtype, experts, top-k, tokens
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
@@ -162,23 +163,22 @@ def test_apply_remove_round_trip_restores_upstream_moe():
     assert "from_pretrained" not in vars(_upstream().HunyuanImage3PreTrainedModel)
 
 
-def _expected_share(checkpoint, prefix, mode, rank, degree, experts, intermediate):
+def _expected_share(checkpoint, prefix, mode, rank, degree, experts):
     """This rank's stacked weights computed straight from the checkpoint tensors."""
+    def rank_slice(full):          # TP: this rank's part of an intermediate axis of size `full`
+        return slice(rank * full // degree, (rank + 1) * full // degree) if mode == "tp" else slice(None)
+
     first, count = (rank * experts // degree, experts // degree) if mode == "ep" else (0, experts)
-    cols = slice(rank * intermediate // degree, (rank + 1) * intermediate // degree) if mode == "tp" else slice(None)
     w13, w2 = [], []
     for e in range(first, first + count):
         x1, x2 = checkpoint[f"{prefix}experts.{e}.gate_and_up_proj.weight"].chunk(2)
+        cols = rank_slice(x1.shape[0])
         w13.append(torch.cat([x2[cols], x1[cols]]).t())
         w2.append(checkpoint[f"{prefix}experts.{e}.down_proj.weight"][:, cols].t())
     x1, x2 = checkpoint[f"{prefix}shared_mlp.gate_and_up_proj.weight"].chunk(2)
-    shared_cols = cols if mode == "tp" else slice(None)
-    if mode == "tp":
-        size = x1.shape[0] // degree
-        shared_cols = slice(rank * size, (rank + 1) * size)
-    shared = torch.cat([x1[shared_cols], x2[shared_cols]])
-    shared_down = checkpoint[f"{prefix}shared_mlp.down_proj.weight"][:, shared_cols]
-    return torch.stack(w13), torch.stack(w2), shared, shared_down
+    cols = rank_slice(x1.shape[0])
+    shared_down = checkpoint[f"{prefix}shared_mlp.down_proj.weight"][:, cols]
+    return torch.stack(w13), torch.stack(w2), torch.cat([x1[cols], x2[cols]]), shared_down
 
 
 def load_with_from_pretrained(rank, world_size, model_dir, modes):
@@ -186,8 +186,9 @@ def load_with_from_pretrained(rank, world_size, model_dir, modes):
     import json
     from pathlib import Path
     from safetensors.torch import load_file
+    index = json.loads((Path(model_dir) / "model.safetensors.index.json").read_text())
     checkpoint = {}
-    for shard_file in set(json.loads((Path(model_dir) / "model.safetensors.index.json").read_text())["weight_map"].values()):
+    for shard_file in set(index["weight_map"].values()):
         checkpoint.update(load_file(str(Path(model_dir) / shard_file)))
     problems = []
     for mode in modes:
@@ -197,21 +198,17 @@ def load_with_from_pretrained(rank, world_size, model_dir, modes):
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
             if info[kind]:
                 problems.append((mode, kind, sorted(info[kind])[:3]))
-        for index, layer in enumerate(model.model.layers):
+        for layer_index, layer in enumerate(model.model.layers):
             moe = layer.mlp
-            expected = _expected_share(checkpoint, f"model.layers.{index}.mlp.", mode, rank, world_size,
-                                       moe.num_experts, moe_config_intermediate(model.config))
+            expected = _expected_share(checkpoint, f"model.layers.{layer_index}.mlp.", mode, rank, world_size,
+                                       moe.num_experts)
             actual = (moe.experts.w13, moe.experts.w2, moe.shared_mlp.gate_and_up_proj.weight,
                       moe.shared_mlp.down_proj.weight)
             for name, a, b in zip(("w13", "w2", "shared.gate_and_up", "shared.down"), actual, expected):
                 if a.shape != b.shape or not torch.equal(a, b.to(a.dtype)):
-                    problems.append((mode, index, name, tuple(a.shape), tuple(b.shape)))
+                    problems.append((mode, layer_index, name, tuple(a.shape), tuple(b.shape)))
         model_adaptor.remove()
     return problems
-
-
-def moe_config_intermediate(config):
-    return config.moe_intermediate_size or config.intermediate_size
 
 
 def test_from_pretrained_single_process_loads_every_key_into_the_stacked_layout(tiny_model):
@@ -257,6 +254,8 @@ def test_model_injects_one_side_stream_into_every_moe_layer(monkeypatch):
     model = _upstream().HunyuanImage3Model(_tiny_model_config())
     streams = [layer.mlp.shared_mlp_stream for layer in model.layers]
     assert len(device.streams) == 1 and all(s is device.streams[0] for s in streams)
+    w13 = model.layers[0].mlp.experts.w13        # upstream's post_init left our parameters initialised
+    assert torch.isfinite(w13).all() and 0 < w13.std() < 1
     assert _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0).shared_mlp_stream is None
 
 

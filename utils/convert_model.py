@@ -1,0 +1,315 @@
+"""Split an original HunyuanImage-3 checkpoint into one ready-to-load checkpoint per TP/EP rank.
+
+    python utils/convert_model.py --model-path IN --output-path OUT --tp-attn N --tp-moe N --ep N \
+        [--max-shard-size GB (5)] [--max-workers N (1)] [--overwrite]
+    python utils/convert_model.py --verify OUT [--max-workers N]
+
+OUT/rank-XX/ (XX = rank in the "tp" group) is an ordinary checkpoint in the runtime layout of the
+patched model: qkv_proj / o_proj cut to the rank's heads, experts stacked as `experts.w13` /
+`experts.w2` (this rank's experts under EP, its intermediate slice of every expert under TP), the
+shared MLP cut under MoE TP; everything else whole. Each holds size-capped shards, an index, the
+tokenizer and generation files, and a config.json with a `parallel_layout` block; OUT holds the
+same small files and manifest.json (size and sha256 of every file written). The tensors come from
+adaptor_patches/loading.py's `rank_tensors`, which the loader also reads an original checkpoint
+with, so both routes give identical weights.
+
+Streaming: one tensor at a time per worker is read (positioned reads of only the needed bytes)
+and written behind a header planned up front, hashed on the way out; peak memory is about the
+largest output tensor per worker (one layer's stacked experts of one rank), whatever the checkpoint
+size. Atomic: everything is written into OUT.partial and renamed to OUT at the end; a killed run
+leaves no OUT, and the next run starts OUT.partial afresh. Bad input is refused before anything is
+written: one `error: field: problem; fix` line, exit 2. --verify exits 1 on the first mismatch.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from adaptor_patches.loading import (INDEX_FILE, LAYOUT_KEY, MANIFEST_FILE, SINGLE_FILE,  # noqa: E402
+                                     CheckpointFiles, ParallelLayout, rank_dir_name, rank_tensors)
+from utils.checkpoint_checks import source_problem  # noqa: E402
+from utils.safetensors_stream import StreamingWriter, copy_with_sha256, file_sha256  # noqa: E402
+
+GB = 10 ** 9
+MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
+
+
+class ConvertError(Exception):
+    """One `field: problem; fix` line; `exit_code` 2 for bad input, 1 for a failed verification."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ---------------------------------------------------------------- planning
+
+@dataclass(frozen=True)
+class ShardJob:
+    rank: int
+    number: int                 # 1-based
+    count: int                  # shards of this rank
+    tensors: tuple              # RankTensor, in file order
+
+    @property
+    def relpath(self) -> str:
+        return f"{rank_dir_name(self.rank)}/model-{self.number:05d}-of-{self.count:05d}.safetensors"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def split_into_shards(tensors: list, max_bytes: int) -> list:
+    """Consecutive groups of at most max_bytes each; a larger tensor gets a shard of its own."""
+    shards, size = [[]], 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.nbytes
+    return shards
+
+
+def plan_jobs(files: CheckpointFiles, config: dict, layout: ParallelLayout, max_bytes: int) -> list:
+    """Every shard of every rank, ordered shard-major so the ranks read the same source bytes together."""
+    jobs = []
+    for rank in range(layout.ranks):
+        shards = split_into_shards(rank_tensors(files, config, layout, rank), max_bytes)
+        jobs += [ShardJob(rank, k, len(shards), tuple(s)) for k, s in enumerate(shards, 1)]
+    return sorted(jobs, key=lambda job: (job.number, job.rank))
+
+
+def oversized_notes(jobs: list, max_bytes: int) -> list:
+    names = sorted({(t.name, t.nbytes) for job in jobs for t in job.tensors if t.nbytes > max_bytes})
+    return [f"note: {name} is {size / GB:.2f} GB, over --max-shard-size {max_bytes / GB:g} GB; "
+            f"written alone in its shard (one tensor cannot be split)" for name, size in names]
+
+
+# ---------------------------------------------------------------- writing
+
+def write_shard(job: ShardJob, files: CheckpointFiles, out: Path, on_bytes) -> tuple:
+    """Read, write and hash one shard, one tensor at a time; return (relpath, size, sha256)."""
+    entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in job.tensors]
+    with StreamingWriter(out / job.relpath, entries) as writer:
+        for tensor in job.tensors:
+            writer.write(tensor.name, tensor.read(files))
+            on_bytes(tensor.nbytes)
+    return job.relpath, writer.size, writer.sha256
+
+
+def side_files(source: Path) -> list:
+    """The checkpoint's small top-level files (config, tokenizer, generation config, ...)."""
+    skip = {INDEX_FILE, SINGLE_FILE}
+    return sorted(p for p in source.iterdir()
+                  if p.is_file() and p.name not in skip and not p.name.endswith(".safetensors"))
+
+
+def write_json(path: Path, data: dict) -> tuple:
+    raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    path.write_bytes(raw)
+    return len(raw), hashlib.sha256(raw).hexdigest()
+
+
+def write_small_files(source: Path, out: Path, config: dict, layout_block: dict, jobs: list) -> dict:
+    """config.json (with the layout), the other side files, and each rank's index; {relpath: (size, sha)}."""
+    written = {}
+    config = {**config, LAYOUT_KEY: layout_block}
+    ranks = sorted({job.rank for job in jobs})
+    for folder in ["", *map(rank_dir_name, ranks)]:
+        (out / folder).mkdir(parents=True, exist_ok=True)
+        for path in side_files(source):
+            rel = f"{folder}/{path.name}".lstrip("/")
+            written[rel] = (write_json(out / rel, config) if path.name == "config.json"
+                            else copy_with_sha256(path, out / rel))
+    for rank in ranks:
+        mine = [job for job in jobs if job.rank == rank]
+        weight_map = {t.name: Path(job.relpath).name for job in mine for t in job.tensors}
+        index = {"metadata": {"total_size": sum(job.nbytes for job in mine), LAYOUT_KEY: layout_block},
+                 "weight_map": weight_map}
+        rel = f"{rank_dir_name(rank)}/{INDEX_FILE}"
+        written[rel] = write_json(out / rel, index)
+    return written
+
+
+def progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                dynamic_ncols=True, mininterval=0.5)
+
+
+def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int) -> dict:
+    lock = threading.Lock()
+    with progress_bar(sum(job.nbytes for job in jobs), "convert") as bar:
+        def on_bytes(n):
+            with lock:
+                bar.update(n)
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            # write_shard is looked up at submission so that a test can wrap it.
+            futures = [pool.submit(write_shard, job, files, out, on_bytes) for job in jobs]
+            results = [future.result() for future in futures]
+    return {rel: (size, sha) for rel, size, sha in results}
+
+
+def commit(partial: Path, out: Path) -> None:
+    """Move the finished partial directory into place (replacing an old OUT, if --overwrite)."""
+    if not out.exists():
+        partial.rename(out)
+        return
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    out.rename(old)
+    partial.rename(out)
+    shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------- convert
+
+def _check_paths(source: Path, out: Path, overwrite: bool) -> None:
+    if not (source / "config.json").is_file():
+        raise ConvertError(f"model-path: {source} has no config.json; pass a HunyuanImage-3 checkpoint directory")
+    if out == source or out in source.parents or source in out.parents:
+        raise ConvertError(f"output-path: {out} overlaps the checkpoint {source}; choose a directory outside it")
+    if out.exists() and not (overwrite and out.is_dir()):
+        fix = "pass --overwrite" if out.is_dir() else "remove it"
+        raise ConvertError(f"output-path: {out} already exists; {fix} or choose another path")
+
+
+def _check_numbers(args) -> None:
+    if not args.max_shard_size > 0:
+        raise ConvertError(f"max-shard-size: must be > 0 GB, got {args.max_shard_size}; the default is 5")
+    if args.max_workers < 1:
+        raise ConvertError(f"max-workers: must be >= 1, got {args.max_workers}")
+
+
+def validate(args) -> tuple:
+    """(source, out, layout, config), or ConvertError with the first problem; nothing is written."""
+    source, out = Path(args.model_path).absolute(), Path(args.output_path).absolute()
+    layout = ParallelLayout(args.tp_attn, args.tp_moe, args.ep)
+    _check_numbers(args)
+    _check_paths(source, out, args.overwrite)
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except ValueError as exc:
+        raise ConvertError(f"model-path: {source}/config.json is not valid JSON ({exc}); restore it") from exc
+    problem = layout.problem(config) or source_problem(source, config)
+    if problem:
+        raise ConvertError(problem)
+    return source, out, layout, config
+
+
+def index_sha256(source: Path) -> str:
+    index = source / INDEX_FILE
+    return file_sha256(index) if index.is_file() else hashlib.sha256(b"").hexdigest()
+
+
+def convert(args) -> str:
+    source, out, layout, config = validate(args)
+    max_bytes = int(args.max_shard_size * GB)
+    files = CheckpointFiles(source)
+    jobs = plan_jobs(files, config, layout, max_bytes)
+    for note in oversized_notes(jobs, max_bytes):
+        print(note, file=sys.stderr)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)              # what a killed run left behind
+    layout_block = {**layout.as_json(), "source_index_sha256": index_sha256(source)}
+    written = write_small_files(source, partial, config, layout_block, jobs)
+    written.update(run_jobs(jobs, files, partial, args.max_workers))
+    manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
+                "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(written.items())}}
+    write_json(partial / MANIFEST_FILE, manifest)
+    commit(partial, out)
+    total = sum(size for size, _ in written.values())
+    return (f"wrote {out}: {layout.ranks} rank dirs ({layout}), {len(jobs)} shards, "
+            f"{len(written)} files, {total / GB:.3f} GB")
+
+
+# ---------------------------------------------------------------- verify
+
+def verify(out: Path, workers: int = 1) -> str:
+    """Re-read every file of a converted checkpoint against its manifest; ConvertError(exit 1) on a mismatch."""
+    path = out / MANIFEST_FILE
+    if not path.is_file():
+        raise ConvertError(f"verify: {out} has no {MANIFEST_FILE}; it is not a converted checkpoint (or its "
+                           f"conversion did not finish), convert it again")
+    manifest = json.loads(path.read_text())
+    records = manifest["files"]
+    for rel, record in records.items():
+        if not (out / rel).is_file():
+            raise ConvertError(f"verify: {rel} is missing; convert again", exit_code=1)
+        if (out / rel).stat().st_size != record["size"]:
+            raise ConvertError(f"verify: {rel} has {(out / rel).stat().st_size} bytes, the manifest says "
+                               f"{record['size']}; convert again", exit_code=1)
+    lock = threading.Lock()
+    with progress_bar(sum(r["size"] for r in records.values()), "verify") as bar:
+        def on_bytes(n):
+            with lock:
+                bar.update(n)
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            digests = dict(zip(records, pool.map(lambda rel: file_sha256(out / rel, on_bytes), records)))
+    for rel, record in records.items():
+        if digests[rel] != record["sha256"]:
+            raise ConvertError(f"verify: {rel} has sha256 {digests[rel][:16]}…, the manifest says "
+                               f"{record['sha256'][:16]}…; the file is damaged, convert again", exit_code=1)
+    total = sum(r["size"] for r in records.values())
+    layout = ParallelLayout.from_json(manifest[LAYOUT_KEY])
+    return f"verified {out}: {len(records)} files, {total / GB:.3f} GB, {layout}: all match {MANIFEST_FILE}"
+
+
+# ---------------------------------------------------------------- CLI
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConvertError(f"arguments: {message.replace('argument ', '')}; see --help")
+
+
+def parse_args(argv):
+    p = _Parser(prog="convert_model.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", help="original checkpoint directory")
+    p.add_argument("--output-path", help="directory to create")
+    p.add_argument("--tp-attn", type=int, default=1, help="attention tensor-parallel degree")
+    p.add_argument("--tp-moe", type=int, default=1, help="MoE tensor-parallel degree")
+    p.add_argument("--ep", type=int, default=1, help="MoE expert-parallel degree")
+    p.add_argument("--max-shard-size", type=float, default=5.0, help="GB (10^9 bytes) per output shard")
+    p.add_argument("--max-workers", type=int, default=1, help="shards written in parallel")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--verify", metavar="OUT", help="check OUT's files against its manifest and exit")
+    args = p.parse_args(argv)
+    if args.verify is None:
+        for flag in ("model_path", "output_path"):
+            if getattr(args, flag) is None:
+                raise ConvertError(f"{flag.replace('_', '-')}: required; pass --{flag.replace('_', '-')} DIR")
+    elif args.model_path or args.output_path:
+        raise ConvertError("verify: --verify OUT checks an existing conversion; pass it without --model-path/--output-path")
+    return args
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        if args.verify is not None:
+            print(verify(Path(args.verify), args.max_workers))
+        else:
+            print(convert(args))
+        return 0
+    except ConvertError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -154,11 +154,13 @@ def versions(torch):
 def run(args):
     import torch
     import model_adaptor
-    from adaptor_patches.loading import load_model
+    from adaptor_patches.loading import check_checkpoint, load_model
     from adaptor_patches.metrics import PhaseTimer
     from adaptor_patches.parallel import settings_from_args
 
     settings = settings_from_args(args)
+    per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
+    check_checkpoint(args.model_id, settings, per_rank)
     if args.adaptor == "full":        # the shims alone parallelise nothing
         check_layout(args, settings)
     t0 = time.perf_counter()
@@ -170,10 +172,11 @@ def run(args):
         set_reproducibility(torch, seed)
     rank = settings.rank
     log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
-    log(f"device={device.torch_device} world_size={settings.world_size} adaptor={args.adaptor} seed={seed}")
+    log(f"device={device.torch_device} world_size={settings.world_size} adaptor={args.adaptor} "
+        f"cfg={settings.cfg_degree} tp={settings.tp_degree} moe={settings.moe_mode} seed={seed}")
 
     with torch.no_grad():
-        model = load_model(args.model_id, device, args.attn_impl, args.moe_impl)
+        model = load_model(args.model_id, device, args.attn_impl, args.moe_impl, per_rank=per_rank)
         load_s = time.perf_counter() - t0
         log(f"loaded {args.model_id} in {load_s:.2f}s")
         timer = PhaseTimer(device).attach(model)

@@ -14,9 +14,11 @@ QK-norm and the 2-D RoPE are per head and run exactly as upstream. `o_proj` is r
 rank multiplies its heads' columns, one all-reduce over "tp" sums the partial outputs, and the
 bias (if any) is added once, after the sum. Degree 1 runs upstream's math through `ops.attention`.
 
-Weights: checkpoints hold the full `qkv_proj` / `o_proj`. `module.load_state_dict` slices them in a
-pre-hook; transformers 5 `from_pretrained` sets parameters without module hooks, so the patched
-`from_pretrained` registers weight converters for it (the mechanism of moe_weights.py).
+Weights: `HeadShard` says which rows / columns a rank keeps; loading.py reads just those from an
+original checkpoint (and utils/convert_model.py writes them per rank). A full tensor arriving here
+is cut here: `module.load_state_dict` in a pre-hook; a plain transformers 5 `from_pretrained`
+(which sets parameters without module hooks) through weight converters its patched form registers,
+as moe_weights.py does for the experts. Tensors already of the local shape pass unchanged.
 """
 from __future__ import annotations
 
@@ -207,6 +209,8 @@ def _shard_op():
             tensor = next(iter(input_dict.values()))
             tensor = tensor[0] if isinstance(tensor, list) else tensor
             owner = model.get_submodule(full_layer_name.rsplit(".", 2)[0])
+            if tensor.shape == owner.get_parameter(self.key).shape:        # already this rank's (per-rank files)
+                return {target_patterns[0]: tensor}
             return {target_patterns[0]: owner.head_shard.shard(self.key, tensor)}
 
         @property

@@ -13,6 +13,15 @@
   `parallel_layout` must equal the run's, which `check_checkpoint` verifies before any collective.
 
 Both give bit-identical weights: the converter writes exactly what `rank_tensors` reads.
+
+Why not upstream's `from_pretrained(dir)` with the adaptor's converters (kept for the shims-only
+reference, `per_rank=False`): transformers 5 materialises every checkpoint tensor whole
+(`get_slice(k)[...]`, 4 reader threads, all reads queued at once) before a converter cuts it, and
+the expert converter first gathers all E experts of a layer. Every rank then reads the whole
+checkpoint (~170 GB), and holds one layer's full experts at a time (64 x 75.5 MB = 4.8 GB on the
+real model) plus whatever the readers got ahead; the sliced route reads ~1/degree of the experts
+and holds only tensors of its own share. (Column cuts, o_proj and down_proj under TP, read whole
+rows in 64 MB blocks: row-major storage puts every rank's columns on every page anyway.)
 """
 from __future__ import annotations
 
@@ -333,18 +342,22 @@ class _RankSplitter:
         return self.whole(key)
 
     def stacked(self, layer: int, kind: str) -> RankTensor:
-        """experts.w13 (kind gate_and_up_proj) or experts.w2 (down_proj) of this rank, as moe_weights stacks them."""
+        """experts.w13 (kind gate_and_up_proj) or experts.w2 (down_proj) of this rank, as moe_weights
+        stacks them, read one local expert at a time into the preallocated stack."""
         shard, inter = self.moe_shard(layer), self.moe[layer].intermediate
-        local, cols = shard.local_size(inter), shard.columns(inter)
+        cols = shard.columns(inter)
         source = f"model.layers.{layer}.mlp.experts.{{}}.{kind}.weight"
         first = self.files.info(source.format(0))
-        hidden = first.shape[1] if kind == "gate_and_up_proj" else first.shape[0]
-        if kind == "gate_and_up_proj":
-            name, shape = f"model.layers.{layer}.mlp.experts.w13", (shard.local_experts, hidden, 2 * local)
-            piece = lambda files, e: expert_w13(files.read_index(source.format(e), _pair_rows(inter, cols), 0), _UNCUT)
-        else:
-            name, shape = f"model.layers.{layer}.mlp.experts.w2", (shard.local_experts, local, hidden)
-            piece = lambda files, e: expert_w2(files.read_columns(source.format(e), cols.start, cols.stop), _UNCUT)
+        if kind == "gate_and_up_proj":                          # [2I, H] per expert
+            name, shape = "w13", (shard.local_experts, first.shape[1], 2 * shard.local_size(inter))
+
+            def piece(files, expert):
+                return expert_w13(files.read_index(source.format(expert), _pair_rows(inter, cols), 0), _UNCUT)
+        else:                                                   # [H, I] per expert
+            name, shape = "w2", (shard.local_experts, shard.local_size(inter), first.shape[0])
+
+            def piece(files, expert):
+                return expert_w2(files.read_columns(source.format(expert), cols.start, cols.stop), _UNCUT)
 
         def read(files):
             out = torch.empty(shape, dtype=DTYPES[first.dtype])
@@ -352,7 +365,7 @@ class _RankSplitter:
                 out[i] = piece(files, expert)
             return out
 
-        return RankTensor(name, shape, first.dtype, read)
+        return RankTensor(f"model.layers.{layer}.mlp.experts.{name}", shape, first.dtype, read)
 
 
 def rank_tensors(files: CheckpointFiles, config: dict, layout: ParallelLayout, rank: int) -> list:
@@ -425,13 +438,11 @@ class _LazyTensor:
         return self.tensor.read(self.files)[item]
 
 
-def _from_original_by_slices(cls, model_dir: Path, rank: int, kwargs: dict):
+def _from_original_by_slices(cls, model_dir: Path, layout: ParallelLayout, rank: int, kwargs: dict):
     from transformers import GenerationConfig
-    settings = runtime().settings
-    config_json = json.loads((model_dir / "config.json").read_text())
     files = CheckpointFiles(model_dir)
-    lazy = {t.name: _LazyTensor(t, files)
-            for t in rank_tensors(files, config_json, ParallelLayout.of_settings(settings), rank)}
+    tensors = rank_tensors(files, json.loads((model_dir / "config.json").read_text()), layout, rank)
+    lazy = {t.name: _LazyTensor(t, files) for t in tensors}
     config = cls.config_class.from_pretrained(str(model_dir), moe_impl=kwargs.pop("moe_impl"))
     model, info = cls.from_pretrained(None, config=config, state_dict=lazy, **kwargs)
     model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
@@ -439,24 +450,25 @@ def _from_original_by_slices(cls, model_dir: Path, rank: int, kwargs: dict):
 
 
 def load_model(model_dir, device: Device, attn_impl: str = "sdpa", moe_impl: str = "eager", per_rank: bool = True):
-    """Upstream's model with this rank's weights. per_rank=False (the shims-only reference): upstream's
-    own from_pretrained of an original checkpoint, every tensor whole."""
+    """Upstream's model with this rank's weights (the runtime's settings and "tp" rank decide which).
+    per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole."""
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM as cls
-    model_dir = Path(model_dir)
+    rt, model_dir = runtime(), Path(model_dir)
     kwargs = dict(attn_implementation=attn_impl, dtype="auto", moe_impl=moe_impl, output_loading_info=True)
     if device.is_accelerator:
         kwargs["device_map"] = {"": device.torch_device}
-    tokenizer_dir = model_dir
+    weights_dir = model_dir
     if is_converted(model_dir):
-        check_checkpoint(model_dir, runtime().settings, per_rank)
-        tokenizer_dir = model_dir / rank_dir_name(runtime().group_rank("tp"))
-        model, info = cls.from_pretrained(str(tokenizer_dir), **kwargs)
+        check_checkpoint(model_dir, rt.settings, per_rank)
+        weights_dir = model_dir / rank_dir_name(rt.group_rank("tp"))
+        model, info = cls.from_pretrained(str(weights_dir), **kwargs)
     elif per_rank:
-        model, info = _from_original_by_slices(cls, model_dir, runtime().group_rank("tp"), kwargs)
+        layout = ParallelLayout.of_settings(rt.settings)
+        model, info = _from_original_by_slices(cls, model_dir, layout, rt.group_rank("tp"), kwargs)
     else:
         model, info = cls.from_pretrained(str(model_dir), **kwargs)
-    _check_loaded(model_dir, info)
-    model.load_tokenizer(load_tokenizer(tokenizer_dir))
+    _check_loaded(weights_dir, info)
+    model.load_tokenizer(load_tokenizer(weights_dir))
     return model.eval()
 
 

@@ -1,4 +1,4 @@
-"""The MoE kernels, each with a fused NPU form and a plain-torch form.
+"""The kernels (MoE, attention), each with a fused NPU form and a plain-torch form.
 
     grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
     route(logits, topk, norm, scale)       upstream topkgating's combine weights, dropless
@@ -7,11 +7,13 @@
     regroup(x, counts_per_rank)            EP: rows grouped (source rank, expert) -> by expert
     ungroup(y, order)                      inverse of regroup
     swiglu(x)                              silu(first half) * second half
+    attention(q, k, v, mask, scale)        GQA attention, upstream's bool mask (True = attend)
 
 Forms (one is chosen per device kind, once; call sites never branch on the device):
   "npu"         torch_npu.npu_grouped_matmul / npu_moe_init_routing_v2 / npu_moe_finalize_routing /
-                npu_moe_re_routing / npu_swiglu. Written from the torch_npu 2.13 schemas and the
-                Ascend docs; NOT run on Ascend hardware. Tested on CPU against npu_double.py.
+                npu_moe_re_routing / npu_swiglu / npu_fused_infer_attention_score. Written from the
+                torch_npu 2.13 schemas and the Ascend docs; NOT run on Ascend hardware. Tested on
+                CPU against npu_double.py.
   "grouped_mm"  torch._grouped_mm (CPU: fp32/bf16/fp16; CUDA: bf16 only, not run on CUDA here)
                 when strides are 16-byte aligned, else the loop; the rest in plain torch.
   "loop"        one matmul per expert; the reference the other forms are tested against.

@@ -5,7 +5,7 @@ every rank of a real gloo "tp" group load the same full state_dict and run the s
 the image path: a prefill writing a static KV cache through the 2-D cache_position, then a step
 on a subset of positions reading that cache, both with upstream's 4-D bool mask. fp32, so the
 only difference is the summation order of o_proj (one partial product per rank, then an
-all-reduce): bound 1e-5 relative to the output's max (measured ~1e-7).
+all-reduce): bound 1e-5 relative to the output's max (measured <= 5.2e-7).
 Layouts: whole KV groups per rank (degree divides the KV heads) and replicated KV heads (degree
 above the KV heads), with and without qkv/o biases.
 
@@ -14,7 +14,8 @@ missing, unexpected or mismatched key, and every rank's qkv_proj / o_proj equal 
 the checkpoint tensor picked here independently (by viewing it as [KV heads, groups + 2, ...]).
 
 ops.attention: the NPU form, run on CPU against the torch_npu test double (npu_double.py),
-equals the torch form (bf16: 2e-2, a few bf16 ulps of fp32-accumulated softmax/matmul).
+and the torch form both match a float64 reference within 2e-2 in bf16 (measured 2.3e-3: bf16
+rounding of inputs and outputs), also with an additive float mask.
 """
 import glob
 
@@ -132,7 +133,7 @@ def test_tp_attention_layer_matches_upstream_fp32(ranks, world_size):
 
 
 def test_patched_layer_alone_equals_upstream_bit_for_bit():
-    for errors, cache_shape, heads in compare_layer_with_upstream(0, 1, CASES[4]):
+    for errors, _, _ in compare_layer_with_upstream(0, 1, CASES[4]):
         assert errors == (0.0, 0.0)
 
 

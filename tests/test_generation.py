@@ -39,11 +39,12 @@ def test_other_seed_differs(tiny_model, out_dir, reference):
     assert psnr(png, reference[0]) < 30, "the seed must reach the latents"
 
 
-def test_two_ranks_under_torchrun_match_single_process(tiny_model, out_dir):
-    single, _, _ = generate(tiny_model, out_dir, "single")
-    two, _, proc = generate(tiny_model, out_dir, "two_ranks", nproc=2)
-    assert "world_size=2" in proc.stdout
-    assert two.read_bytes() == single.read_bytes()
+def test_two_ranks_under_torchrun_match_single_process(tiny_model, out_dir, reference):
+    # Two ranks turn on attention TP (and replicated experts): bf16 partial sums differ in order.
+    png, latents, proc = generate(tiny_model, out_dir, "two_ranks", nproc=2)
+    assert "world_size=2 adaptor=full cfg=1 tp=2 moe=replicated" in proc.stdout
+    assert psnr(png, reference[0]) >= PSNR_MIN_DB
+    assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
 
 
 def test_metrics_json_has_phases(tiny_model, out_dir):
@@ -73,3 +74,11 @@ def test_bad_input_is_one_error_line(tiny_model, tmp_path, args, field):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}"), proc.stderr
     assert not save.exists()
+
+
+@pytest.mark.parametrize("moe_flag", ["--moe-tp", "--moe-ep"])
+def test_two_rank_moe_parallel_matches_single_process(tiny_model, out_dir, reference, moe_flag):
+    png, latents, proc = generate(tiny_model, out_dir, f"two_ranks{moe_flag}", moe_flag, nproc=2)
+    assert f"world_size=2 adaptor=full cfg=1 tp=2 moe={moe_flag[-2:]}" in proc.stdout
+    assert psnr(png, reference[0]) >= PSNR_MIN_DB
+    assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX

@@ -13,12 +13,15 @@ same small files and manifest.json (size and sha256 of every file written). The 
 adaptor_patches/loading.py's `rank_tensors`, which the loader also reads an original checkpoint
 with, so both routes give identical weights.
 
-Streaming: one tensor at a time per worker is read (positioned reads of only the needed bytes)
-and written behind a header planned up front, hashed on the way out; peak memory is about the
-largest output tensor per worker (one layer's stacked experts of one rank), whatever the checkpoint
-size. Atomic: everything is written into OUT.partial and renamed to OUT at the end; a killed run
-leaves no OUT, and the next run starts OUT.partial afresh. Bad input is refused before anything is
-written: one `error: field: problem; fix` line, exit 2. --verify exits 1 on the first mismatch.
+Streaming: a worker reads one output tensor at a time (positioned reads of only the needed bytes)
+and writes it behind a header planned up front, hashing on the way out; peak memory is about the
+largest output tensor per worker (the embedding, or one layer's stacked experts of one rank),
+whatever the checkpoint size. Workers write different shards in a thread pool (reads, hashing and
+writes release the GIL); jobs go shard-major, so the ranks' reads of the same source bytes meet in
+the page cache. Atomic against the process dying (no fsync, like cp): everything is written into
+OUT.partial and renamed to OUT at the end; a killed run leaves no OUT, the next run starts
+OUT.partial afresh, a failing run removes it. Bad input is refused before anything is written:
+one `error: field: problem; fix` line, exit 2. --verify exits 1 on the first mismatch.
 """
 from __future__ import annotations
 
@@ -92,9 +95,13 @@ def plan_jobs(files: CheckpointFiles, config: dict, layout: ParallelLayout, max_
     return sorted(jobs, key=lambda job: (job.number, job.rank))
 
 
+def human(nbytes: int) -> str:
+    return f"{nbytes / GB:.2f} GB" if nbytes >= GB else f"{nbytes / 10 ** 6:.1f} MB"
+
+
 def oversized_notes(jobs: list, max_bytes: int) -> list:
     names = sorted({(t.name, t.nbytes) for job in jobs for t in job.tensors if t.nbytes > max_bytes})
-    return [f"note: {name} is {size / GB:.2f} GB, over --max-shard-size {max_bytes / GB:g} GB; "
+    return [f"note: {name} is {human(size)}, over --max-shard-size {human(max_bytes)}; "
             f"written alone in its shard (one tensor cannot be split)" for name, size in names]
 
 
@@ -157,10 +164,13 @@ def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int) -> dic
             with lock:
                 bar.update(n)
 
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        pool = ThreadPoolExecutor(max_workers=workers)
+        try:
             # write_shard is looked up at submission so that a test can wrap it.
             futures = [pool.submit(write_shard, job, files, out, on_bytes) for job in jobs]
             results = [future.result() for future in futures]
+        finally:
+            pool.shutdown(cancel_futures=True)      # after a failure, start no further shard
     return {rel: (size, sha) for rel, size, sha in results}
 
 
@@ -192,7 +202,7 @@ def _check_numbers(args) -> None:
     if not args.max_shard_size > 0:
         raise ConvertError(f"max-shard-size: must be > 0 GB, got {args.max_shard_size}; the default is 5")
     if args.max_workers < 1:
-        raise ConvertError(f"max-workers: must be >= 1, got {args.max_workers}")
+        raise ConvertError(f"max-workers: must be >= 1, got {args.max_workers}; use 1 (the default) or more")
 
 
 def validate(args) -> tuple:
@@ -226,15 +236,22 @@ def convert(args) -> str:
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)              # what a killed run left behind
     layout_block = {**layout.as_json(), "source_index_sha256": index_sha256(source)}
-    written = write_small_files(source, partial, config, layout_block, jobs)
-    written.update(run_jobs(jobs, files, partial, args.max_workers))
-    manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
-                "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(written.items())}}
-    write_json(partial / MANIFEST_FILE, manifest)
-    commit(partial, out)
+    try:
+        written = write_small_files(source, partial, config, layout_block, jobs)
+        written.update(run_jobs(jobs, files, partial, args.max_workers))
+        manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
+                    "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(written.items())}}
+        write_json(partial / MANIFEST_FILE, manifest)
+        commit(partial, out)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ConvertError(f"output-path: writing {partial} failed ({exc}); fix that (disk space? "
+                           f"permissions?) and run again", exit_code=1) from exc
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     total = sum(size for size, _ in written.values())
-    return (f"wrote {out}: {layout.ranks} rank dirs ({layout}), {len(jobs)} shards, "
-            f"{len(written)} files, {total / GB:.3f} GB")
+    return f"wrote {out}: {layout.ranks} rank dirs ({layout}), {len(jobs)} shards, {len(written)} files, {human(total)}"
 
 
 # ---------------------------------------------------------------- verify
@@ -267,7 +284,7 @@ def verify(out: Path, workers: int = 1) -> str:
                                f"{record['sha256'][:16]}…; the file is damaged, convert again", exit_code=1)
     total = sum(r["size"] for r in records.values())
     layout = ParallelLayout.from_json(manifest[LAYOUT_KEY])
-    return f"verified {out}: {len(records)} files, {total / GB:.3f} GB, {layout}: all match {MANIFEST_FILE}"
+    return f"verified {out}: {len(records)} files, {human(total)}, {layout}: all match {MANIFEST_FILE}"
 
 
 # ---------------------------------------------------------------- CLI

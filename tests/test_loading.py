@@ -1,0 +1,149 @@
+"""Per-rank loading (adaptor_patches/loading.py) of original and converted checkpoints.
+
+* The three ways a rank can get its weights give identical tensors: slices read from the original
+  checkpoint (the default), its converted rank-XX directory, and upstream's whole-tensor
+  from_pretrained cut by the adaptor's converters.
+* Two ranks (attention TP2 + MoE EP2) from the converted and from the original directory make the
+  same image as each other, and the single-process image within tests/test_generation.py's bounds.
+* A converted checkpoint whose layout differs from the run's is refused with one `error:` line
+  before any collective; so is one the shims-only reference cannot load.
+"""
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from generation import generate, latent_rel_err, psnr, run_cli
+from multirank import run_ranks
+
+PSNR_MIN_DB = 35.0
+LATENT_REL_ERR_MAX = 2e-2
+LAYOUTS = {"tp2": ((2, 2, 1), "tp"), "ep2": ((2, 1, 2), "ep"), "tp4": ((4, 4, 1), "tp")}
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_model, tmp_path_factory):
+    from utils import convert_model
+    root = tmp_path_factory.mktemp("converted")
+    for name, ((tp_attn, tp_moe, ep), _) in LAYOUTS.items():
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            code = convert_model.main(["--model-path", str(tiny_model), "--output-path", str(root / name),
+                                       "--tp-attn", str(tp_attn), "--tp-moe", str(tp_moe), "--ep", str(ep)])
+        assert code == 0
+    return {name: root / name for name in LAYOUTS}
+
+
+# ---------------------------------------------------------------- identical weights
+
+def load_three_ways(rank, world_size, original, converted_dir, moe_mode):
+    import model_adaptor
+    from adaptor_patches import loading
+    from adaptor_patches.parallel import ParallelSettings
+    device = model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, moe_mode=moe_mode))
+    sliced = loading.load_model(original, device).state_dict()
+    per_rank_dir = loading.load_model(converted_dir, device).state_dict()
+    whole = loading.load_model(original, device, per_rank=False).state_dict()
+    assert set(sliced) == set(per_rank_dir) == set(whole)
+    return [key for key in sliced if not (torch.equal(sliced[key], per_rank_dir[key])
+                                          and torch.equal(sliced[key], whole[key]))]
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp4"])      # tp2's split is covered by test_convert_model
+def test_sliced_converted_and_whole_loading_give_identical_weights(tiny_model, converted, layout):
+    (ranks, _, _), moe_mode = LAYOUTS[layout]
+    differing = run_ranks(ranks, load_three_ways, str(tiny_model), str(converted[layout]), moe_mode)
+    assert differing == [[]] * ranks
+
+
+def test_sliced_reader_reads_only_the_ranks_bytes(tiny_model, monkeypatch):
+    """EP2 rank 1: exactly the bytes of its tensors (half the experts'), except that o_proj's column
+    cut reads whole rows (row-major storage puts every rank's columns on every page)."""
+    from adaptor_patches import loading
+    read = []
+    original_pread = loading._pread_into
+    monkeypatch.setattr(loading, "_pread_into", lambda path, offset, buffer: (read.append(len(buffer)),
+                                                                               original_pread(path, offset, buffer)))
+    config = json.loads((tiny_model / "config.json").read_text())
+    files = loading.CheckpointFiles(tiny_model)
+    tensors = loading.rank_tensors(files, config, loading.ParallelLayout(2, 1, 2), rank=1)
+    for tensor in tensors:
+        assert tuple(tensor.read(files).shape) == tensor.shape
+    expected = sum(files.info(t.name).nbytes if t.name.endswith("o_proj.weight") else t.nbytes for t in tensors)
+    assert sum(read) == expected < sum(files.info(key).nbytes for key in files.keys())
+
+
+def test_read_index_matches_slicing(tiny_model):
+    from adaptor_patches import loading
+    files = loading.CheckpointFiles(tiny_model)
+    key = "model.layers.1.self_attn.qkv_proj.weight"
+    whole = load_file(tiny_model / files.weight_map[key])[key]
+    index = torch.tensor([3, 4, 5, 9, 10, 40, 0, 1])
+    assert torch.equal(files.read_index(key, index, 0), whole[index])
+    assert torch.equal(files.read_index(key, index, 1), whole[:, index])
+
+
+# ---------------------------------------------------------------- images
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("loading_gen")
+
+
+def test_two_ranks_from_converted_and_original_match_single_process(tiny_model, converted, out_dir):
+    single, single_latents, _ = generate(tiny_model, out_dir, "single")
+    original, original_latents, _ = generate(tiny_model, out_dir, "original_ep2", "--moe-ep", nproc=2)
+    per_rank, _, proc = generate(converted["ep2"], out_dir, "converted_ep2", "--moe-ep", nproc=2)
+    assert "world_size=2" in proc.stdout
+    assert per_rank.read_bytes() == original.read_bytes()
+    db, err = psnr(original, single), latent_rel_err(original_latents, single_latents)
+    print(f"ep2 vs single process: PSNR {db:.1f} dB, latent rel err {err:.2e}")
+    assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX
+
+
+# ---------------------------------------------------------------- refusals
+
+def assert_one_error(proc, start):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(start), lines[0]
+    return lines[0]
+
+
+def test_layout_mismatch_is_refused_before_any_collective(converted, tmp_path):
+    # Rank 0 of a 2-rank --moe-tp run, alone: reaching init_process_group would wait for rank 1.
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    proc = run_cli(["--prompt", "x", "--device", "cpu", "--model-id", converted["ep2"], "--moe-tp",
+                    "--save", tmp_path / "never.png"], env=env, timeout=120)
+    line = assert_one_error(proc, f"error: model-id: {converted['ep2']} is converted for tp_attn=2 tp_moe=1 ep=2 "
+                                  f"but this run is tp_attn=2 tp_moe=2 ep=1")
+    assert "--moe-ep" in line and "--tp-attn 2 --tp-moe 2 --ep 1" in line
+    assert not (tmp_path / "never.png").exists()
+
+
+def test_single_process_run_of_a_two_rank_conversion_is_refused(converted, tmp_path):
+    proc = run_cli(["--prompt", "x", "--device", "cpu", "--model-id", converted["tp2"], "--save", tmp_path / "n.png"])
+    assert_one_error(proc, f"error: model-id: {converted['tp2']} is converted for tp_attn=2 tp_moe=2 ep=1 "
+                           f"but this run is tp_attn=1 tp_moe=1 ep=1")
+
+
+def test_shims_reference_refuses_a_converted_checkpoint(converted, tmp_path):
+    proc = run_cli(["--prompt", "x", "--device", "cpu", "--model-id", converted["tp2"], "--adaptor", "shims",
+                    "--save", tmp_path / "n.png"])
+    assert_one_error(proc, "error: model-id: ")
+
+
+def test_check_checkpoint_wants_this_ranks_directory(converted, tmp_path):
+    import shutil
+    from adaptor_patches.loading import LoadingError, check_checkpoint
+    from adaptor_patches.parallel import ParallelSettings
+    copy = tmp_path / "tp2"
+    shutil.copytree(converted["tp2"], copy)
+    settings = ParallelSettings(device="cpu", world_size=2, rank=1, moe_mode="tp")
+    check_checkpoint(copy, settings)
+    shutil.rmtree(copy / "rank-01")
+    with pytest.raises(LoadingError, match="rank-01 is missing"):
+        check_checkpoint(copy, settings)
+    check_checkpoint(copy, ParallelSettings(device="cpu", world_size=2, rank=0, moe_mode="tp"))

@@ -1,11 +1,13 @@
-"""End-to-end benchmark: the adaptor vs upstream eager (only the compat shims), side by side.
+"""End-to-end benchmark: upstream eager (only the compat shims) vs the adaptor's layouts, side by side.
 
-    .venv/bin/python bench/e2e.py [--model DIR] [--steps 8] [--rounds 3] [--warmup 1]
+    .venv/bin/python bench/e2e.py [--model DIR] [--steps 8] [--rounds 3] [--warmup 1] [--layouts]
 
 Builds a mid-size random checkpoint if DIR is missing (hidden 512, 4 layers, 16 experts top-4,
-128x128 image), runs run_image_gen.py once per variant in a fresh process with the same seed,
-and prints one markdown table: per-step denoise time, VAE decode, total, peak RSS, and ratios
-against upstream eager. Numbers are medians over the timed rounds.
+128x128 image), runs run_image_gen.py once per variant in fresh processes with the same seed
+(under torchrun for several ranks), and prints one markdown table: per-step denoise time, VAE
+decode, total, peak RSS per rank, and ratios against upstream eager. Numbers are medians over the
+timed rounds. `--layouts` adds 2 and 4 CPU ranks; on a 2-core machine those are a communication-
+overhead check (ranks share the cores), not a speed-up claim.
 """
 from __future__ import annotations
 
@@ -23,7 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 MID_SIZES = dict(layers=4, hidden=512, heads=8, kv_heads=4, experts=16, topk=4, moe_intermediate=256,
                  image_base_size=128, patch_embed_dim=128)
-VARIANTS = {"upstream eager (shims)": ["--adaptor", "shims"], "adaptor": ["--adaptor", "full"]}
+BASE = "upstream eager (shims), 1 rank"
+VARIANTS = {BASE: (1, ["--adaptor", "shims"]), "adaptor, 1 rank": (1, ["--adaptor", "full"])}
+LAYOUTS = {"adaptor TP2 + MoE EP2, 2 ranks": (2, ["--moe-ep"]),
+           "adaptor CFG2, 2 ranks": (2, ["--cfg-parallel"]),
+           "adaptor TP2 x CFG2 + MoE TP2 + VAE, 4 ranks": (4, ["--cfg-parallel", "--moe-tp", "--vae-parallel"])}
 
 
 def ensure_model(path: Path) -> Path:
@@ -34,13 +40,21 @@ def ensure_model(path: Path) -> Path:
     return path
 
 
-def run_variant(model: Path, flags, args, out: Path) -> dict:
+def launcher(nproc: int) -> list:
+    if nproc == 1:
+        return [sys.executable]
+    sys.path.insert(0, str(ROOT / "tests"))
+    from multirank import free_port
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+
+
+def run_variant(model: Path, nproc: int, flags, args, out: Path, threads: int) -> dict:
     metrics = out / "metrics.json"
-    cmd = [sys.executable, str(ROOT / "run_image_gen.py"), "--prompt", "a lighthouse at dusk",
+    cmd = [*launcher(nproc), str(ROOT / "run_image_gen.py"), "--prompt", "a lighthouse at dusk",
            "--model-id", str(model), "--device", args.device, "--seed", "3", "--image-size",
            f"{args.size}x{args.size}", "--diff-infer-steps", str(args.steps), "--warmup", str(args.warmup),
            "--rounds", str(args.rounds), "--save", str(out / "image.png"), "--metrics-json", str(metrics), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
     if proc.returncode:
         sys.exit(f"error: variant {flags}: run_image_gen failed:\n{proc.stderr[-2000:]}")
@@ -53,7 +67,7 @@ def summarise(metrics: dict) -> dict:
     return {"step_s": step,
             "vae_s": statistics.median(r["vae_decode_s"] for r in rounds),
             "total_s": statistics.median(r["total_s"] for r in rounds),
-            "peak_gib": max(metrics["peak_memory_bytes_per_rank"]) / 2**30}
+            "peak_gib": [b / 2**30 for b in metrics["peak_memory_bytes_per_rank"]]}
 
 
 def main():
@@ -64,22 +78,26 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="OMP threads per rank (default: 2 / ranks)")
+    p.add_argument("--layouts", action="store_true", help="also run the 2- and 4-rank layouts")
     args = p.parse_args()
     model = ensure_model(args.model)
+    variants = {**VARIANTS, **(LAYOUTS if args.layouts else {})}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, flags in VARIANTS.items():
-            out = Path(tmp) / name.split()[0]
+        for i, (name, (nproc, flags)) in enumerate(variants.items()):
+            out = Path(tmp) / str(i)
             out.mkdir()
-            rows[name] = summarise(run_variant(model, flags, args, out))
-    base = rows["upstream eager (shims)"]
+            threads = args.threads or max(1, 2 // nproc)
+            rows[name] = summarise(run_variant(model, nproc, flags, args, out, threads))
+    base = rows[BASE]
     print(f"\nmodel {model.name}: {args.size}x{args.size}, {args.steps} steps, device {args.device}, "
-          f"OMP threads {args.threads}, median of {args.rounds} rounds after {args.warmup} warm-up\n")
-    print("| variant | denoise step (s) | VAE decode (s) | total (s) | peak RSS (GiB) | step vs eager | total vs eager |")
+          f"OMP threads per rank 2/ranks, median of {args.rounds} rounds after {args.warmup} warm-up\n")
+    print("| variant | denoise step (s) | VAE decode (s) | total (s) | peak RSS per rank (GiB) | step vs eager | total vs eager |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['step_s']:.3f} | {r['vae_s']:.3f} | {r['total_s']:.3f} | {r['peak_gib']:.2f} "
+        peaks = " / ".join(f"{g:.2f}" for g in r["peak_gib"])
+        print(f"| {name} | {r['step_s']:.3f} | {r['vae_s']:.3f} | {r['total_s']:.3f} | {peaks} "
               f"| {r['step_s'] / base['step_s']:.2f}x | {r['total_s'] / base['total_s']:.2f}x |")
 
 

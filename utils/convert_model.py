@@ -14,11 +14,11 @@ adaptor_patches/loading.py's `rank_tensors`, which the loader also reads an orig
 with, so both routes give identical weights.
 
 Streaming: a worker reads one output tensor at a time (positioned reads of only the needed bytes)
-and writes it behind a header planned up front, hashing on the way out; peak memory is about the
-largest output tensor per worker (the embedding, or one layer's stacked experts of one rank),
-whatever the checkpoint size. Workers write different shards in a thread pool (reads, hashing and
-writes release the GIL); jobs go shard-major, so the ranks' reads of the same source bytes meet in
-the page cache. Atomic against the process dying (no fsync, like cp): everything is written into
+and writes it behind a header planned up front, hashing on the way out, the write overlapping the
+next read. Output tensors held in memory, across all workers, never exceed --max-shard-size (one
+larger tensor is held alone), whatever the checkpoint size. Workers write different shards in a
+thread pool (reads, hashing and writes release the GIL); jobs go shard-major, so the ranks' reads
+of the same source bytes meet in the page cache. Atomic against the process dying (no fsync, like cp): everything is written into
 OUT.partial and renamed to OUT at the end; a killed run leaves no OUT, the next run starts
 OUT.partial afresh, a failing run removes it. Bad input is refused before anything is written:
 one `error: field: problem; fix` line, exit 2. --verify exits 1 on the first mismatch.
@@ -107,13 +107,42 @@ def oversized_notes(jobs: list, max_bytes: int) -> list:
 
 # ---------------------------------------------------------------- writing
 
-def write_shard(job: ShardJob, files: CheckpointFiles, out: Path, on_bytes) -> tuple:
-    """Read, write and hash one shard, one tensor at a time; return (relpath, size, sha256)."""
+class ByteBudget:
+    """At most `limit` bytes of output tensors in memory across all workers (a larger tensor alone)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.aborted = limit, 0, False
+        self._changed = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.aborted or self.used == 0 or self.used + nbytes <= self.limit)
+            if self.aborted:
+                raise RuntimeError("conversion aborted after a failure elsewhere")
+            self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._changed:
+            self.used -= nbytes
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        with self._changed:
+            self.aborted = True
+            self._changed.notify_all()
+
+
+def write_shard(job: ShardJob, files: CheckpointFiles, out: Path, budget: ByteBudget, on_bytes) -> tuple:
+    """Read, hash and write one shard, one tensor at a time; return (relpath, size, sha256)."""
+    def written(nbytes):
+        budget.release(nbytes)
+        on_bytes(nbytes)
+
     entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in job.tensors]
-    with StreamingWriter(out / job.relpath, entries) as writer:
+    with StreamingWriter(out / job.relpath, entries, written) as writer:
         for tensor in job.tensors:
+            budget.acquire(tensor.nbytes)
             writer.write(tensor.name, tensor.read(files))
-            on_bytes(tensor.nbytes)
     return job.relpath, writer.size, writer.sha256
 
 
@@ -157,7 +186,7 @@ def progress_bar(total: int, desc: str):
                 dynamic_ncols=True, mininterval=0.5)
 
 
-def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int) -> dict:
+def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int, budget: ByteBudget) -> dict:
     lock = threading.Lock()
     with progress_bar(sum(job.nbytes for job in jobs), "convert") as bar:
         def on_bytes(n):
@@ -167,10 +196,13 @@ def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int) -> dic
         pool = ThreadPoolExecutor(max_workers=workers)
         try:
             # write_shard is looked up at submission so that a test can wrap it.
-            futures = [pool.submit(write_shard, job, files, out, on_bytes) for job in jobs]
+            futures = [pool.submit(write_shard, job, files, out, budget, on_bytes) for job in jobs]
             results = [future.result() for future in futures]
+        except BaseException:
+            budget.abort()                           # wake workers waiting for memory, start no shard
+            raise
         finally:
-            pool.shutdown(cancel_futures=True)      # after a failure, start no further shard
+            pool.shutdown(cancel_futures=True)
     return {rel: (size, sha) for rel, size, sha in results}
 
 
@@ -238,7 +270,7 @@ def convert(args) -> str:
     layout_block = {**layout.as_json(), "source_index_sha256": index_sha256(source)}
     try:
         written = write_small_files(source, partial, config, layout_block, jobs)
-        written.update(run_jobs(jobs, files, partial, args.max_workers))
+        written.update(run_jobs(jobs, files, partial, args.max_workers, ByteBudget(max_bytes)))
         manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
                     "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(written.items())}}
         write_json(partial / MANIFEST_FILE, manifest)

@@ -22,7 +22,6 @@ as moe_weights.py does for the experts. Tensors already of the local shape pass 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .conversions import converters_registered
 from .parallel import attention_tp_degrees, runtime
 
 QKV_WEIGHT, QKV_BIAS, O_WEIGHT = "qkv_proj.weight", "qkv_proj.bias", "o_proj.weight"
@@ -228,19 +228,6 @@ def checkpoint_conversions() -> list:
                             operations=[op(key)]) for key in (QKV_WEIGHT, QKV_BIAS, O_WEIGHT)]
 
 
-@contextlib.contextmanager
-def conversions_registered():
-    """Our converters, keyed by the decoder's class (moe_weights keys its own by the root class, so
-    both apply), while one from_pretrained runs; then what was registered before."""
-    from transformers import conversion_mapping
-    previous = conversion_mapping.get_checkpoint_conversion_mapping(CONVERTER_OWNER)
-    conversion_mapping.register_checkpoint_conversion_mapping(CONVERTER_OWNER, checkpoint_conversions(), overwrite=True)
-    try:
-        yield
-    finally:
-        conversion_mapping.register_checkpoint_conversion_mapping(CONVERTER_OWNER, previous or [], overwrite=True)
-
-
 def from_pretrained_sharding_heads(original, _device):
     """Patch for `HunyuanImage3ForCausalMM.from_pretrained`; `original` is the (bound) inherited one,
     already wrapped by moe_weights' patch when that row comes first in PATCHES."""
@@ -250,7 +237,7 @@ def from_pretrained_sharding_heads(original, _device):
     def from_pretrained(cls, *args, **kwargs):
         if runtime().settings.tp_degree == 1:
             return function(cls, *args, **kwargs)
-        with conversions_registered():
+        with converters_registered(CONVERTER_OWNER, checkpoint_conversions()):
             return function(cls, *args, **kwargs)
 
     return classmethod(from_pretrained)

@@ -28,11 +28,12 @@ Upstream checkpoints keep one `experts.{e}.gate_and_up_proj.weight` [2I, H] and
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
 import torch
+
+from .conversions import converters_registered
 
 EXPERT_GATE_AND_UP = "experts.{}.gate_and_up_proj.weight"
 EXPERT_DOWN = "experts.{}.down_proj.weight"
@@ -190,25 +191,13 @@ def checkpoint_conversions() -> list:
             for src, dst, convert, stacked in rows]
 
 
-@contextlib.contextmanager
-def conversions_registered(class_name: str):
-    """Register our converters for `class_name` while loading; restore what was there after."""
-    from transformers import conversion_mapping
-    previous = conversion_mapping.get_checkpoint_conversion_mapping(class_name)
-    conversion_mapping.register_checkpoint_conversion_mapping(class_name, checkpoint_conversions(), overwrite=True)
-    try:
-        yield
-    finally:
-        conversion_mapping.register_checkpoint_conversion_mapping(class_name, previous or [], overwrite=True)
-
-
 def from_pretrained_stacking_experts(original, _device):
     """Patch for `HunyuanImage3PreTrainedModel.from_pretrained` (a classmethod)."""
     function = original.__func__
 
     @functools.wraps(function)
     def from_pretrained(cls, *args, **kwargs):
-        with conversions_registered(cls.__name__):
+        with converters_registered(cls.__name__, checkpoint_conversions()):
             return function(cls, *args, **kwargs)
 
     return classmethod(from_pretrained)

@@ -282,6 +282,7 @@ class RankTensor:
     shape: tuple
     dtype: str                              # safetensors dtype name
     read: Callable                          # read(CheckpointFiles) -> torch.Tensor
+    stored: Optional[StoredTensor] = None   # set when it is a stored tensor unchanged (a byte copy)
 
     @property
     def nbytes(self) -> int:
@@ -313,7 +314,7 @@ class _RankSplitter:
 
     def whole(self, key: str) -> RankTensor:
         info = self.files.info(key)
-        return RankTensor(key, info.shape, info.dtype, lambda files: files.read_rows(key))
+        return RankTensor(key, info.shape, info.dtype, lambda files: files.read_rows(key), stored=info)
 
     def cut(self, key: str, index: torch.Tensor, dim: int, convert=None) -> RankTensor:
         info = self.files.info(key)

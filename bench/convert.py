@@ -6,10 +6,12 @@
 Writes a synthetic checkpoint with the real model's key names and per-tensor shapes (hidden 4096,
 32 heads / 8 KV heads of 128, expert intermediate 3072, vocab 133120; fewer layers and experts;
 random bf16 bits; ~1 GB shards) under a temporary directory, then times, each followed by `sync`
-so the bytes have reached the disk: one conversion per worker count, and `cp -r` of the first
-conversion's output (the same files, the same bytes: the throughput baseline). Peak RSS is the
-converter process's own maximum (`wait4` rusage). Prints a markdown table; deletes everything it
-wrote. --cold drops the page cache before each timed run (root only).
+so the bytes have reached the disk: `cp -r` of a converted output (the same files and bytes the
+converter writes: the throughput baseline) and one conversion per worker count, interleaved,
+--repeat times; the table shows medians. An untimed conversion first warms the page cache and
+makes the output cp copies. Peak RSS is the converter process's own maximum (`wait4` rusage, the
+largest over the repeats). Prints a markdown table; deletes everything it wrote. --cold drops the
+page cache before each timed run (root only).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,6 +134,7 @@ def main():
     p.add_argument("--layout", default="2,1,2", help="tp_attn,tp_moe,ep")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--max-shard-size", type=float, default=5.0)
+    p.add_argument("--repeat", type=int, default=3, help="timed runs of each; the table shows the median")
     p.add_argument("--workdir", default=None, help="where to put the temporary files (default: system temp)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each timed run (root)")
     args = p.parse_args()
@@ -141,29 +145,46 @@ def main():
         source = tmp / "source"
         print(f"writing the synthetic checkpoint to {source} ...", file=sys.stderr)
         source_bytes = write_checkpoint(source, args.layers, args.experts, args.vocab)
-        rows, log = [], tmp / "stderr.log"
-        for workers in args.workers:
-            out = tmp / f"out{workers}"
-            cmd = [sys.executable, str(ROOT / "utils/convert_model.py"), "--model-path", str(source),
-                   "--output-path", str(out), "--tp-attn", str(tp_attn), "--tp-moe", str(tp_moe), "--ep", str(ep),
-                   "--max-shard-size", str(args.max_shard_size), "--max-workers", str(workers)]
-            wall, rss = timed(cmd, args.cold, log)
-            rows.append((f"convert, `--max-workers {workers}`", tree_bytes(out), wall, rss, cmd))
-            if len(rows) == 1:                 # the baseline: cp -r of the very bytes the converter wrote
-                wall, _ = timed(["cp", "-r", str(out), str(tmp / "copy")], args.cold, log)
-                rows.insert(0, ("`cp -r` of the converted output", tree_bytes(tmp / "copy"), wall, None, None))
-                shutil.rmtree(tmp / "copy")
-            shutil.rmtree(out)
+        log = tmp / "stderr.log"
+
+        def convert_cmd(out: Path, workers: int) -> list:
+            return [sys.executable, str(ROOT / "utils/convert_model.py"), "--model-path", str(source),
+                    "--output-path", str(out), "--tp-attn", str(tp_attn), "--tp-moe", str(tp_moe), "--ep", str(ep),
+                    "--max-shard-size", str(args.max_shard_size), "--max-workers", str(workers)]
+
+        # Untimed: warms the page cache and the disk, and is what `cp -r` copies.
+        reference = tmp / "reference"
+        timed(convert_cmd(reference, 1), args.cold, log)
+        runs = [("`cp -r` of the converted output", ["cp", "-r", str(reference), str(tmp / "out")])]
+        runs += [(f"convert, `--max-workers {w}`", convert_cmd(tmp / "out", w)) for w in args.workers]
+        samples = {name: [] for name, _ in runs}
+        for _ in range(args.repeat):
+            for name, cmd in runs:
+                wall, rss = timed(cmd, args.cold, log)
+                samples[name].append((wall, rss))
+                shutil.rmtree(tmp / "out")
+        written = tree_bytes(reference)
+        rows = [(name, written, statistics.median(w for w, _ in samples[name]),
+                 None if name.startswith("`cp") else max(r for _, r in samples[name]), cmd) for name, cmd in runs]
         print_table(rows, source_bytes, args, (tp_attn, tp_moe, ep))
+
+
+def largest_output_bytes(args, layout) -> int:
+    """The embedding, or one layer's stacked w13 of one rank (bf16)."""
+    _, tp_moe, ep = layout
+    w13 = (args.experts // ep) * HIDDEN * (2 * INTERMEDIATE // tp_moe)
+    return 2 * max(args.vocab * HIDDEN, w13)
 
 
 def print_table(rows, source_bytes, args, layout):
     cp_rate = rows[0][1] / rows[0][2]
-    bound = args.max_shard_size * GB + 2 ** 30
+    bound = max(args.max_shard_size * GB, largest_output_bytes(args, layout)) + 2 ** 30   # a larger tensor is held alone
     print(f"Synthetic checkpoint: {args.layers} layers x {args.experts} experts, vocab {args.vocab}, real per-tensor "
           f"shapes, {source_bytes / GB:.2f} GB bf16; layout tp_attn={layout[0]} tp_moe={layout[1]} ep={layout[2]}; "
-          f"page cache {'dropped before each run' if args.cold else 'warm'}; wall time includes a final `sync`.\n")
-    print("| run | bytes written | wall s | GB/s written | throughput vs cp | peak RSS | bound (max-shard-size + 1 GiB) |")
+          f"page cache {'dropped before each run' if args.cold else 'warm'}; wall time includes a final `sync`; "
+          f"median of {args.repeat} interleaved runs.\n")
+    print("| run | bytes written | wall s | GB/s written | throughput vs cp | peak RSS "
+          "| RSS bound: max(--max-shard-size, largest tensor) + 1 GiB |")
     print("|---|---|---|---|---|---|---|")
     for name, written, wall, rss, _ in rows:
         rate = written / wall

@@ -139,6 +139,25 @@ def test_rank_shards_reassemble_every_original_tensor(tiny_model, converted, lay
     assert_reassembles(tiny_model, converted[layout], LAYOUTS[layout])
 
 
+def test_without_kernel_copy_the_same_bytes_are_written(tiny_model, converted, tmp_path, monkeypatch):
+    """copy_file_range copies a little, then reports another file system: the rest goes through write()."""
+    import errno
+    real_copy = os.copy_file_range
+    calls = []
+
+    def copy_a_little_then_refuse(src, dst, count, offset_src=None, offset_dst=None):
+        calls.append(count)
+        if len(calls) > 1:
+            raise OSError(errno.EXDEV, "cross-device")
+        return real_copy(src, dst, min(count, 1000), offset_src, offset_dst)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_a_little_then_refuse)
+    out = convert(tiny_model, tmp_path / "out", "ep2")
+    assert len(calls) > 1
+    for rel in json.loads((out / "manifest.json").read_text())["files"]:
+        assert (out / rel).read_bytes() == (converted["ep2"] / rel).read_bytes(), rel
+
+
 def test_output_layout_manifest_and_configs(tiny_model, converted):
     import hashlib
     out = converted["tp4"]

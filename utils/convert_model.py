@@ -13,10 +13,11 @@ same small files and manifest.json (size and sha256 of every file written). The 
 adaptor_patches/loading.py's `rank_tensors`, which the loader also reads an original checkpoint
 with, so both routes give identical weights.
 
-Streaming: a worker reads one output tensor at a time (positioned reads of only the needed bytes)
+Streaming: a worker makes one output tensor at a time (positioned reads of only the needed bytes)
 and writes it behind a header planned up front, hashing on the way out, the write overlapping the
-next read. Output tensors held in memory, across all workers, never exceed --max-shard-size (one
-larger tensor is held alone), whatever the checkpoint size. Workers write different shards in a
+next read; a tensor kept unchanged (everything replicated) is hashed through a small buffer and
+copied by the kernel. Output tensors held in memory, across all workers, never exceed
+--max-shard-size (one larger tensor is held alone), whatever the checkpoint size. Workers write different shards in a
 thread pool (reads, hashing and writes release the GIL); jobs go shard-major, so the ranks' reads
 of the same source bytes meet in the page cache. Atomic against the process dying (no fsync, like cp): everything is written into
 OUT.partial and renamed to OUT at the end; a killed run leaves no OUT, the next run starts
@@ -34,6 +35,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -42,7 +44,7 @@ if str(ROOT) not in sys.path:
 from adaptor_patches.loading import (INDEX_FILE, LAYOUT_KEY, MANIFEST_FILE, SINGLE_FILE,  # noqa: E402
                                      CheckpointFiles, ParallelLayout, rank_dir_name, rank_tensors)
 from utils.checkpoint_checks import source_problem  # noqa: E402
-from utils.safetensors_stream import StreamingWriter, copy_with_sha256, file_sha256  # noqa: E402
+from utils.safetensors_stream import StreamingWriter, copy_file, copy_with_sha256, file_sha256  # noqa: E402
 
 GB = 10 ** 9
 MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
@@ -64,6 +66,7 @@ class ShardJob:
     number: int                 # 1-based
     count: int                  # shards of this rank
     tensors: tuple              # RankTensor, in file order
+    same_as: Optional[str] = None     # relpath of rank 0's byte-identical shard (only unchanged tensors)
 
     @property
     def relpath(self) -> str:
@@ -83,16 +86,29 @@ def split_into_shards(tensors: list, max_bytes: int) -> list:
             size = 0
         shards[-1].append(tensor)
         size += tensor.nbytes
-    return shards
+    return [shard for shard in shards if shard]
+
+
+def rank_shards(tensors: list, max_bytes: int) -> list:
+    """Unchanged tensors first, in shards of their own: those shards are byte-identical on every rank."""
+    unchanged = [t for t in tensors if t.stored is not None]
+    made = [t for t in tensors if t.stored is None]
+    return split_into_shards(unchanged, max_bytes) + split_into_shards(made, max_bytes)
 
 
 def plan_jobs(files: CheckpointFiles, config: dict, layout: ParallelLayout, max_bytes: int) -> list:
-    """Every shard of every rank, ordered shard-major so the ranks read the same source bytes together."""
-    jobs = []
+    """Every shard of every rank, ordered shard-major so the ranks read the same source bytes together.
+    Ranks > 0 copy rank 0's shards of unchanged tensors instead of making them again; those copies
+    come last, so that no worker waits for the shard it copies while others could be made."""
+    jobs, rank0 = [], []
     for rank in range(layout.ranks):
-        shards = split_into_shards(rank_tensors(files, config, layout, rank), max_bytes)
-        jobs += [ShardJob(rank, k, len(shards), tuple(s)) for k, s in enumerate(shards, 1)]
-    return sorted(jobs, key=lambda job: (job.number, job.rank))
+        shards = rank_shards(rank_tensors(files, config, layout, rank), max_bytes)
+        for k, shard in enumerate(shards, 1):
+            unchanged = all(t.stored is not None for t in shard)
+            twin = rank0[k - 1].relpath if rank and unchanged else None   # every rank has the same shard plan
+            jobs.append(ShardJob(rank, k, len(shards), tuple(shard), same_as=twin))
+        rank0 = rank0 or jobs[:]
+    return sorted(jobs, key=lambda job: (job.same_as is not None, job.number, job.rank))
 
 
 def human(nbytes: int) -> str:
@@ -133,16 +149,20 @@ class ByteBudget:
 
 
 def write_shard(job: ShardJob, files: CheckpointFiles, out: Path, budget: ByteBudget, on_bytes) -> tuple:
-    """Read, hash and write one shard, one tensor at a time; return (relpath, size, sha256)."""
+    """Write one shard, tensor by tensor (unchanged ones copied by the kernel, the others made in
+    memory within the budget); return (relpath, size, sha256)."""
     def written(nbytes):
         budget.release(nbytes)
         on_bytes(nbytes)
 
     entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in job.tensors]
-    with StreamingWriter(out / job.relpath, entries, written) as writer:
+    with StreamingWriter(out / job.relpath, entries) as writer:
         for tensor in job.tensors:
-            budget.acquire(tensor.nbytes)
-            writer.write(tensor.name, tensor.read(files))
+            if tensor.stored is not None:
+                writer.copy(tensor.name, tensor.stored, on_bytes)
+            else:
+                budget.acquire(tensor.nbytes)
+                writer.write(tensor.name, tensor.read(files), written)
     return job.relpath, writer.size, writer.sha256
 
 
@@ -186,6 +206,14 @@ def progress_bar(total: int, desc: str):
                 dynamic_ncols=True, mininterval=0.5)
 
 
+def copy_twin(job: ShardJob, twin_result, out: Path, on_bytes) -> tuple:
+    """A shard identical to rank 0's: copy its file (by the kernel), reuse its size and sha256."""
+    twin_relpath, size, sha = twin_result.result()
+    copy_file(out / twin_relpath, out / job.relpath)
+    on_bytes(job.nbytes)
+    return job.relpath, size, sha
+
+
 def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int, budget: ByteBudget) -> dict:
     lock = threading.Lock()
     with progress_bar(sum(job.nbytes for job in jobs), "convert") as bar:
@@ -193,11 +221,14 @@ def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int, budget
             with lock:
                 bar.update(n)
 
-        pool = ThreadPoolExecutor(max_workers=workers)
+        pool, futures = ThreadPoolExecutor(max_workers=workers), {}
         try:
-            # write_shard is looked up at submission so that a test can wrap it.
-            futures = [pool.submit(write_shard, job, files, out, budget, on_bytes) for job in jobs]
-            results = [future.result() for future in futures]
+            for job in jobs:        # a twin comes after its rank-0 shard, which is thus running or done
+                if job.same_as is not None:
+                    futures[job.relpath] = pool.submit(copy_twin, job, futures[job.same_as], out, on_bytes)
+                else:               # write_shard is looked up here so that a test can wrap it
+                    futures[job.relpath] = pool.submit(write_shard, job, files, out, budget, on_bytes)
+            results = [future.result() for future in futures.values()]
         except BaseException:
             budget.abort()                           # wake workers waiting for memory, start no shard
             raise

@@ -1,15 +1,23 @@
 """Write a safetensors file one tensor at a time, hashing the bytes as they go out.
 
-The header is written first, from the planned names, dtypes and shapes; each tensor's bytes follow
-as it is produced, so the file's sha256 needs no re-read. Writing is write-behind: a tensor's bytes
-go to the file on the writer's own thread while the caller produces the next tensor, and the
-caller waits for the previous write before handing over another, so at most two tensors (one
-being written, one being produced) are alive per writer. The files are ordinary safetensors.
+The header is written first, from the planned names, dtypes and shapes; each tensor follows as it
+is produced, so the file's sha256 needs no re-read. Two ways in:
+  * `write(name, tensor)`: a tensor made in memory (a cut, a stack of experts);
+  * `copy(name, stored)`: a tensor stored unchanged in another safetensors file. Its bytes are
+    hashed through a small reused buffer and copied by the kernel (`copy_file_range`), never
+    through this process's memory: on a typical disk that is several times faster than write().
+Writes are write-behind: they run on the writer's own thread while the caller produces the next
+tensor, and the caller waits for the previous one before handing over another, so at most two
+tensors (one being written, one being produced) are alive per writer. The files are ordinary
+safetensors.
 """
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
+import os
 import queue
 import struct
 import sys
@@ -22,8 +30,10 @@ if str(ROOT) not in sys.path:
 
 from adaptor_patches.loading import DTYPES, tensor_bytes  # noqa: E402
 
-HASH_CHUNK = 8 << 20
+HASH_CHUNK = 16 << 20
 WRITE_CHUNK = 64 << 20
+NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def header_bytes(entries, metadata=None) -> bytes:
@@ -38,92 +48,150 @@ def header_bytes(entries, metadata=None) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-class StreamingWriter:
-    """`with StreamingWriter(path, entries, on_written) as w: w.write(name, tensor)` for every entry,
-    in order; on_written(nbytes) runs once a tensor's bytes are in the file (and its memory is free)."""
+def read_chunks(path: Path, offset: int, nbytes: int, buffer: bytearray):
+    """Views of `buffer` holding consecutive pieces of the byte range; each is valid until the next."""
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < nbytes:
+            got = os.preadv(f.fileno(), [view[:min(len(view), nbytes - done)]], offset + done)
+            if got == 0:
+                raise EOFError(f"{path}: ends before byte {offset + done}")
+            yield view[:got]
+            done += got
 
-    def __init__(self, path: Path, entries, on_written=None, metadata=None):
+
+class StreamingWriter:
+    """`with StreamingWriter(path, entries) as w:` then `w.write(...)` / `w.copy(...)` for every
+    planned entry, in order; each takes an optional on_written(nbytes), called once its bytes are in
+    the file (and, for write, its tensor's memory is released)."""
+
+    def __init__(self, path: Path, entries, metadata=None):
         self.path = Path(path)
         self._pending = list(entries)
         self._hash = hashlib.sha256()
+        self._hash_buffer = bytearray(min(HASH_CHUNK, max((entry[3] for entry in self._pending), default=0)))
         self.size = 0
-        self._on_written = on_written or (lambda nbytes: None)
-        self._file = open(self.path, "wb")
+        self._file = open(self.path, "wb", buffering=0)     # unbuffered: copy_file_range shares its offset
         self._queue = queue.Queue()
         self._failure = None
-        self._thread = threading.Thread(target=self._write_queued, name=f"write {self.path.name}", daemon=True)
+        self._thread = threading.Thread(target=self._run_queued, name=f"write {self.path.name}", daemon=True)
         self._thread.start()
-        self._emit(header_bytes(self._pending, metadata), 0)
+        header = header_bytes(self._pending, metadata)
+        self._hash.update(header)
+        self.size += len(header)
+        self._hand_over(functools.partial(_write_all, self._file, header), None, 0)
 
-    def _write_queued(self) -> None:
+    # -------------------------------------------------------------- the writer's thread
+
+    def _run_queued(self) -> None:
         while (item := self._queue.get()) is not None:
-            data, nbytes = item
+            action, on_written, nbytes = item
             try:
                 if self._failure is None:
-                    for start in range(0, len(data), WRITE_CHUNK):
-                        self._file.write(data[start:start + WRITE_CHUNK])
-            except BaseException as exc:          # re-raised on the caller's thread
+                    action()
+            except BaseException as exc:              # re-raised on the caller's thread
                 self._failure = exc
-            del data, item
-            self._on_written(nbytes)
+            del action, item
+            if on_written is not None:
+                on_written(nbytes)
             self._queue.task_done()
         self._queue.task_done()
 
-    def _emit(self, data, nbytes: int) -> None:
-        self._hash.update(data)
-        self.size += len(data)
-        self._queue.join()                        # the previous tensor is written: at most two alive
+    # -------------------------------------------------------------- the caller's thread
+
+    def _hand_over(self, action, on_written, nbytes: int) -> None:
+        self._queue.join()                            # the previous item is written: at most two alive
         if self._failure is not None:
             raise self._failure
-        self._queue.put((data, nbytes))
+        self._queue.put((action, on_written, nbytes))
 
-    def write(self, name: str, tensor) -> None:
+    def _next_entry(self, name: str, shape, dtype) -> int:
         if not self._pending:
             raise ValueError(f"{self.path.name}: {name} is not planned for this file")
-        planned, dtype, shape, nbytes = self._pending.pop(0)
-        if name != planned or tuple(tensor.shape) != tuple(shape) or tensor.dtype != DTYPES[dtype]:
-            raise ValueError(f"{self.path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype}, "
-                             f"planned {planned} {tuple(shape)} {DTYPES[dtype]}")
-        self._emit(tensor_bytes(tensor.contiguous()), nbytes)
+        planned, planned_dtype, planned_shape, nbytes = self._pending.pop(0)
+        if name != planned or tuple(shape) != tuple(planned_shape) or dtype != planned_dtype:
+            raise ValueError(f"{self.path.name}: got {name} {tuple(shape)} {dtype}, "
+                             f"planned {planned} {tuple(planned_shape)} {planned_dtype}")
+        return nbytes
+
+    def write(self, name: str, tensor, on_written=None) -> None:
+        nbytes = self._next_entry(name, tensor.shape, DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)))
+        data = tensor_bytes(tensor.contiguous())
+        self._hash.update(data)
+        self.size += nbytes
+        self._hand_over(functools.partial(_write_all, self._file, data), on_written, nbytes)
+
+    def copy(self, name: str, stored, on_written=None) -> None:
+        """`stored` (loading.StoredTensor) byte for byte: hashed here, copied by the kernel."""
+        nbytes = self._next_entry(name, stored.shape, stored.dtype)
+        for chunk in read_chunks(stored.file, stored.offset, nbytes, self._hash_buffer):
+            self._hash.update(chunk)
+        self.size += nbytes
+        self._hand_over(functools.partial(copy_range, stored.file, stored.offset, nbytes, self._file), on_written,
+                        nbytes)
 
     @property
     def sha256(self) -> str:
         return self._hash.hexdigest()
 
-    def _finish(self) -> None:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
         self._queue.put(None)
         self._thread.join()
         self._file.close()
         if self._failure is not None:
             raise self._failure
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        self._finish()
         if exc_type is None and self._pending:
             raise ValueError(f"{self.path.name}: {len(self._pending)} planned tensors were not written, "
                              f"e.g. {self._pending[0][0]}")
 
 
+def _write_all(target, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[target.write(view[:WRITE_CHUNK]):]
+
+
+def copy_range(path: Path, offset: int, nbytes: int, target) -> None:
+    """Append bytes [offset, offset + nbytes) of `path` to the unbuffered file `target`, by the kernel
+    (copy_file_range) where it can, else through a buffer."""
+    done = 0
+    with open(path, "rb", buffering=0) as src:
+        try:
+            while done < nbytes:
+                got = os.copy_file_range(src.fileno(), target.fileno(), nbytes - done, offset + done)
+                if got == 0:
+                    raise EOFError(f"{path}: ends before byte {offset + done}")
+                done += got
+        except OSError as exc:
+            if exc.errno not in NO_KERNEL_COPY:
+                raise
+    if done < nbytes:                                 # no kernel copy here (e.g. across file systems)
+        for chunk in read_chunks(path, offset + done, nbytes - done, bytearray(min(WRITE_CHUNK, nbytes - done))):
+            _write_all(target, chunk)
+
+
+def copy_file(source: Path, target: Path) -> None:
+    with open(target, "wb", buffering=0) as out:
+        copy_range(source, 0, source.stat().st_size, out)
+
+
 def file_sha256(path: Path, on_bytes=None) -> str:
     """sha256 of a file read in chunks; on_bytes(n) after each chunk (a progress bar's update)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-            if on_bytes:
-                on_bytes(len(chunk))
+    size = path.stat().st_size
+    for chunk in read_chunks(path, 0, size, bytearray(min(HASH_CHUNK, size))):
+        digest.update(chunk)
+        if on_bytes:
+            on_bytes(len(chunk))
     return digest.hexdigest()
 
 
 def copy_with_sha256(source: Path, target: Path) -> tuple:
-    """Copy a file; return (size, sha256) of what was written."""
-    digest, size = hashlib.sha256(), 0
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        while chunk := src.read(HASH_CHUNK):
-            dst.write(chunk)
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
+    """Copy a small file; return (size, sha256) of what was written."""
+    data = source.read_bytes()
+    target.write_bytes(data)
+    return len(data), hashlib.sha256(data).hexdigest()

@@ -176,6 +176,8 @@ def test_output_layout_manifest_and_configs(tiny_model, converted):
             assert (folder / name).read_bytes() == (tiny_model / name).read_bytes()
     shards = sorted((out / "rank-00").glob("model-*.safetensors"))
     assert len(shards) > 1 and shards[-1].name.endswith(f"-of-{len(shards):05d}.safetensors")
+    # Unchanged tensors come first, in shards every rank shares byte for byte (ranks > 0 copy them).
+    assert all((out / f"rank-{r:02d}" / shards[0].name).read_bytes() == shards[0].read_bytes() for r in range(4))
     cap = float(SMALL_SHARDS_GB) * 1e9
     for shard in shards:
         tensors = load_file(shard)

@@ -84,6 +84,13 @@ def test_layout_matches_single_process(checkpoint, out_dir, single, layout):
     assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (layout, db, err)
 
 
+def test_same_seed_and_layout_give_byte_identical_png(checkpoint, out_dir):
+    nproc, flags = LAYOUTS["ep2_cfg2_moe_ep"]
+    first, _, _ = generate(checkpoint, out_dir, "repeat_a", *flags, nproc=nproc)
+    second, _, _ = generate(checkpoint, out_dir, "repeat_b", *flags, nproc=nproc)
+    assert first.read_bytes() == second.read_bytes()
+
+
 # ---------------------------------------------------------------- refused before any weight is read
 
 @pytest.fixture(scope="module")

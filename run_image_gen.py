@@ -102,7 +102,7 @@ def set_reproducibility(torch, seed):
     torch.use_deterministic_algorithms(True)
 
 
-def init_distributed(torch, settings, device):
+def init_distributed(settings, device):
     if not settings.is_distributed:
         return None
     import torch.distributed as dist
@@ -111,7 +111,7 @@ def init_distributed(torch, settings, device):
     return dist
 
 
-def shared_seed(torch, dist, seed):
+def shared_seed(dist, seed):
     """One seed for every rank: the given one, or rank 0's random choice broadcast to all."""
     if seed is not None:
         return seed
@@ -166,8 +166,8 @@ def run(args):
     t0 = time.perf_counter()
     device = model_adaptor.apply(settings, shims_only=args.adaptor == "shims")
     device.make_current()
-    dist = init_distributed(torch, settings, device)
-    seed = shared_seed(torch, dist, args.seed)
+    dist = init_distributed(settings, device)
+    seed = shared_seed(dist, args.seed)
     if args.reproduce:
         set_reproducibility(torch, seed)
     rank = settings.rank

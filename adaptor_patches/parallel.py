@@ -137,8 +137,7 @@ class Runtime:
         import torch.distributed as dist
         if self._mesh is None and self.settings.is_distributed and dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
-            mesh_device = "cpu" if self.device.kind == "cpu" else self.device.kind
-            self._mesh = init_device_mesh(mesh_device, (self.settings.cfg_degree, self.settings.tp_degree),
+            self._mesh = init_device_mesh(self.device.kind, (self.settings.cfg_degree, self.settings.tp_degree),
                                           mesh_dim_names=("cfg", "tp"))
         return self._mesh
 

@@ -6,6 +6,7 @@ Forward of one layer (T tokens, K = top-k):
     shared MLP  ............ on `shared_mlp_stream` when one is injected (model.py), else inline
     permute (tokens sorted by expert) -> grouped matmul w13 -> SwiGLU -> grouped matmul w2
     unpermute (weighted combine) -> wait "shared done" -> add -> [TP: one all-reduce]
+    (ops.routed_experts; on CPU, moe_cpu.py fuses these steps: padded bmm or expert by expert)
 
 Modes (from `parallel.runtime()`: sharding read at __init__, groups at forward):
   replicated  every expert whole on every rank.
@@ -18,7 +19,8 @@ Modes (from `parallel.runtime()`: sharding read at __init__, groups at forward):
               all-gather (rows padded to the largest chunk) replicates the output again.
 
 Host syncs per layer: replicated 0, tp 0, ep 1 (one `.tolist()` of the exchanged counts, which
-the all-to-all split sizes need). The loop fallback of grouped matmul adds one per matmul (2).
+the all-to-all split sizes need). The "loop" and "cpu" forms (ops.py) add one `.tolist()` per
+matmul or per layer; "cpu" is the CPU default, where a host sync costs nothing.
 
 Streams: "input ready" is recorded on the main stream, the side stream waits on it and runs the
 shared MLP, then records "shared done"; the main stream waits on that before the add.
@@ -60,8 +62,12 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w2, std=init_std)
 
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        hidden = ops.swiglu(ops.grouped_matmul(sorted_x, self.w13, counts))
-        return ops.grouped_matmul(hidden, self.w2, counts)
+        """Rows already grouped by local expert (EP, after the all-to-all)."""
+        return ops.expert_mlp(sorted_x, self.w13, self.w2, counts)
+
+    def routed(self, tokens, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
+        """The weighted sum of each token's experts (every expert is local: replicated or TP)."""
+        return ops.routed_experts(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to)
 
 
 # ---------------------------------------------------------------- __init__
@@ -145,9 +151,11 @@ def moe_forward(_original, _device):
 def _forward_local_experts(moe, tokens, tp_group):
     shared = _launch_shared_mlp(moe, tokens)
     topk_weight, topk_idx = _route(moe, tokens)
-    sorted_x, row_idx, counts = ops.permute(tokens, topk_idx, moe.num_experts)
-    routed = ops.unpermute(moe.experts(sorted_x, counts), row_idx, topk_weight)
-    output = _merge_shared(routed, shared)
+    if shared is not None and shared[1] is None:
+        # No side stream: the shared output is already complete, so the routed sum goes straight into it.
+        output = moe.experts.routed(tokens, topk_weight, topk_idx, add_to=shared[0])
+    else:
+        output = _merge_shared(moe.experts.routed(tokens, topk_weight, topk_idx), shared)
     if tp_group is not None:
         dist.all_reduce(output, group=tp_group)
     return output
@@ -246,4 +254,4 @@ def _merge_shared(routed, shared):
         main = runtime().device.current_stream()
         shared_done.wait(main)
         output.record_stream(main)
-    return routed + output
+    return routed.add_(output)          # routed is this layer's own fresh tensor

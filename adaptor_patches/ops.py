@@ -1,5 +1,7 @@
 """The kernels (MoE, attention), each with a fused NPU form and a plain-torch form.
 
+    routed_experts(x, topk_weight, topk_idx, w13, w2)   the whole routed path of one MoE layer
+    expert_mlp(sorted_x, w13, w2, counts)  down(SwiGLU(gate/up(rows))) per expert group
     grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
     route(logits, topk, norm, scale)       upstream topkgating's combine weights, dropless
     permute(x, topk_idx, num_experts)      token copies sorted by expert (+ per-expert counts)
@@ -14,14 +16,18 @@ Forms (one is chosen per device kind, once; call sites never branch on the devic
                 npu_moe_re_routing / npu_swiglu / npu_fused_infer_attention_score. Written from the
                 torch_npu 2.13 schemas and the Ascend docs; NOT run on Ascend hardware. Tested on
                 CPU against npu_double.py.
-  "grouped_mm"  torch._grouped_mm (CPU: fp32/bf16/fp16; CUDA: bf16 only, not run on CUDA here)
-                when strides are 16-byte aligned, else the loop; the rest in plain torch.
+  "grouped_mm"  (CUDA) torch._grouped_mm (CPU: fp32/bf16/fp16; CUDA: bf16 only, not run on CUDA
+                here) when strides are 16-byte aligned, else the loop; the rest in plain torch.
+  "cpu"         (CPU) "grouped_mm", except that routed_experts runs moe_cpu.py's padded bmm
+                (SwiGLU, routing weights and combine in place) when the expert groups are nearly
+                equal. CPU only by default: its combine, index_add_, is not deterministic on CUDA.
   "loop"        one matmul per expert; the reference the other forms are tested against.
 
 `use_form("loop")` (a context manager) forces a form; `use_form("npu", npu_ops=npu_double)` runs
 the NPU call sites on CPU against the test double.
 
-Host syncs: none in any form except the loop grouped matmul (one `.tolist()` of the counts).
+Host syncs: none in the "npu" and "grouped_mm" forms; one `.tolist()` of the counts per grouped
+matmul in "loop", one per layer in "cpu" (free on CPU, where there is no device queue).
 SwiGLU convention: silu is applied to the FIRST half, as npu_swiglu does. Upstream's HunyuanMLP
 computes x1 * silu(x2) (second half activated); moe_weights.py swaps the halves once at load time
 so the stacked expert weights produce [x2 | x1] and this function equals upstream's.
@@ -35,7 +41,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-FORMS = ("npu", "grouped_mm", "loop")
+from . import moe_cpu
+
+FORMS = ("npu", "grouped_mm", "cpu", "loop")
 _ALIGN_BYTES = 16
 _GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
@@ -46,6 +54,8 @@ _form_by_kind: dict = {}
 def form_for_kind(kind: str) -> str:
     if kind == "npu":
         return "npu"
+    if kind == "cpu":
+        return "cpu"
     return "grouped_mm" if hasattr(torch, "_grouped_mm") else "loop"
 
 
@@ -79,6 +89,29 @@ def _npu():
     return importlib.import_module("torch_npu")
 
 
+# ---------------------------------------------------------------- expert MLPs
+
+def routed_experts(x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.Tensor,
+                   w13: torch.Tensor, w2: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sum_k topk_weight[t, k] * MLP_{topk_idx[t, k]}(x[t]) for every token t of x [T, H].
+
+    Returned in x's dtype; with `add_to` ([T, H], x's dtype) the sum is added into it in place
+    and add_to is returned (the MoE passes its finished shared-MLP output).
+    """
+    if active_form() == "cpu":
+        out = moe_cpu.routed_experts_padded(x, topk_weight, topk_idx, w13, w2, add_to, expert_counts)
+        if out is not None:
+            return out
+    sorted_x, row_idx, counts = permute(x, topk_idx, w13.shape[0])
+    routed = unpermute(expert_mlp(sorted_x, w13, w2, counts), row_idx, topk_weight)
+    return routed if add_to is None else add_to.add_(routed)
+
+
+def expert_mlp(sorted_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert (counts [E]) -> down(swiglu(rows @ w13[e])) per group, same row order."""
+    return grouped_matmul(swiglu(grouped_matmul(sorted_x, w13, counts)), w2, counts)
+
+
 # ---------------------------------------------------------------- grouped matmul
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -86,7 +119,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     form = active_form()
     if form == "npu":
         return _grouped_matmul_npu(x, w, counts)
-    if form == "grouped_mm" and grouped_mm_applies(x, w):
+    if form in ("grouped_mm", "cpu") and grouped_mm_applies(x, w):
         return _grouped_matmul_grouped_mm(x, w, counts)
     return grouped_matmul_loop(x, w, counts)
 
@@ -147,7 +180,7 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
         return _permute_npu(x, topk_idx, num_experts)
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    sorted_x = x[order // topk_idx.shape[1]]
+    sorted_x = x.index_select(0, order // topk_idx.shape[1])     # index_select: ~6x faster than x[idx] on CPU
     row_idx = torch.empty_like(order)
     row_idx[order] = torch.arange(order.numel(), device=order.device)
     return sorted_x, row_idx, expert_counts(flat, num_experts)
@@ -173,8 +206,9 @@ def unpermute(y: torch.Tensor, row_idx: torch.Tensor, topk_weight: torch.Tensor)
     if active_form() == "npu":
         return _unpermute_npu(y, row_idx, topk_weight)
     tokens, topk = topk_weight.shape
-    rows = y[row_idx.long()].view(tokens, topk, y.shape[-1])
-    return torch.einsum("tkh,tk->th", rows.float(), topk_weight.float()).to(y.dtype)
+    rows = y.index_select(0, row_idx.long()).view(tokens, topk, y.shape[-1])
+    # In y's dtype, like upstream's combine einsum (combine_weights.type_as(hidden_states)).
+    return torch.bmm(topk_weight.to(y.dtype).unsqueeze(1), rows).squeeze(1)
 
 
 def _unpermute_npu(y, row_idx, topk_weight):
@@ -216,7 +250,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     if active_form() == "npu":
         return _npu().npu_swiglu(x, dim=-1)
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 # ---------------------------------------------------------------- attention

@@ -1,14 +1,18 @@
 """MoE layer benchmark: patched HunyuanMoE vs upstream eager vs the dense-GEMM floor, side by side.
 
-    .venv/bin/python bench/moe_layer.py [--hidden 512 1024] [--tokens 256 2048 4096] [--repeat 5]
+    .venv/bin/python bench/moe_layer.py [--hidden 512 1024] [--tokens 256 2048 4096] [--repeat 9]
 
 Same layer config and input for every variant: fp32, CPU, 16 experts, top-4, expert intermediate
 hidden/2, one shared MLP. Each (variant, shape) runs in a fresh process (a patch rebinds the class,
 and ru_maxrss is per process). Reported: median forward time; peak RSS growth during the timed
 forwards over the RSS after set-up; ratio to the floor. The floor is one dense matmul with the
 layer's FLOPs: [tokens·(top-k + 1), hidden] @ [hidden, 3·intermediate] (top-k routed experts plus
-the shared MLP, each gate+up and down), measured in the same process as the patched layer.
-"""
+the shared MLP, each gate+up and down), written into a preallocated output, so that it is pure
+GEMM time (a fresh output over glibc's 32 MiB mmap threshold would add ~1 us of page fault per
+4 KiB, and the floor would jump at that size); timed in the patched layer's process, alternating
+with it. "GEMMs alone" times just the matmuls a per-expert split needs on this routing (one GEMM per
+expert and projection on the real group sizes, the shared MLP's two, the gate's), into
+preallocated outputs: what splitting by expert costs before any gather, activation or combine."""
 from __future__ import annotations
 
 import argparse
@@ -30,14 +34,45 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _median_time(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
+def _interleaved_medians(fns: dict, repeat: int) -> dict:
+    """Median seconds of each callable, timed round-robin so that machine drift hits all alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _gemms_alone(layer, tokens):
+    """A callable running only the GEMMs of a per-expert split of this layer on this input."""
+    import torch
+    from adaptor_patches import moe, ops
+    with torch.no_grad():
+        _, topk_idx = moe._route(layer, tokens)
+    counts = ops.expert_counts(topk_idx.reshape(-1), EXPERTS).tolist()
+    w13, w2 = layer.experts.w13.detach(), layer.experts.w2.detach()
+    hidden, inter = w2.shape[2], w2.shape[1]
+    experts = [(e, torch.randn(c, hidden), torch.empty(c, 2 * inter), torch.randn(c, inter), torch.empty(c, hidden))
+               for e, c in enumerate(counts) if c]
+    shared = layer.shared_mlp
+    shared_w13, shared_w2 = shared.gate_and_up_proj.weight.detach().t(), shared.down_proj.weight.detach().t()
+    gate_w = layer.gate.wg.weight.detach().t()
+    rows = tokens.shape[0]
+    buffers = (torch.empty(rows, shared_w13.shape[1]), torch.randn(rows, shared_w2.shape[0]),
+               torch.empty(rows, hidden), torch.empty(rows, gate_w.shape[1]))
+
+    def run():
+        for e, x, h, a, y in experts:
+            torch.mm(x, w13[e], out=h)
+            torch.mm(a, w2[e], out=y)
+        torch.mm(tokens, shared_w13, out=buffers[0])
+        torch.mm(buffers[1], shared_w2, out=buffers[2])
+        torch.mm(tokens, gate_w, out=buffers[3])
+    return run
 
 
 def child(variant: str, hidden: int, tokens: int, repeat: int) -> dict:
@@ -58,19 +93,23 @@ def child(variant: str, hidden: int, tokens: int, repeat: int) -> dict:
     x = torch.randn(1, tokens, hidden)
     result = {}
     with torch.no_grad():
-        if variant == "patched":
-            a = torch.randn(tokens * (TOPK + 1), hidden)
-            w = torch.randn(hidden, 3 * inter)
-            result["floor_s"] = _median_time(lambda: a @ w, repeat)
         base = _rss_bytes()
-        result["time_s"] = _median_time(lambda: layer(x), repeat)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result["peak_extra_mib"] = max(peak - base, 0) / 2**20
+        for _ in range(3):
+            layer(x)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_extra_mib"] = max(peak - base, 0) / 2**20
+        fns = {"time_s": lambda: layer(x)}
+        if variant == "patched":
+            a, w = torch.randn(tokens * (TOPK + 1), hidden), torch.randn(hidden, 3 * inter)
+            floor_out = torch.empty(a.shape[0], w.shape[1])
+            fns.update(floor_s=lambda: torch.mm(a, w, out=floor_out),
+                       gemms_s=_gemms_alone(layer, x.view(tokens, hidden)))
+        result.update(_interleaved_medians(fns, repeat))
     return result
 
 
-def run_child(variant, hidden, tokens, repeat) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, str(hidden), str(tokens), "--repeat", str(repeat)]
+def run_child(variant, hidden, tokens, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, str(hidden), str(tokens), "--repeat", str(args.repeat)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"error: {variant} hidden={hidden} tokens={tokens} failed:\n{proc.stderr[-2000:]}")
@@ -81,7 +120,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[512, 1024])
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 2048, 4096])
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--child", nargs=3, metavar=("VARIANT", "HIDDEN", "TOKENS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -92,17 +131,17 @@ def main():
     print(f"fp32 CPU, {torch.get_num_threads()} threads, {EXPERTS} experts top-{TOPK}, intermediate hidden/2, "
           f"median of {args.repeat}\n")
     print("| hidden | tokens | floor (ms) | patched (ms) | upstream eager (ms) | patched / floor | "
-          "eager / floor | eager / patched | peak extra patched (MiB) | peak extra eager (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "GEMMs alone / floor | eager / floor | eager / patched | peak extra patched (MiB) | peak extra eager (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for hidden in args.hidden:
         for tokens in args.tokens:
-            patched = run_child("patched", hidden, tokens, args.repeat)
-            eager = run_child("upstream", hidden, tokens, args.repeat)
+            patched = run_child("patched", hidden, tokens, args)
+            eager = run_child("upstream", hidden, tokens, args)
             floor = patched["floor_s"]
             print(f"| {hidden} | {tokens} | {floor * 1e3:.2f} | {patched['time_s'] * 1e3:.2f} | "
-                  f"{eager['time_s'] * 1e3:.2f} | {patched['time_s'] / floor:.2f}x | {eager['time_s'] / floor:.2f}x | "
-                  f"{eager['time_s'] / patched['time_s']:.2f}x | {patched['peak_extra_mib']:.0f} | "
-                  f"{eager['peak_extra_mib']:.0f} |", flush=True)
+                  f"{eager['time_s'] * 1e3:.2f} | {patched['time_s'] / floor:.2f}x | {patched['gemms_s'] / floor:.2f}x | "
+                  f"{eager['time_s'] / floor:.2f}x | {eager['time_s'] / patched['time_s']:.2f}x | "
+                  f"{patched['peak_extra_mib']:.0f} | {eager['peak_extra_mib']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -108,11 +108,11 @@ def _clean():
 
 
 def test_single_process_matches_upstream_in_every_ops_form():
-    _assert_close(compare_with_upstream(0, 1, "replicated", ("grouped_mm", "loop", "npu-double")), "single")
+    _assert_close(compare_with_upstream(0, 1, "replicated", ("cpu", "grouped_mm", "loop", "npu-double")), "single")
 
 
 def test_moe_tp2_matches_upstream():
-    for rank_errors in run_ranks(2, compare_with_upstream, "tp", ("grouped_mm",)):
+    for rank_errors in run_ranks(2, compare_with_upstream, "tp", ("cpu", "grouped_mm")):
         _assert_close(rank_errors, "tp2")
 
 

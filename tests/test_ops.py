@@ -24,6 +24,7 @@ def _forms():
     """(name, use_form context) for every form, the NPU one backed by the test double."""
     return [("loop", lambda: ops.use_form("loop")),
             ("grouped_mm", lambda: ops.use_form("grouped_mm")),
+            ("cpu", lambda: ops.use_form("cpu")),
             ("npu-double", lambda: ops.use_form("npu", npu_ops=npu_double))]
 
 
@@ -125,6 +126,82 @@ def test_unpermute_is_the_weighted_combine_in_every_form(dtype):
         assert out.dtype == dtype and _rel_err(out, ref) < TOL[dtype] * 2, name
 
 
+def _experts_problem(dtype, idx, hidden=16, inter=8, seed=3, experts=6):
+    """x, routing weights, stacked w13/w2 and the float64 reference sum_k w * MLP_e(x) per token."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(seed)
+    tokens = idx.shape[0]
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weight = torch.rand(idx.shape, generator=g)
+    w13 = (torch.randn(experts, hidden, 2 * inter, generator=g) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, inter, hidden, generator=g) / inter ** 0.5).to(dtype)
+    ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for k in range(idx.shape[1]):
+            gate, up = (x[t].double() @ w13[idx[t, k]].double()).chunk(2)
+            ref[t] += weight[t, k].double() * ((F.silu(gate) * up) @ w2[idx[t, k]].double())
+    return x, weight, w13, w2, ref
+
+
+def _balanced_idx(tokens=24, experts=6, topk=2):
+    """Every expert gets exactly tokens*topk/experts rows: no padding, the padded-bmm branch."""
+    return (torch.arange(tokens * topk) % experts).view(tokens, topk)
+
+
+def _skewed_idx(tokens=24, experts=6, topk=2):
+    """Expert 0 in every token: its group is 4x the mean, so padding would cost too much."""
+    return torch.stack([torch.zeros(tokens, dtype=torch.long), 1 + torch.arange(tokens) % (experts - 1)], 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("routing", ["balanced", "uneven", "skewed", "one-token"])
+def test_routed_experts_every_form_matches_reference(dtype, routing):
+    idx = {"balanced": _balanced_idx(), "skewed": _skewed_idx(), "one-token": _balanced_idx(1, 6, 2),
+           # 7 tokens top-3 over 5 experts: groups 5,4,4,4,4 -> 4 pad slots, under the 25 % cap
+           "uneven": (torch.arange(21) % 5).view(7, 3)}[routing]
+    x, weight, w13, w2, ref = _experts_problem(dtype, idx, experts=5 if routing == "uneven" else 6)
+    for name, form in _forms():
+        with form():
+            out = ops.routed_experts(x, weight, idx, w13, w2)
+            shared = torch.ones_like(x)
+            added = ops.routed_experts(x, weight, idx, w13, w2, add_to=shared)
+        assert out.dtype == dtype and _rel_err(out, ref) < TOL[dtype] * 2, (name, routing)
+        assert added is shared and _rel_err(added, ref + 1) < TOL[dtype] * 2, (name, routing)
+
+
+def test_cpu_form_pads_only_when_groups_are_nearly_equal():
+    from adaptor_patches import moe_cpu
+    for idx, experts, padded in ((_balanced_idx(), 6, True), ((torch.arange(21) % 5).view(7, 3), 5, True),
+                                 (_skewed_idx(), 6, False), (_balanced_idx(1, 6, 2), 6, False)):
+        x, weight, w13, w2, ref = _experts_problem(torch.float32, idx, experts=experts)
+        out = moe_cpu.routed_experts_padded(x, weight, idx, w13, w2, None, ops.expert_counts)
+        assert (out is not None) == padded, idx.tolist()
+        if padded:
+            assert _rel_err(out, ref) < 1e-5
+
+
+def test_cpu_form_pad_rows_contribute_exactly_nothing():
+    """Pad slots point at token 0; they must be zero rows, not copies of token 0's input.
+
+    Token 0 uses experts 0-2 only. Experts 3 and 4 (which have pad slots) are scaled so that token
+    0's large input overflows in them: a pad row holding token 0 would add 0 * inf = nan to it.
+    """
+    from adaptor_patches import moe_cpu
+    idx = (torch.arange(21) % 5).view(7, 3)             # groups 5,4,4,4,4: experts 1-4 get one pad slot
+    x, weight, w13, w2, _ = _experts_problem(torch.float32, idx, experts=5)
+    x[0] *= 1e10
+    w13[3:] *= 1e15
+    ref0 = torch.zeros(x.shape[1], dtype=torch.float64)
+    out = moe_cpu.routed_experts_padded(x, weight, idx, w13, w2, None, ops.expert_counts)
+    assert out is not None, "this routing must take the padded branch"
+    import torch.nn.functional as F
+    for k, e in enumerate(idx[0].tolist()):
+        gate, up = (x[0].double() @ w13[e].double()).chunk(2)
+        ref0 += weight[0, k].double() * ((F.silu(gate) * up) @ w2[e].double())
+    assert torch.isfinite(out[0]).all()
+    assert _rel_err(out[0], ref0) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_regroup_orders_rows_by_local_expert_and_ungroup_inverts(dtype):
     counts = torch.tensor([[2, 0, 1], [0, 0, 0], [1, 3, 2]])       # [source rank, local expert]
@@ -163,14 +240,15 @@ def test_swiglu_on_stacked_weights_equals_upstream_mlp(dtype):
 
 def test_form_is_chosen_per_device_kind_and_can_be_forced():
     assert ops.form_for_kind("npu") == "npu"
-    assert ops.form_for_kind("cpu") == ops.form_for_kind("cuda") == "grouped_mm"
-    assert ops.active_form() == "grouped_mm"          # no runtime applied: the CPU default
+    assert ops.form_for_kind("cpu") == "cpu"
+    assert ops.form_for_kind("cuda") == "grouped_mm"
+    assert ops.active_form() == "cpu"                 # no runtime applied: the CPU default
     with ops.use_form("loop"):
         assert ops.active_form() == "loop"
         with ops.use_form("npu", npu_ops=npu_double):
             assert ops.active_form() == "npu"
         assert ops.active_form() == "loop"
-    assert ops.active_form() == "grouped_mm"
+    assert ops.active_form() == "cpu"
     with pytest.raises(ValueError, match="not one of"):
         with ops.use_form("cublas"):
             pass

@@ -6,10 +6,11 @@ is produced, so the file's sha256 needs no re-read. Two ways in:
   * `copy(name, stored)`: a tensor stored unchanged in another safetensors file. Its bytes are
     hashed through a small reused buffer and copied by the kernel (`copy_file_range`), never
     through this process's memory: on a typical disk that is several times faster than write().
-Writes are write-behind: they run on the writer's own thread while the caller produces the next
-tensor, and the caller waits for the previous one before handing over another, so at most two
-tensors (one being written, one being produced) are alive per writer. The files are ordinary
-safetensors.
+Writes are write-behind and hashing runs beside them: each tensor is hashed on the writer's hash
+thread while its write thread writes it, and the caller produces the next tensor meanwhile; the
+caller waits for both before handing over another, so at most two tensors (one being written and
+hashed, one being produced) are alive per writer, and a single conversion worker keeps two cores
+busy. The files are ordinary safetensors.
 """
 from __future__ import annotations
 
@@ -73,38 +74,50 @@ class StreamingWriter:
         self._hash_buffer = bytearray(min(HASH_CHUNK, max((entry[3] for entry in self._pending), default=0)))
         self.size = 0
         self._file = open(self.path, "wb", buffering=0)     # unbuffered: copy_file_range shares its offset
-        self._queue = queue.Queue()
+        self._queues = {"write": queue.Queue(), "hash": queue.Queue()}
         self._failure = None
-        self._thread = threading.Thread(target=self._run_queued, name=f"write {self.path.name}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run_queued, args=(q,), name=f"{kind} {self.path.name}",
+                                          daemon=True) for kind, q in self._queues.items()]
+        for thread in self._threads:
+            thread.start()
         header = header_bytes(self._pending, metadata)
-        self._hash.update(header)
         self.size += len(header)
-        self._hand_over(functools.partial(_write_all, self._file, header), None, 0)
+        self._hand_over(functools.partial(_write_all, self._file, header),
+                        functools.partial(self._hash.update, header), None, 0)
 
-    # -------------------------------------------------------------- the writer's thread
+    # -------------------------------------------------------------- the write and hash threads
 
-    def _run_queued(self) -> None:
-        while (item := self._queue.get()) is not None:
-            action, on_written, nbytes = item
+    def _run_queued(self, jobs: queue.Queue) -> None:
+        while (item := jobs.get()) is not None:
+            action, done = item
             try:
                 if self._failure is None:
                     action()
             except BaseException as exc:              # re-raised on the caller's thread
                 self._failure = exc
             del action, item
-            if on_written is not None:
-                on_written(nbytes)
-            self._queue.task_done()
-        self._queue.task_done()
+            done()
+            jobs.task_done()
+        jobs.task_done()
 
     # -------------------------------------------------------------- the caller's thread
 
-    def _hand_over(self, action, on_written, nbytes: int) -> None:
-        self._queue.join()                            # the previous item is written: at most two alive
+    def _hand_over(self, write, hash_, on_written, nbytes: int) -> None:
+        """Queue one item's write and hash; on_written(nbytes) runs once both are done."""
+        for jobs in self._queues.values():
+            jobs.join()                               # the previous item is done: at most two alive
         if self._failure is not None:
             raise self._failure
-        self._queue.put((action, on_written, nbytes))
+        remaining, lock = [2], threading.Lock()
+
+        def done():
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last and on_written is not None:
+                on_written(nbytes)
+        self._queues["write"].put((write, done))
+        self._queues["hash"].put((hash_, done))
 
     def _next_entry(self, name: str, shape, dtype) -> int:
         if not self._pending:
@@ -118,18 +131,20 @@ class StreamingWriter:
     def write(self, name: str, tensor, on_written=None) -> None:
         nbytes = self._next_entry(name, tensor.shape, DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)))
         data = tensor_bytes(tensor.contiguous())
-        self._hash.update(data)
         self.size += nbytes
-        self._hand_over(functools.partial(_write_all, self._file, data), on_written, nbytes)
+        self._hand_over(functools.partial(_write_all, self._file, data), functools.partial(self._hash.update, data),
+                        on_written, nbytes)
 
     def copy(self, name: str, stored, on_written=None) -> None:
-        """`stored` (loading.StoredTensor) byte for byte: hashed here, copied by the kernel."""
+        """`stored` (loading.StoredTensor) byte for byte: read and hashed, copied by the kernel."""
         nbytes = self._next_entry(name, stored.shape, stored.dtype)
-        for chunk in read_chunks(stored.file, stored.offset, nbytes, self._hash_buffer):
-            self._hash.update(chunk)
         self.size += nbytes
-        self._hand_over(functools.partial(copy_range, stored.file, stored.offset, nbytes, self._file), on_written,
-                        nbytes)
+        self._hand_over(functools.partial(copy_range, stored.file, stored.offset, nbytes, self._file),
+                        functools.partial(self._hash_range, stored.file, stored.offset, nbytes), on_written, nbytes)
+
+    def _hash_range(self, path: Path, offset: int, nbytes: int) -> None:
+        for chunk in read_chunks(path, offset, nbytes, self._hash_buffer):
+            self._hash.update(chunk)
 
     @property
     def sha256(self) -> str:
@@ -139,8 +154,10 @@ class StreamingWriter:
         return self
 
     def __exit__(self, exc_type, *_):
-        self._queue.put(None)
-        self._thread.join()
+        for jobs in self._queues.values():
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join()
         self._file.close()
         if self._failure is not None:
             raise self._failure

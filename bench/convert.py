@@ -185,7 +185,8 @@ def print_table(rows, source_bytes, args, layout, startup_s):
           f"shapes, {source_bytes / GB:.2f} GB bf16; layout tp_attn={layout[0]} tp_moe={layout[1]} ep={layout[2]}; "
           f"page cache {'dropped before each run' if args.cold else 'warm'}; wall time includes a final `sync`; "
           f"median of {args.repeat} interleaved runs. Python start-up with `import torch`, timed in the same "
-          f"run: {startup_s:.1f} s (a fixed cost of every conversion, ~0.1 % of one of the real 170 GB).\n")
+          f"run: {startup_s:.1f} s (a fixed cost of every conversion; about 1 % of converting the real 170 GB "
+          f"at these rates).\n")
     print("| run | bytes written | wall s | GB/s written | throughput vs cp | vs cp, start-up excluded | peak RSS "
           "| RSS bound: max(--max-shard-size, largest tensor) + 1 GiB |")
     print("|---|---|---|---|---|---|---|---|")

@@ -6,7 +6,7 @@ Forward of one layer (T tokens, K = top-k):
     shared MLP  ............ on `shared_mlp_stream` when one is injected (model.py), else inline
     permute (tokens sorted by expert) -> grouped matmul w13 -> SwiGLU -> grouped matmul w2
     unpermute (weighted combine) -> wait "shared done" -> add -> [TP: one all-reduce]
-    (ops.routed_experts; on CPU, moe_cpu.py fuses these steps: padded bmm or expert by expert)
+    (ops.routed_experts; on CPU with many tokens, moe_cpu.py fuses these steps around a padded bmm)
 
 Modes (from `parallel.runtime()`: sharding read at __init__, groups at forward):
   replicated  every expert whole on every rank.

@@ -14,7 +14,8 @@ The three large intermediates (padded rows, gate/up output, down output) live in
 reused from call to call: on CPU a fresh tensor over glibc's mmap threshold is a new mapping whose
 every 4 KiB page faults on first touch, which at these sizes costs as much as the activation and
 combine passes together. The buffers only grow, to the largest layer call seen, like an
-accelerator's caching allocator; nothing in them outlives the call.
+accelerator's caching allocator; nothing in them outlives the call. They are per process, so two
+threads must not run MoE forwards at the same time (inference here runs one forward at a time).
 
 Accumulates in fp32 and rounds once, as upstream's combine einsum does inside its GEMM.
 index_add_ is deterministic on CPU (not on CUDA: this kernel is the CPU default only). One host

@@ -305,7 +305,9 @@ def test_ctrl_c_is_forwarded_to_the_job(tmp_path, base):
     proc = subprocess.Popen(["bash", str(RUN_SH), str(write_yaml(tmp_path, base))], cwd=ROOT, env=launcher_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines, deadline = [], time.monotonic() + 30
-    while sum("args" in line for line in lines) < 2 and time.monotonic() < deadline:
+    # Count in the joined text: the workers run unbuffered, so one's text and its newline are two
+    # writes and the other rank's line can land between them.
+    while "".join(lines).count(" args [") < 2 and time.monotonic() < deadline:
         lines.append(proc.stdout.readline())
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)

@@ -23,6 +23,7 @@ sync (`.tolist()` of the counts), free on CPU.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -34,9 +35,7 @@ _scratch_buffers: dict = {}
 
 def _scratch(name: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised [shape] tensor in `like`'s dtype/device, reused across calls (no autograd)."""
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if torch.is_grad_enabled():
         return like.new_empty(shape)
     key = (name, like.dtype, like.device)
@@ -54,7 +53,7 @@ def routed_experts_padded(x, topk_weight, topk_idx, w13, w2, add_to: Optional[to
     num_experts, rows = w13.shape[0], topk_idx.numel()
     flat = topk_idx.reshape(-1)
     counts = counts_of(flat, num_experts)
-    largest = max(counts.tolist()) if rows else 0
+    largest = max(counts.tolist())
     if not rows or num_experts * largest > (1 + MAX_PADDING) * rows:
         return None
     slots = num_experts * largest

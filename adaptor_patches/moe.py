@@ -233,17 +233,23 @@ def _launch_shared_mlp(moe, tokens):
         return None
     stream = moe.shared_mlp_stream
     if stream is None:
-        return shared_mlp(tokens.unsqueeze(0)).squeeze(0), None
+        return _shared_mlp_output(shared_mlp, tokens), None
     device = runtime().device
     input_ready = device.new_event()
     input_ready.record(device.current_stream())
     with device.stream_context(stream):
         input_ready.wait(stream)
-        output = shared_mlp(tokens.unsqueeze(0)).squeeze(0)
+        output = _shared_mlp_output(shared_mlp, tokens)
         shared_done = device.new_event()
         shared_done.record(stream)
     tokens.record_stream(stream)
     return output, shared_done
+
+
+def _shared_mlp_output(shared_mlp, tokens):
+    # Upstream's HunyuanMLP math on its own weights (checked silu/no bias at __init__), via ops so
+    # that the CPU form can keep its intermediate in a reused buffer.
+    return ops.shared_mlp(tokens, shared_mlp.gate_and_up_proj.weight, shared_mlp.down_proj.weight)
 
 
 def _merge_shared(routed, shared):

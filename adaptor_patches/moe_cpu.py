@@ -1,14 +1,21 @@
-"""CPU kernel of the routed experts: ops.py's "cpu" form, for when many tokens are routed.
+"""CPU kernels of the MoE layer (ops.py's "cpu" form): the routed experts when many tokens are
+routed, and the shared MLP. ops.py calls them only when autograd records nothing (inference).
 
 On CPU a grouped matmul is a loop of one GEMM per expert (that is what torch._grouped_mm does
 there). In bench/moe_layer.py those per-expert GEMMs run measurably slower than one `bmm` over
 equal-size groups, and the permuted [T*K, H] copies with separate activation / combine passes add
 memory traffic. So when the largest expert group is close to the mean (many tokens, balanced
-routing: diffusion steps, prefill), every expert's rows are padded to the largest group (pad
-rows are zeros) and run as one bmm per projection; SwiGLU and the routing weights are applied in
-place and the combine is one index_add_ into the output. When padding would add more than
-MAX_PADDING rows (decode, skewed routing), `routed_experts_padded` returns None and ops.py runs
-the grouped path (torch._grouped_mm), which measures faster there.
+routing: diffusion steps, prefill), every expert's rows are padded to the largest group and run
+as one bmm per projection. When padding would add more than MAX_PADDING rows (decode, skewed
+routing), `routed_experts_padded` returns None and ops.py runs the grouped path
+(torch._grouped_mm), which measures faster there.
+
+Around the two bmm, for fp32, the C passes of csrc/moe_cpu_kernels.c (moe_cpu_native.py builds
+them): slot tables in one counting pass, the padded gather (pad rows zeroed), SwiGLU in one pass
+skipping pads, and the combine as a per-token weighted sum into the shared MLP's output that
+never reads a pad row. Otherwise (bf16, or no C compiler) the same steps in eager torch ops:
+argsort slot tables, index_select, SwiGLU and routing weights in place, one index_add_; pad rows
+are zero there, so they add exactly nothing.
 
 The three large intermediates (padded rows, gate/up output, down output) live in scratch buffers
 reused from call to call: on CPU a fresh tensor over glibc's mmap threshold is a new mapping whose
@@ -17,9 +24,14 @@ combine passes together. The buffers only grow, to the largest layer call seen, 
 accelerator's caching allocator; nothing in them outlives the call. They are per process, so two
 threads must not run MoE forwards at the same time (inference here runs one forward at a time).
 
-Accumulates in fp32 and rounds once, as upstream's combine einsum does inside its GEMM.
-index_add_ is deterministic on CPU (not on CUDA: this kernel is the CPU default only). One host
-sync (`.tolist()` of the counts), free on CPU.
+The shared MLP (`shared_mlp`) is upstream HunyuanMLP's arithmetic, except that its gate/up output
+is a scratch buffer and the activation runs in place: upstream's module allocates four [T, *]
+tensors per call, and at 2048 tokens that took the shared MLP to 1.5-2x its GEMM time.
+
+Accumulates in fp32 and rounds once, as upstream's combine einsum does inside its GEMM; the
+routing weights multiply the expert outputs (C passes, as upstream does) or the SwiGLU output
+(eager ops; the same up to rounding). Both are deterministic. One host sync (the counts), free
+on CPU.
 """
 from __future__ import annotations
 
@@ -29,15 +41,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import moe_cpu_native
+
 MAX_PADDING = 0.25       # padded bmm only while E * largest_group <= (1 + MAX_PADDING) * T * K
 _scratch_buffers: dict = {}
 
 
 def _scratch(name: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised [shape] tensor in `like`'s dtype/device, reused across calls (no autograd)."""
+    """An uninitialised [shape] tensor in `like`'s dtype/device, reused across calls."""
     numel = math.prod(shape)
-    if torch.is_grad_enabled():
-        return like.new_empty(shape)
     key = (name, like.dtype, like.device)
     buffer = _scratch_buffers.get(key)
     if buffer is None or buffer.numel() < numel:
@@ -50,6 +62,9 @@ def routed_experts_padded(x, topk_weight, topk_idx, w13, w2, add_to: Optional[to
 
     counts_of(flat_idx, E) -> per-expert counts (ops.expert_counts).
     """
+    lib = moe_cpu_native.library() if _native_applies(x, w13, w2, add_to) else None
+    if lib is not None:
+        return _routed_native(lib, x, topk_weight, topk_idx, w13, w2, add_to)
     num_experts, rows = w13.shape[0], topk_idx.numel()
     flat = topk_idx.reshape(-1)
     counts = counts_of(flat, num_experts)
@@ -79,6 +94,54 @@ def routed_experts_padded(x, topk_weight, topk_idx, w13, w2, add_to: Optional[to
     if add_to is None:
         return acc.to(x.dtype)
     return add_to if acc is add_to else add_to.copy_(acc)
+
+
+def shared_mlp(x, gate_and_up, down):
+    """ops.shared_mlp: down(x1 * silu(x2)), [x1 | x2] = x @ gate_and_up^T (upstream's halves)."""
+    rows, inter = x.shape[0], gate_and_up.shape[0] // 2
+    both = torch.mm(x, gate_and_up.t(), out=_scratch("shared_gate_up", (rows, 2 * inter), x))
+    x1, x2 = both.chunk(2, dim=-1)
+    lib = moe_cpu_native.library() if _native_applies(x, gate_and_up, down, None) else None
+    if lib is None:
+        return torch.mm(F.silu(x2, inplace=True).mul_(x1), down.t())
+    lib.moe_swiglu(both.data_ptr(), rows, inter, 0, None, x2.data_ptr(), 2 * inter)
+    return torch.mm(x2, down.t())
+
+
+def _native_applies(x, w_in, w_out, add_to) -> bool:
+    """The C passes take fp32 CPU tensors, x and add_to row-major."""
+    tensors = (x, w_in, w_out) + (() if add_to is None else (add_to,))
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and x.is_contiguous() and (add_to is None or add_to.is_contiguous()))
+
+
+def _routed_native(lib, x, topk_weight, topk_idx, w13, w2, add_to):
+    """routed_experts_padded with the C passes around the two bmm (see csrc/moe_cpu_kernels.c)."""
+    (tokens, hidden), (num_experts, topk) = x.shape, (w13.shape[0], topk_idx.shape[1])
+    rows, inter = topk_idx.numel(), w13.shape[2] // 2
+    expert_of_row = topk_idx.reshape(-1).to(torch.int64).contiguous()
+    counts = torch.empty(num_experts, dtype=torch.int64)
+    largest = lib.moe_count(expert_of_row.data_ptr(), rows, num_experts, counts.data_ptr())
+    if largest < 0:
+        raise IndexError(f"moe: an expert index is outside [0, {num_experts})")
+    if not rows or num_experts * largest > (1 + MAX_PADDING) * rows:
+        return None
+    slots = num_experts * largest
+    # Every tensor handed to C by address is held in a name until the call returns.
+    token_of_slot, slot_of_row = torch.empty(slots, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
+    fill = torch.empty_like(counts)
+    lib.moe_slots(expert_of_row.data_ptr(), rows, topk, num_experts, largest, fill.data_ptr(),
+                  token_of_slot.data_ptr(), slot_of_row.data_ptr())
+    padded = _scratch("rows", (slots, hidden), x)
+    lib.moe_gather(x.data_ptr(), hidden, token_of_slot.data_ptr(), slots, padded.data_ptr())
+    gate_up = torch.bmm(padded.view(num_experts, largest, hidden), w13,
+                        out=_scratch("gate_up", (num_experts, largest, 2 * inter), x))
+    lib.moe_swiglu(gate_up.data_ptr(), slots, inter, 1, token_of_slot.data_ptr(), gate_up.data_ptr(), 2 * inter)
+    down = torch.bmm(gate_up[..., :inter], w2, out=_scratch("down", (num_experts, largest, hidden), x))
+    out = torch.zeros(tokens, hidden) if add_to is None else add_to
+    weights = topk_weight.reshape(-1).to(torch.float32).contiguous()
+    lib.moe_combine(down.data_ptr(), hidden, slot_of_row.data_ptr(), weights.data_ptr(), tokens, topk, out.data_ptr())
+    return out
 
 
 def _swiglu_(x: torch.Tensor) -> torch.Tensor:

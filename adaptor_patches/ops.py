@@ -2,6 +2,7 @@
 
     routed_experts(x, topk_weight, topk_idx, w13, w2)   the whole routed path of one MoE layer
     expert_mlp(sorted_x, w13, w2, counts)  down(SwiGLU(gate/up(rows))) per expert group
+    shared_mlp(x, gate_and_up, down)       upstream HunyuanMLP's math on its nn.Linear weights
     grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
     route(logits, topk, norm, scale)       upstream topkgating's combine weights, dropless
     permute(x, topk_idx, num_experts)      token copies sorted by expert (+ per-expert counts)
@@ -18,9 +19,10 @@ Forms (one is chosen per device kind, once; call sites never branch on the devic
                 CPU against npu_double.py.
   "grouped_mm"  (CUDA) torch._grouped_mm (CPU: fp32/bf16/fp16; CUDA: bf16 only, not run on CUDA
                 here) when strides are 16-byte aligned, else the loop; the rest in plain torch.
-  "cpu"         (CPU) "grouped_mm", except that routed_experts runs moe_cpu.py's padded bmm
-                (SwiGLU, routing weights and combine in place) when the expert groups are nearly
-                equal. CPU only by default: its combine, index_add_, is not deterministic on CUDA.
+  "cpu"         (CPU) "grouped_mm", except that, when autograd records nothing, routed_experts
+                runs moe_cpu.py's padded bmm (fused C passes around it for fp32) when the expert
+                groups are nearly equal, and shared_mlp keeps its gate/up output in a reused
+                buffer. CPU only by default: reused buffers and C passes suit no other device.
   "loop"        one matmul per expert; the reference the other forms are tested against.
 
 `use_form("loop")` (a context manager) forces a form; `use_form("npu", npu_ops=npu_double)` runs
@@ -89,6 +91,12 @@ def _npu():
     return importlib.import_module("torch_npu")
 
 
+def records_no_graph(*tensors) -> bool:
+    """True when autograd records nothing for these inputs (None allowed). The kernels that write
+    into reused buffers, use out= or call C (moe_cpu.py, the loop's out=) run only then."""
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
+
+
 # ---------------------------------------------------------------- expert MLPs
 
 def routed_experts(x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.Tensor,
@@ -98,7 +106,7 @@ def routed_experts(x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.T
     Returned in x's dtype; with `add_to` ([T, H], x's dtype) the sum is added into it in place
     and add_to is returned (the MoE passes its finished shared-MLP output).
     """
-    if active_form() == "cpu":
+    if active_form() == "cpu" and records_no_graph(x, topk_weight, w13, w2, add_to):
         out = moe_cpu.routed_experts_padded(x, topk_weight, topk_idx, w13, w2, add_to, expert_counts)
         if out is not None:
             return out
@@ -110,6 +118,18 @@ def routed_experts(x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.T
 def expert_mlp(sorted_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows grouped by expert (counts [E]) -> down(swiglu(rows @ w13[e])) per group, same row order."""
     return grouped_matmul(swiglu(grouped_matmul(sorted_x, w13, counts)), w2, counts)
+
+
+def shared_mlp(x: torch.Tensor, gate_and_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(x1 * silu(x2)) with [x1 | x2] = x @ gate_and_up^T: upstream HunyuanMLP (silu), x [T, H].
+
+    Weights as nn.Linear stores them ([out, in]); the halves are upstream's, NOT swapped (the shared
+    MLP keeps upstream's module and weights). Returns a fresh [T, H] tensor.
+    """
+    if active_form() == "cpu" and records_no_graph(x, gate_and_up, down):
+        return moe_cpu.shared_mlp(x, gate_and_up, down)
+    x1, x2 = F.linear(x, gate_and_up).chunk(2, dim=-1)
+    return F.linear(x1 * F.silu(x2), down)
 
 
 # ---------------------------------------------------------------- grouped matmul
@@ -125,13 +145,15 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
 
 
 def grouped_matmul_loop(x, w, counts):
-    out = x.new_empty(x.shape[0], w.shape[-1])
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            torch.matmul(x[start:start + count], w[expert], out=out[start:start + count])
-        start += count
-    return out
+    bounds = torch.cumsum(counts, 0).tolist()
+    groups = [(expert, end - count, end) for expert, (count, end) in enumerate(zip(counts.tolist(), bounds)) if count]
+    if records_no_graph(x, w):
+        out = x.new_empty(x.shape[0], w.shape[-1])
+        for expert, start, end in groups:
+            torch.matmul(x[start:end], w[expert], out=out[start:end])
+        return out
+    # Autograd forbids out=; cat keeps the graph (and gives [0, out] for no rows).
+    return torch.cat([x[start:end] @ w[expert] for expert, start, end in groups] or [x.new_empty(0, w.shape[-1])])
 
 
 def grouped_mm_applies(x, w) -> bool:

@@ -123,6 +123,7 @@ def main():
 
     import torch
     import model_adaptor
+    from adaptor_patches import moe
     from adaptor_patches.model import new_shared_mlp_stream
     from adaptor_patches.parallel import ParallelSettings
     device = model_adaptor.apply(ParallelSettings(device=args.device, multi_stream=True))
@@ -145,7 +146,7 @@ def main():
             "stream_on_ms": timed(lambda: run(True), device, args.repeat) * 1e3,
             "stream_off_ms": timed(lambda: run(False), device, args.repeat) * 1e3,
             "routed_only_ms": timed(lambda: run(False, shared=False), device, args.repeat) * 1e3,
-            "shared_only_ms": timed(lambda: shared_mlp(x), device, args.repeat) * 1e3,
+            "shared_only_ms": timed(lambda: moe._shared_mlp_output(shared_mlp, x[0]), device, args.repeat) * 1e3,
         }
     layer.shared_mlp = shared_mlp
     result = {"device": str(device.torch_device), "shape": shape, "stream_exists": stream is not None,

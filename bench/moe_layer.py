@@ -12,7 +12,11 @@ GEMM time (a fresh output over glibc's 32 MiB mmap threshold would add ~1 us of 
 4 KiB, and the floor would jump at that size); timed in the patched layer's process, alternating
 with it. "GEMMs alone" times just the matmuls a per-expert split needs on this routing (one GEMM per
 expert and projection on the real group sizes, the shared MLP's two, the gate's), into
-preallocated outputs: what splitting by expert costs before any gather, activation or combine."""
+preallocated outputs: what splitting by expert costs before any gather, activation or combine.
+"without C passes" is the patched layer with moe_cpu_native switched off (its eager-op fallback).
+"balanced bmm" times the same GEMMs as the CPU kernel's bmm would run them on perfectly balanced
+routing (E groups of T*K/E rows, no padding): the least time a per-expert-GEMM kernel can take on
+this BLAS, whatever it does around the GEMMs."""
 from __future__ import annotations
 
 import argparse
@@ -47,8 +51,9 @@ def _interleaved_medians(fns: dict, repeat: int) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _gemms_alone(layer, tokens):
-    """A callable running only the GEMMs of a per-expert split of this layer on this input."""
+def _gemms_alone(layer, tokens, routed=True):
+    """A callable running only the GEMMs of a per-expert split of this layer on this input
+    (routed=False: only the shared MLP's and the gate's)."""
     import torch
     from adaptor_patches import moe, ops
     with torch.no_grad():
@@ -57,7 +62,7 @@ def _gemms_alone(layer, tokens):
     w13, w2 = layer.experts.w13.detach(), layer.experts.w2.detach()
     hidden, inter = w2.shape[2], w2.shape[1]
     experts = [(e, torch.randn(c, hidden), torch.empty(c, 2 * inter), torch.randn(c, inter), torch.empty(c, hidden))
-               for e, c in enumerate(counts) if c]
+               for e, c in enumerate(counts) if c and routed]
     shared = layer.shared_mlp
     shared_w13, shared_w2 = shared.gate_and_up_proj.weight.detach().t(), shared.down_proj.weight.detach().t()
     gate_w = layer.gate.wg.weight.detach().t()
@@ -72,6 +77,23 @@ def _gemms_alone(layer, tokens):
         torch.mm(tokens, shared_w13, out=buffers[0])
         torch.mm(buffers[1], shared_w2, out=buffers[2])
         torch.mm(tokens, gate_w, out=buffers[3])
+    return run
+
+
+def _balanced_bmm(layer, tokens):
+    """A callable running the layer's GEMMs as one bmm per projection over equal expert groups."""
+    import torch
+    w13, w2 = layer.experts.w13.detach(), layer.experts.w2.detach()
+    rows = tokens.shape[0] * TOPK // EXPERTS
+    hidden, inter = w2.shape[2], w2.shape[1]
+    x, h = torch.randn(EXPERTS, rows, hidden), torch.randn(EXPERTS, rows, inter)
+    gate_up, down = torch.empty(EXPERTS, rows, 2 * inter), torch.empty(EXPERTS, rows, hidden)
+    shared_and_gate = _gemms_alone(layer, tokens, routed=False)
+
+    def run():
+        torch.bmm(x, w13, out=gate_up)
+        torch.bmm(h, w2, out=down)
+        shared_and_gate()
     return run
 
 
@@ -100,10 +122,18 @@ def child(variant: str, hidden: int, tokens: int, repeat: int) -> dict:
         result["peak_extra_mib"] = max(peak - base, 0) / 2**20
         fns = {"time_s": lambda: layer(x)}
         if variant == "patched":
+            from adaptor_patches import moe_cpu_native
+            assert moe_cpu_native.library() is not None, moe_cpu_native.failure
+
+            def without_c_passes():
+                with moe_cpu_native.enabled(False):
+                    layer(x)
+            fns["eager_ops_s"] = without_c_passes
             a, w = torch.randn(tokens * (TOPK + 1), hidden), torch.randn(hidden, 3 * inter)
             floor_out = torch.empty(a.shape[0], w.shape[1])
             fns.update(floor_s=lambda: torch.mm(a, w, out=floor_out),
-                       gemms_s=_gemms_alone(layer, x.view(tokens, hidden)))
+                       gemms_s=_gemms_alone(layer, x.view(tokens, hidden)),
+                       balanced_s=_balanced_bmm(layer, x.view(tokens, hidden)))
         result.update(_interleaved_medians(fns, repeat))
     return result
 
@@ -131,15 +161,18 @@ def main():
     print(f"fp32 CPU, {torch.get_num_threads()} threads, {EXPERTS} experts top-{TOPK}, intermediate hidden/2, "
           f"median of {args.repeat}\n")
     print("| hidden | tokens | floor (ms) | patched (ms) | upstream eager (ms) | patched / floor | "
-          "GEMMs alone / floor | eager / floor | eager / patched | peak extra patched (MiB) | peak extra eager (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "patched without C passes / floor | "
+          "GEMMs alone / floor | balanced bmm / floor | eager / floor | eager / patched | peak extra patched (MiB) | peak extra eager (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for hidden in args.hidden:
         for tokens in args.tokens:
             patched = run_child("patched", hidden, tokens, args)
             eager = run_child("upstream", hidden, tokens, args)
             floor = patched["floor_s"]
             print(f"| {hidden} | {tokens} | {floor * 1e3:.2f} | {patched['time_s'] * 1e3:.2f} | "
-                  f"{eager['time_s'] * 1e3:.2f} | {patched['time_s'] / floor:.2f}x | {patched['gemms_s'] / floor:.2f}x | "
+                  f"{eager['time_s'] * 1e3:.2f} | {patched['time_s'] / floor:.2f}x | "
+                  f"{patched['eager_ops_s'] / floor:.2f}x | {patched['gemms_s'] / floor:.2f}x | "
+                  f"{patched['balanced_s'] / floor:.2f}x | "
                   f"{eager['time_s'] / floor:.2f}x | {eager['time_s'] / patched['time_s']:.2f}x | "
                   f"{patched['peak_extra_mib']:.0f} | {eager['peak_extra_mib']:.0f} |", flush=True)
 

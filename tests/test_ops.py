@@ -4,10 +4,12 @@ The "npu" form runs here against adaptor_patches/npu_double.py, a TEST DOUBLE im
 documented torch_npu semantics in plain torch: it checks that ops.py calls the NPU ops with the
 arguments and index conventions the docs describe, not that the NPU kernels behave so.
 """
+import contextlib
+
 import pytest
 import torch
 
-from adaptor_patches import moe_weights, npu_double, ops
+from adaptor_patches import moe_cpu, moe_cpu_native, moe_weights, npu_double, ops
 from adaptor_patches.moe_weights import MoeShard
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -21,10 +23,18 @@ def _rel_err(out, ref):
 
 
 def _forms():
-    """(name, use_form context) for every form, the NPU one backed by the test double."""
+    """(name, context) for every form, the NPU one backed by the test double; the CPU form with its
+    C passes (which run only without autograd, as inference does) and with its eager-op fallback."""
+    def cpu(native):
+        @contextlib.contextmanager
+        def context():
+            with ops.use_form("cpu"), moe_cpu_native.enabled(native), torch.no_grad():
+                yield
+        return context
     return [("loop", lambda: ops.use_form("loop")),
             ("grouped_mm", lambda: ops.use_form("grouped_mm")),
-            ("cpu", lambda: ops.use_form("cpu")),
+            ("cpu", cpu(True)),
+            ("cpu-eager-ops", cpu(False)),
             ("npu-double", lambda: ops.use_form("npu", npu_ops=npu_double))]
 
 
@@ -169,30 +179,33 @@ def test_routed_experts_every_form_matches_reference(dtype, routing):
         assert added is shared and _rel_err(added, ref + 1) < TOL[dtype] * 2, (name, routing)
 
 
-def test_cpu_form_pads_only_when_groups_are_nearly_equal():
-    from adaptor_patches import moe_cpu
+@pytest.mark.parametrize("native", [True, False], ids=["c-passes", "eager-ops"])
+def test_cpu_form_pads_only_when_groups_are_nearly_equal(native):
     for idx, experts, padded in ((_balanced_idx(), 6, True), ((torch.arange(21) % 5).view(7, 3), 5, True),
                                  (_skewed_idx(), 6, False), (_balanced_idx(1, 6, 2), 6, False)):
         x, weight, w13, w2, ref = _experts_problem(torch.float32, idx, experts=experts)
-        out = moe_cpu.routed_experts_padded(x, weight, idx, w13, w2, None, ops.expert_counts)
+        with moe_cpu_native.enabled(native), torch.no_grad():
+            out = moe_cpu.routed_experts_padded(x, weight, idx, w13, w2, None, ops.expert_counts)
         assert (out is not None) == padded, idx.tolist()
         if padded:
             assert _rel_err(out, ref) < 1e-5
 
 
-def test_cpu_form_pad_rows_contribute_exactly_nothing():
-    """Pad slots point at token 0; they must be zero rows, not copies of token 0's input.
+@pytest.mark.parametrize("native", [True, False], ids=["c-passes", "eager-ops"])
+def test_cpu_form_pad_rows_contribute_exactly_nothing(native):
+    """Pad slots point at token 0 (eager ops) or at no token (C passes); either way they must add
+    nothing to token 0, not even 0 * inf.
 
     Token 0 uses experts 0-2 only. Experts 3 and 4 (which have pad slots) are scaled so that token
     0's large input overflows in them: a pad row holding token 0 would add 0 * inf = nan to it.
     """
-    from adaptor_patches import moe_cpu
     idx = (torch.arange(21) % 5).view(7, 3)             # groups 5,4,4,4,4: experts 1-4 get one pad slot
     x, weight, w13, w2, _ = _experts_problem(torch.float32, idx, experts=5)
     x[0] *= 1e10
     w13[3:] *= 1e15
     ref0 = torch.zeros(x.shape[1], dtype=torch.float64)
-    out = moe_cpu.routed_experts_padded(x, weight, idx, w13, w2, None, ops.expert_counts)
+    with moe_cpu_native.enabled(native), torch.no_grad():
+        out = moe_cpu.routed_experts_padded(x, weight, idx, w13, w2, None, ops.expert_counts)
     assert out is not None, "this routing must take the padded branch"
     import torch.nn.functional as F
     for k, e in enumerate(idx[0].tolist()):
@@ -236,6 +249,28 @@ def test_swiglu_on_stacked_weights_equals_upstream_mlp(dtype):
         with form():
             out = ops.swiglu(x.to(dtype) @ w13) @ w2
         assert _rel_err(out, ref) < TOL[dtype] * 3, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_mlp_every_form_equals_upstream_mlp_and_survives_buffer_reuse(dtype):
+    """ops.shared_mlp is upstream's x1 * silu(x2) on the unswapped nn.Linear weights; the CPU form's
+    reused gate/up buffer must not leak into an output already returned."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(4)
+    hidden, inter = 16, 8
+    gate_and_up = torch.randn(2 * inter, hidden, generator=g).to(dtype)
+    down = torch.randn(hidden, inter, generator=g).to(dtype)
+    xs = [torch.randn(tokens, hidden, generator=g).to(dtype) for tokens in (5, 9, 3)]
+
+    def upstream(x):                                                # HunyuanMLP.forward, silu
+        x1, x2 = F.linear(x.double(), gate_and_up.double()).chunk(2, dim=-1)
+        return F.linear(x1 * F.silu(x2), down.double())
+    for name, form in _forms():
+        with form(), torch.no_grad():
+            outs = [ops.shared_mlp(x.clone(), gate_and_up, down) for x in xs]
+        for x, out in zip(xs, outs):
+            assert out.dtype == dtype and out.shape == x.shape, name
+            assert _rel_err(out, upstream(x)) < TOL[dtype] * 3, name
 
 
 def test_form_is_chosen_per_device_kind_and_can_be_forced():

@@ -10,15 +10,15 @@ as one bmm per projection. When padding would add more than MAX_PADDING rows (de
 routing), `routed_experts_padded` returns None and ops.py runs the grouped path
 (torch._grouped_mm), which measures faster there.
 
-Around the two bmm, for fp32, the C passes of csrc/moe_cpu_kernels.c (moe_cpu_native.py builds
-them): slot tables in one counting pass, the padded gather (pad rows zeroed), SwiGLU in one pass
-skipping pads, and the combine as a per-token weighted sum into the shared MLP's output that
-never reads a pad row. Otherwise (bf16, or no C compiler) the same steps in eager torch ops:
-argsort slot tables, index_select, SwiGLU and routing weights in place, one index_add_; pad rows
-are zero there, so they add exactly nothing.
+Around the two bmm, for fp32 and bf16, the C passes of csrc/moe_cpu_kernels.c (built by
+moe_cpu_native.py): slot tables in one counting pass, the padded gather (pad rows zeroed),
+SwiGLU in one pass skipping pads, and the combine as a per-token weighted sum into the shared
+MLP's output that never reads a pad row (summed in fp32, rounded once). Without a C compiler the
+same steps in eager torch ops: argsort slot tables, index_select, SwiGLU and routing weights in
+place, one index_add_; pad rows are zero there, so they add exactly nothing.
 
-The three large intermediates (padded rows, gate/up output, down output) live in scratch buffers
-reused from call to call: on CPU a fresh tensor over glibc's mmap threshold is a new mapping whose
+The two large intermediates (padded rows, later overwritten by the down output; gate/up output)
+live in scratch buffers reused from call to call: on CPU a fresh tensor over glibc's mmap threshold is a new mapping whose
 every 4 KiB page faults on first touch, which at these sizes costs as much as the activation and
 combine passes together. The buffers only grow, to the largest layer call seen, like an
 accelerator's caching allocator; nothing in them outlives the call. They are per process, so two
@@ -88,7 +88,7 @@ def routed_experts_padded(x, topk_weight, topk_idx, w13, w2, add_to: Optional[to
     gate_up = torch.bmm(padded.view(num_experts, largest, -1), w13,
                         out=_scratch("gate_up", (num_experts, largest, w13.shape[2]), x))
     hidden = _swiglu_(gate_up).mul_(weight_of_slot.view(num_experts, largest, 1))
-    out = torch.bmm(hidden, w2, out=_scratch("down", (num_experts, largest, w2.shape[2]), x)).view(slots, -1)
+    out = torch.bmm(hidden, w2, out=padded.view(num_experts, largest, -1)).view(slots, -1)    # rows are spent
     acc = _accumulator(x, w2.shape[-1], add_to)
     acc.index_add_(0, token_of_slot, out if out.dtype == acc.dtype else out.float())
     if add_to is None:
@@ -99,19 +99,24 @@ def routed_experts_padded(x, topk_weight, topk_idx, w13, w2, add_to: Optional[to
 def shared_mlp(x, gate_and_up, down):
     """ops.shared_mlp: down(x1 * silu(x2)), [x1 | x2] = x @ gate_and_up^T (upstream's halves)."""
     rows, inter = x.shape[0], gate_and_up.shape[0] // 2
-    both = torch.mm(x, gate_and_up.t(), out=_scratch("shared_gate_up", (rows, 2 * inter), x))
+    both = torch.mm(x, gate_and_up.t(), out=_scratch("gate_up", (rows, 2 * inter), x))    # free again on return
     x1, x2 = both.chunk(2, dim=-1)
     lib = moe_cpu_native.library() if _native_applies(x, gate_and_up, down, None) else None
     if lib is None:
         return torch.mm(F.silu(x2, inplace=True).mul_(x1), down.t())
-    lib.moe_swiglu(both.data_ptr(), rows, inter, 0, None, x2.data_ptr(), 2 * inter)
+    _per_dtype(lib, "moe_swiglu", x)(both.data_ptr(), rows, inter, 0, None, x2.data_ptr(), 2 * inter)
     return torch.mm(x2, down.t())
 
 
+def _per_dtype(lib, name, like):
+    return getattr(lib, name if like.dtype == torch.float32 else name + "_bf16")
+
+
 def _native_applies(x, w_in, w_out, add_to) -> bool:
-    """The C passes take fp32 CPU tensors, x and add_to row-major."""
+    """The C passes take fp32 or bf16 CPU tensors of one dtype, x and add_to row-major."""
     tensors = (x, w_in, w_out) + (() if add_to is None else (add_to,))
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return (x.dtype in (torch.float32, torch.bfloat16)
+            and all(t.dtype == x.dtype and t.device.type == "cpu" for t in tensors)
             and x.is_contiguous() and (add_to is None or add_to.is_contiguous()))
 
 
@@ -133,14 +138,16 @@ def _routed_native(lib, x, topk_weight, topk_idx, w13, w2, add_to):
     lib.moe_slots(expert_of_row.data_ptr(), rows, topk, num_experts, largest, fill.data_ptr(),
                   token_of_slot.data_ptr(), slot_of_row.data_ptr())
     padded = _scratch("rows", (slots, hidden), x)
-    lib.moe_gather(x.data_ptr(), hidden, token_of_slot.data_ptr(), slots, padded.data_ptr())
+    lib.moe_gather(x.data_ptr(), hidden * x.element_size(), token_of_slot.data_ptr(), slots, padded.data_ptr())
     gate_up = torch.bmm(padded.view(num_experts, largest, hidden), w13,
                         out=_scratch("gate_up", (num_experts, largest, 2 * inter), x))
-    lib.moe_swiglu(gate_up.data_ptr(), slots, inter, 1, token_of_slot.data_ptr(), gate_up.data_ptr(), 2 * inter)
-    down = torch.bmm(gate_up[..., :inter], w2, out=_scratch("down", (num_experts, largest, hidden), x))
-    out = torch.zeros(tokens, hidden) if add_to is None else add_to
+    _per_dtype(lib, "moe_swiglu", x)(gate_up.data_ptr(), slots, inter, 1, token_of_slot.data_ptr(),
+                                     gate_up.data_ptr(), 2 * inter)
+    down = torch.bmm(gate_up[..., :inter], w2, out=padded.view(num_experts, largest, hidden))   # rows are spent
+    out = torch.zeros(tokens, hidden, dtype=x.dtype) if add_to is None else add_to
     weights = topk_weight.reshape(-1).to(torch.float32).contiguous()
-    lib.moe_combine(down.data_ptr(), hidden, slot_of_row.data_ptr(), weights.data_ptr(), tokens, topk, out.data_ptr())
+    _per_dtype(lib, "moe_combine", x)(down.data_ptr(), hidden, slot_of_row.data_ptr(), weights.data_ptr(), tokens,
+                                      topk, out.data_ptr())
     return out
 
 

@@ -1,4 +1,4 @@
-"""Builds and loads csrc/moe_cpu_kernels.c, the fused fp32 passes of the CPU expert kernel.
+"""Builds and loads csrc/moe_cpu_kernels.c, the fused passes (fp32, bf16) of the CPU expert kernel.
 
 Plain C with OpenMP, called through ctypes (which releases the GIL): no torch headers, so it
 compiles in about a second with the system C compiler at first use, and links the libgomp that
@@ -32,7 +32,9 @@ SIGNATURES = {
     "moe_slots": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P], None),
     "moe_gather": ([_P, _I64, _P, _I64, _P], None),
     "moe_swiglu": ([_P, _I64, _I64, _I64, _P, _P, _I64], None),
+    "moe_swiglu_bf16": ([_P, _I64, _I64, _I64, _P, _P, _I64], None),
     "moe_combine": ([_P, _I64, _P, _P, _I64, _I64, _P], None),
+    "moe_combine_bf16": ([_P, _I64, _P, _P, _I64, _I64, _P], None),
 }
 
 _library: Optional[ctypes.CDLL] = None

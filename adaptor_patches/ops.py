@@ -20,7 +20,7 @@ Forms (one is chosen per device kind, once; call sites never branch on the devic
   "grouped_mm"  (CUDA) torch._grouped_mm (CPU: fp32/bf16/fp16; CUDA: bf16 only, not run on CUDA
                 here) when strides are 16-byte aligned, else the loop; the rest in plain torch.
   "cpu"         (CPU) "grouped_mm", except that, when autograd records nothing, routed_experts
-                runs moe_cpu.py's padded bmm (fused C passes around it for fp32) when the expert
+                runs moe_cpu.py's padded bmm (fused C passes around it) when the expert
                 groups are nearly equal, and shared_mlp keeps its gate/up output in a reused
                 buffer. CPU only by default: reused buffers and C passes suit no other device.
   "loop"        one matmul per expert; the reference the other forms are tested against.

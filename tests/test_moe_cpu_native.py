@@ -113,3 +113,30 @@ def test_with_autograd_the_cpu_form_keeps_the_graph_and_its_gradients_are_right(
     ref.square().sum().backward()
     for param, grad, double in zip(("w13", "w2", "gate_and_up", "down"), grads, doubles):
         assert torch.allclose(grad.double(), double.grad, rtol=1e-4, atol=1e-4), param
+
+
+def test_bf16_swiglu_rounds_like_torchs_bf16_ops():
+    g = torch.Generator().manual_seed(3)
+    rows = (torch.randn(4096, 2 * 64, generator=g) * 4).to(torch.bfloat16)      # [gate | up], inter = 64
+    out = torch.empty(4096, 64, dtype=torch.bfloat16)
+    _lib().moe_swiglu_bf16(rows.data_ptr(), 4096, 64, 1, None, out.data_ptr(), 64)
+    gate, up = rows.chunk(2, dim=-1)
+    ref = F.silu(gate) * up                                  # torch: silu rounded to bf16, then the product
+    differ = out != ref
+    # The fp32 silu differs from torch's by ~1 ulp, which can flip a bf16 rounding now and then.
+    assert differ.float().mean() < 1e-3
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7)[differ].all()
+
+
+def test_bf16_combine_sums_in_fp32_and_rounds_once():
+    g = torch.Generator().manual_seed(4)
+    tokens, topk, hidden, slots = 6, 4, 1500, 30                 # hidden > 1024: the C loop's chunking
+    down = torch.randn(slots, hidden, generator=g).to(torch.bfloat16)
+    slot_of_row = torch.randperm(slots, generator=g)[:tokens * topk].contiguous()
+    weight = torch.rand(tokens * topk, generator=g)
+    out = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    exact = out.double() + (weight.double().view(tokens, topk, 1)
+                            * down.double()[slot_of_row].view(tokens, topk, -1)).sum(1)
+    _lib().moe_combine_bf16(down.data_ptr(), hidden, slot_of_row.data_ptr(), weight.data_ptr(), tokens, topk,
+                            out.data_ptr())
+    assert torch.equal(out, exact.float().to(torch.bfloat16))   # fp32 sum is exact enough to round the same

@@ -4,7 +4,7 @@
  * (one counting pass instead of argsort + ~20 small ops), the padded row gather, SwiGLU in one
  * pass, and the combine as a per-token weighted sum (parallel over tokens, no scatter). Layout of the padded rows: expert e owns slots [e*largest, (e+1)*largest); its rows
  * come in increasing flat-row order (what a stable argsort gives); the remaining slots are pads.
- * Pad slots are zero rows in, and never read by the combine.
+ * Pad slots are zero rows in, and never read by the combine. float32 and bfloat16 (_bf16).
  */
 #include <stdint.h>
 #include <string.h>
@@ -41,18 +41,35 @@ void moe_slots(const int64_t *expert_of_row, int64_t rows, int64_t topk, int64_t
     }
 }
 
-/* out[s] = x[token_of_slot[s]], or zeros for a pad. */
-void moe_gather(const float *x, int64_t hidden, const int64_t *token_of_slot, int64_t slots, float *out)
+/* out[s] = x[token_of_slot[s]], or zeros for a pad; rows of row_bytes bytes (any dtype). */
+void moe_gather(const char *x, int64_t row_bytes, const int64_t *token_of_slot, int64_t slots, char *out)
 {
     #pragma omp parallel for schedule(static)
     for (int64_t s = 0; s < slots; s++) {
-        float *dst = out + s * hidden;
+        char *dst = out + s * row_bytes;
         int64_t t = token_of_slot[s];
         if (t < 0)
-            memset(dst, 0, (size_t)hidden * sizeof(float));
+            memset(dst, 0, (size_t)row_bytes);
         else
-            memcpy(dst, x + t * hidden, (size_t)hidden * sizeof(float));
+            memcpy(dst, x + t * row_bytes, (size_t)row_bytes);
     }
+}
+
+/* bfloat16 <-> float: bf16 is the top half of a float; rounding to nearest even, NaN kept quiet. */
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t rounded = (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16;
+    uint32_t nan = (v.u & 0x7FFFFFFFu) > 0x7F800000u;
+    return (uint16_t)(nan ? ((v.u >> 16) | 0x40u) : rounded);
 }
 
 /* exp(x) for x in [-87, 88]: Cody-Waite reduction to r in [-ln2/2, ln2/2] and a degree-6
@@ -97,6 +114,26 @@ void moe_swiglu(const float *in, int64_t slots, int64_t inter, int64_t gate_firs
     }
 }
 
+/* moe_swiglu for bfloat16, rounding where torch's bf16 ops round: silu's result, then the product. */
+void moe_swiglu_bf16(const uint16_t *in, int64_t slots, int64_t inter, int64_t gate_first,
+                     const int64_t *token_of_slot, uint16_t *out, int64_t out_stride)
+{
+    #pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < slots; s++) {
+        if (token_of_slot && token_of_slot[s] < 0)
+            continue;
+        const uint16_t *gate = in + s * 2 * inter + (gate_first ? 0 : inter);
+        const uint16_t *up = in + s * 2 * inter + (gate_first ? inter : 0);
+        uint16_t *dst = out + s * out_stride;
+        #pragma omp simd
+        for (int64_t j = 0; j < inter; j++) {
+            float g = bf16_to_f32(gate[j]);
+            float silu = bf16_to_f32(f32_to_bf16(g / (1.0f + exp_f32(-g))));
+            dst[j] = f32_to_bf16(silu * bf16_to_f32(up[j]));
+        }
+    }
+}
+
 /* out[t, :] += sum_k weight[t * topk + k] * down[slot_of_row[t * topk + k], :], k in order (the
  * routing weights applied after the expert, as upstream's combine does); one thread per token. */
 void moe_combine(const float *down, int64_t hidden, const int64_t *slot_of_row, const float *weight, int64_t tokens,
@@ -111,6 +148,36 @@ void moe_combine(const float *down, int64_t hidden, const int64_t *slot_of_row, 
             #pragma omp simd
             for (int64_t j = 0; j < hidden; j++)
                 dst[j] += w * src[j];
+        }
+    }
+}
+
+/* moe_combine for bfloat16 down and out: the sum is taken in fp32 and rounded once per element. */
+void moe_combine_bf16(const uint16_t *down, int64_t hidden, const int64_t *slot_of_row, const float *weight,
+                      int64_t tokens, int64_t topk, uint16_t *out)
+{
+    #pragma omp parallel
+    {
+        float acc[1024];
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            for (int64_t j0 = 0; j0 < hidden; j0 += 1024) {
+                int64_t n = hidden - j0 < 1024 ? hidden - j0 : 1024;
+                uint16_t *dst = out + t * hidden + j0;
+                #pragma omp simd
+                for (int64_t j = 0; j < n; j++)
+                    acc[j] = bf16_to_f32(dst[j]);
+                for (int64_t k = 0; k < topk; k++) {
+                    const uint16_t *src = down + slot_of_row[t * topk + k] * hidden + j0;
+                    float w = weight[t * topk + k];
+                    #pragma omp simd
+                    for (int64_t j = 0; j < n; j++)
+                        acc[j] += w * bf16_to_f32(src[j]);
+                }
+                #pragma omp simd
+                for (int64_t j = 0; j < n; j++)
+                    dst[j] = f32_to_bf16(acc[j]);
+            }
         }
     }
 }

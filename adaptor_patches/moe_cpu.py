@@ -17,12 +17,13 @@ MLP's output that never reads a pad row (summed in fp32, rounded once). Without 
 same steps in eager torch ops: argsort slot tables, index_select, SwiGLU and routing weights in
 place, one index_add_; pad rows are zero there, so they add exactly nothing.
 
-The two large intermediates (padded rows, later overwritten by the down output; gate/up output)
-live in scratch buffers reused from call to call: on CPU a fresh tensor over glibc's mmap threshold is a new mapping whose
-every 4 KiB page faults on first touch, which at these sizes costs as much as the activation and
-combine passes together. The buffers only grow, to the largest layer call seen, like an
-accelerator's caching allocator; nothing in them outlives the call. They are per process, so two
-threads must not run MoE forwards at the same time (inference here runs one forward at a time).
+The two large intermediates (the padded rows, later overwritten by the down output, and the
+gate/up output, which the shared MLP borrows first) live in scratch buffers reused from call to
+call: on CPU a fresh tensor over glibc's mmap threshold is a new mapping whose every 4 KiB page
+faults on first touch, which at these sizes costs as much as the activation and combine passes.
+The buffers only grow, to the largest layer call seen, like an accelerator's caching allocator;
+nothing in them outlives the call. They are per process, so two threads must not run MoE
+forwards at the same time (inference here runs one forward at a time).
 
 The shared MLP (`shared_mlp`) is upstream HunyuanMLP's arithmetic, except that its gate/up output
 is a scratch buffer and the activation runs in place: upstream's module allocates four [T, *]

@@ -1,10 +1,12 @@
-/* Fused fp32 CPU passes around the routed experts' bmm (moe_cpu.py; built by moe_cpu_native.py).
+/* Fused CPU passes around the routed experts' bmm, float32 and bfloat16 (_bf16): moe_cpu.py calls
+ * them, moe_cpu_native.py builds them.
  *
- * The GEMMs stay with torch (MKL). These replace the eager ops between them: the slot tables
- * (one counting pass instead of argsort + ~20 small ops), the padded row gather, SwiGLU in one
- * pass, and the combine as a per-token weighted sum (parallel over tokens, no scatter). Layout of the padded rows: expert e owns slots [e*largest, (e+1)*largest); its rows
- * come in increasing flat-row order (what a stable argsort gives); the remaining slots are pads.
- * Pad slots are zero rows in, and never read by the combine. float32 and bfloat16 (_bf16).
+ * The GEMMs stay with torch (MKL). These replace the eager ops between them: the slot tables (one
+ * counting pass instead of argsort + ~20 small ops), the padded row gather, SwiGLU in one pass, and
+ * the combine as a per-token weighted sum (parallel over tokens, no scatter). Layout of the padded
+ * rows: expert e owns slots [e*largest, (e+1)*largest); its rows come in increasing flat-row order
+ * (what a stable argsort gives); the remaining slots are pads: zero rows in, never read by the
+ * combine.
  */
 #include <stdint.h>
 #include <string.h>

@@ -112,6 +112,9 @@ def _build() -> Path:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+    for stale in target.parent.glob("moe_cpu_kernels-*.so"):       # earlier sources; unlinking a loaded one is safe
+        if stale != target:
+            stale.unlink(missing_ok=True)
     return target
 
 

@@ -1,6 +1,7 @@
 """adaptor_patches/moe_cpu_native.py and csrc/moe_cpu_kernels.c: build, cache, fallback, and the
 C passes' arithmetic against torch. (Whole-kernel equivalence of the CPU form, C passes on and
 off: test_ops.py; the layer against upstream eager: test_moe_layer.py.)"""
+import ctypes
 import math
 import warnings
 from pathlib import Path
@@ -82,6 +83,17 @@ def test_without_a_compiler_the_cpu_form_warns_once_and_runs_eager_ops(monkeypat
         "moe_cpu: fused C kernels unavailable (no C compiler found (set CC)); using eager torch ops"]
     with ops.use_form("loop"):
         assert torch.allclose(out, ops.routed_experts(x, weight, idx, w13, w2), rtol=1e-5, atol=1e-6)
+
+
+def test_a_new_build_replaces_the_builds_of_earlier_sources(monkeypatch, tmp_path):
+    (tmp_path / "moe_cpu_kernels-0123456789abcdef.so").write_bytes(b"stale")
+    source = tmp_path / "k.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    monkeypatch.setattr(moe_cpu_native, "SOURCE", source)
+    monkeypatch.setattr(moe_cpu_native, "_cache_dir", lambda: tmp_path)
+    built = moe_cpu_native._build()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["k.c", built.name])
+    assert ctypes.CDLL(str(built)).answer() == 42
 
 
 def test_a_failed_build_leaves_no_library_file(monkeypatch, tmp_path):

@@ -97,21 +97,28 @@ def _balanced_bmm(layer, tokens):
     return run
 
 
-def child(variant: str, hidden: int, tokens: int, repeat: int) -> dict:
+def build_layer(hidden: int):
+    """The benchmarked HunyuanMoE, built through upstream's class as model_adaptor left it (seed 0)."""
     import torch
-    import model_adaptor
-    from adaptor_patches.parallel import ParallelSettings
-    from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
-
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=variant == "upstream")
     import hunyuan_image_3.hunyuan as upstream
+    from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
     inter = hidden // 2
     config = HunyuanImage3Config(hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
                                  num_experts=EXPERTS, moe_topk=TOPK, use_mixed_mlp_moe=True, num_shared_expert=1,
                                  hidden_act="silu", num_hidden_layers=1, num_attention_heads=8,
                                  num_key_value_heads=8, attention_head_dim=hidden // 8)
     torch.manual_seed(0)
-    layer = upstream.HunyuanMoE(config, layer_idx=0).eval()
+    return upstream.HunyuanMoE(config, layer_idx=0).eval()
+
+
+def child(variant: str, hidden: int, tokens: int, repeat: int) -> dict:
+    import torch
+    import model_adaptor
+    from adaptor_patches.parallel import ParallelSettings
+
+    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=variant == "upstream")
+    inter = hidden // 2
+    layer = build_layer(hidden)
     x = torch.randn(1, tokens, hidden)
     result = {}
     with torch.no_grad():

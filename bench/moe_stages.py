@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.moe_layer import EXPERTS, TOPK  # noqa: E402
+from bench.moe_layer import EXPERTS, TOPK, build_layer  # noqa: E402
 
 
 def stage_times(layer, x, lib, scratch):
@@ -74,19 +74,12 @@ def main():
     import model_adaptor
     from adaptor_patches import moe_cpu, moe_cpu_native
     from adaptor_patches.parallel import ParallelSettings
-    from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
     model_adaptor.apply(ParallelSettings(device="cpu"))
-    import hunyuan_image_3.hunyuan as upstream
     lib = moe_cpu_native.library()
     if lib is None:
         sys.exit(f"error: the C passes did not build: {moe_cpu_native.failure}")
     hidden, inter = args.hidden, args.hidden // 2
-    config = HunyuanImage3Config(hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
-                                 num_experts=EXPERTS, moe_topk=TOPK, use_mixed_mlp_moe=True, num_shared_expert=1,
-                                 hidden_act="silu", num_hidden_layers=1, num_attention_heads=8,
-                                 num_key_value_heads=8, attention_head_dim=hidden // 8)
-    torch.manual_seed(0)
-    layer = upstream.HunyuanMoE(config, layer_idx=0).eval()
+    layer = build_layer(hidden)
     x = torch.randn(1, args.tokens, hidden)
     a, w = torch.randn(args.tokens * (TOPK + 1), hidden), torch.randn(hidden, 3 * inter)
     floor_out = torch.empty(a.shape[0], w.shape[1])

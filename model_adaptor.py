@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from adaptor_patches import attention, cfg_parallel, compat, device as device_mod
 from adaptor_patches import model as model_patches, moe, moe_weights
-from adaptor_patches import parallel, vae_parallel
+from adaptor_patches import parallel, text_phase, vae_parallel
 from adaptor_patches.parallel import ParallelSettings
 
 UPSTREAM_COMMIT = "62da220178f4b0b7d83e91665a46a20a3ee4f7cd"
@@ -53,6 +53,17 @@ PATCHES = (
           "latents enter the VAE in its own dtype", shim=True),
     Patch(f"{H}:HunyuanStaticCache", "update", compat.static_cache_update,
           "transformers 5 StaticLayer.lazy_initialization(keys, values) signature", shim=True),
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "_update_model_kwargs_for_generation",
+          compat.generation_kwargs_keep_use_cache,
+          "transformers 5's _sample reads model_kwargs['use_cache'], which upstream's update drops", shim=True),
+    # The text phase (think / recaption / ratio token): in the shims-only reference too, since
+    # transformers 5 ignores upstream's seeded generator and every process would sample its own text.
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "_get_logits_processor", text_phase.logits_processor_with_shared_sampler,
+          "text tokens chosen on global rank 0 from the job's seed, broadcast to every rank", shim=True),
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "_generate", text_phase.generate_recording_text,
+          "text calls fitted to the context and recorded (tokens, time)", shim=True),
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "generate_image", text_phase.generate_image_in_text_phase,
+          "one TextPhase per image; its text, ratio and timing left on model.last_text_phase", shim=True),
     Patch(f"{H}:HunyuanMoE", "__init__", moe.moe_init,
           "experts stacked for grouped matmul (this rank's EP/TP share), shared MLP split under TP, "
           "load_state_dict pre-hook stacking upstream's per-expert keys"),

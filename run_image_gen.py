@@ -41,7 +41,11 @@ def parse_args(argv=None):
     p.add_argument("--save", type=str, default="image.png")
     p.add_argument("--verbose", type=int, default=0)
     p.add_argument("--reproduce", action="store_true")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="cap for think/recaption text")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="most tokens the think / recaption text may have (upstream's default: 8192; the "
+                        "model's context bounds it too); the ratio token of --image-size auto is always one")
+    p.add_argument("--save-text", type=str, default=None,
+                   help="write the think / recaption text the image is conditioned on (UTF-8) to this path")
     p.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
     p.add_argument("--warmup", type=int, default=0, help="untimed generations before the timed ones")
     p.add_argument("--rounds", type=int, default=1, help="timed generations")
@@ -74,6 +78,25 @@ def validate(args):
             raise UsageError(f"image-size: '{args.image_size}' is not auto, HxW or H:W")
     if args.use_system_prompt == "custom" and not args.system_prompt:
         raise UsageError("system-prompt: required with --use-system-prompt custom")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UsageError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    check_text_task(args)
+
+
+def generation_config(model_id) -> dict:
+    path = Path(model_id) / "generation_config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"model-id: {path} is not valid JSON ({exc}); repair or regenerate it") from None
+
+
+def check_text_task(args):
+    from adaptor_patches.text_phase import text_task_problem
+    problem = text_task_problem(args.bot_task, bool(args.save_text), generation_config(args.model_id))
+    if problem:
+        field, what, fix = problem
+        raise UsageError(f"{field}: {what}; {fix}")
 
 
 def check_layout(args, settings):
@@ -121,6 +144,12 @@ def shared_seed(dist, seed):
     return chosen[0]
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: Path, write) -> None:
     """write(tmp_path) into a temporary sibling, then rename: readers never see a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,20 +157,36 @@ def write_atomically(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())     # mkstemp's 0600 would survive the rename
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def generate(model, args, seed):
+def generate(model, args, seed, rank):
+    """One image; the text phase's record is left on model.last_text_phase (text_phase.py)."""
     kwargs = dict(prompt=args.prompt, seed=seed, image_size=args.image_size,
                   use_system_prompt=args.use_system_prompt, system_prompt=args.system_prompt,
                   bot_task=args.bot_task, diff_infer_steps=args.diff_infer_steps,
-                  verbose=args.verbose, stream=args.verbose > 0)
+                  verbose=args.verbose if rank == 0 else 0, stream=args.verbose > 0 and rank == 0)
     if args.max_new_tokens is not None:
         kwargs["max_new_tokens"] = args.max_new_tokens
     return model.generate_image(**kwargs)
+
+
+def describe_text_phase(text: dict) -> str:
+    """The round's text phase in one log suffix: tokens, rate, chosen size."""
+    if not text["tokens_generated"]:
+        return ""
+    parts = [f"text phase {text['text_phase_s']:.2f}s, {text['tokens_generated']} tokens "
+             f"({text['tokens_per_s']:.1f} tokens/s)"]
+    ratio = text["ratio"]
+    if ratio is not None:
+        size = "x".join(map(str, ratio["requested_size"]))
+        parts.append(f"ratio {ratio['index']} -> {size}" if ratio["valid"] else
+                     f"ratio token {ratio['token_id']} out of range -> {size} (upstream's 1:1 fallback)")
+    return "; " + ", ".join(parts)
 
 
 def versions(torch):
@@ -181,17 +226,18 @@ def run(args):
         log(f"loaded {args.model_id} in {load_s:.2f}s")
         timer = PhaseTimer(device).attach(model)
         for i in range(args.warmup):
-            generate(model, args, seed)
+            generate(model, args, seed, rank)
             log(f"warmup {i + 1}/{args.warmup} done")
         device.reset_peak_memory()
         rounds, image = [], None
         for i in range(args.rounds):
             timer.reset()
             start = time.perf_counter()
-            image = generate(model, args, seed)
+            image = generate(model, args, seed, rank)
             device.synchronize()
-            rounds.append({"total_s": round(time.perf_counter() - start, 6), **timer.summary()})
-            log(f"round {i + 1}/{args.rounds}: {rounds[-1]['total_s']:.3f}s")
+            text = model.last_text_phase.summary()
+            rounds.append({"total_s": round(time.perf_counter() - start, 6), **timer.summary(), "text_phase": text})
+            log(f"round {i + 1}/{args.rounds}: {rounds[-1]['total_s']:.3f}s{describe_text_phase(text)}")
 
     peak = device.peak_memory_bytes()
     peaks = [peak]
@@ -201,6 +247,10 @@ def run(args):
     if rank == 0:
         write_atomically(Path(args.save), lambda tmp: image.save(tmp, format="PNG"))
         log(f"image saved to {args.save} ({image.width}x{image.height})")
+        if args.save_text:
+            text = rounds[-1]["text_phase"]["text"] or ""
+            write_atomically(Path(args.save_text), lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
+            log(f"text saved to {args.save_text}")
         if args.save_latents:
             write_atomically(Path(args.save_latents), lambda tmp: torch.save(timer.last_latents, tmp))
         if args.metrics_json:
@@ -222,10 +272,11 @@ def main(argv=None):
         validate(args)
         from adaptor_patches.device import DeviceError
         from adaptor_patches.parallel import SettingsError
+        from adaptor_patches.text_phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
         try:
             return run(args)
-        except (DeviceError, SettingsError, UpstreamMismatchError) as exc:
+        except (DeviceError, SettingsError, UpstreamMismatchError, ContextTooLongError) as exc:
             raise UsageError(str(exc)) from exc
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,13 +1,19 @@
 """What upstream needs to run at all off CUDA, and under transformers 5.
 
-The four minimal shims (the reference run for equivalence tests applies exactly these):
+The minimal shims (the reference run for equivalence tests applies exactly these):
   1. `torch.cuda.set_device(...)` in `HunyuanMoE.forward` and `torch.autocast("cuda")` in the
      model and pipeline: upstream modules see a device-neutral `torch` whose `cuda.set_device`
      only acts on CUDA and whose `autocast("cuda")` means "autocast on the device we run on".
   2. `torch.cuda.nvtx` ranges become no-ops off CUDA.
-  3. `AutoencoderKLConv3D.decode` off CUDA runs in the VAE's own dtype (latents cast to it).
+  3. `AutoencoderKLConv3D.decode` off CUDA runs without autocast, in the VAE's own dtype (latents
+     cast to it); on CPU the VAE is first moved to fp32 (a bf16 decode is ~25x slower there).
   4. transformers 5 changed `StaticLayer.lazy_initialization(key_states)` to take
      `(key_states, value_states)`: layers are initialised before upstream's `update` looks.
+  5. transformers 5's `_sample` reads `model_kwargs["use_cache"]` after every step; upstream's
+     `_update_model_kwargs_for_generation` builds a fresh dict without it (KeyError in the text
+     phase: think, recaption, `--image-size auto`). The key is carried over.
+(The text phase's seeded, rank-0-broadcast sampler is also installed in the shims-only reference:
+text_phase.py.)
 """
 from __future__ import annotations
 
@@ -88,9 +94,22 @@ def vae_decode_in_own_dtype(original, device: Device):
     raises "mixed dtype"): decode there runs without autocast, in the VAE's own dtype."""
     if device.runs_upstream_vae_autocast:
         return original
+    decode_dtype = device.vae_decode_dtype
 
     @functools.wraps(original)
     def decode(self, z, *args, **kwargs):
+        if decode_dtype is not None and self.dtype != decode_dtype:
+            self.to(decode_dtype)       # once, at the first decode (CPU: fp32, see Device.vae_decode_dtype)
         with torch.autocast(device_type=device.autocast_type, enabled=False):
             return original(self, z.to(self.dtype), *args, **kwargs)
     return decode
+
+
+def generation_kwargs_keep_use_cache(original, _device: Device):
+    @functools.wraps(original)
+    def update(self, outputs, model_kwargs, *args, **kwargs):
+        updated = original(self, outputs, model_kwargs, *args, **kwargs)
+        if "use_cache" in model_kwargs and "use_cache" not in updated:
+            updated["use_cache"] = model_kwargs["use_cache"]
+        return updated
+    return update

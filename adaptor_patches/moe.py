@@ -177,6 +177,9 @@ def _forward_ep(moe, tokens, ep_group):
 
 def _route(moe, tokens):
     gate = moe.gate
+    if tokens.shape[0] == 0:        # an empty EP chunk: no gate matmul on zero rows
+        return (torch.empty(0, gate.moe_topk, dtype=torch.float32, device=tokens.device),
+                torch.empty(0, gate.moe_topk, dtype=torch.int64, device=tokens.device))
     gate_input = tokens.float() if gate.wg.weight.dtype == torch.float32 else tokens
     return ops.route(gate.wg(gate_input), gate.moe_topk, gate.norm_topk_prob, gate.routed_scaling_factor)
 

@@ -21,6 +21,12 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(f"npu_double: {message}")
 
 
+def _require_rows(t, name: str) -> None:
+    # npu_swiglu documents empty tensors as unsupported; grouped matmul and the routing ops leave
+    # them undocumented. Read strictly: none of them is called with zero rows.
+    _require(t.numel() > 0, f"{name} is empty (empty tensors are unsupported)")
+
+
 def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, group_type=None, group_list_type=0,
                        split_item=0, **unsupported):
     """One matmul per contiguous row group of x[0] against weight[0][g] ([G, in, out])."""
@@ -30,9 +36,11 @@ def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, group_type=None
     _require(bias is None and not any(v is not None for v in unsupported.values()), "quant/bias not modelled")
     _require(group_list is not None and group_list.dtype == torch.int64, "group_list must be int64")
     rows, w = x[0], weight[0]
+    _require_rows(rows, "x")
     _require(w.dim() == 3 and w.shape[1] == rows.shape[1], "weight must be [G, in, out] matching x")
     counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
     counts = counts.tolist()
+    _require(group_list_type != 1 or len(counts) > 1, "group_list of length 1 is unsupported with group_list_type=1")
     _require(len(counts) == w.shape[0] and sum(counts) <= rows.shape[0], "group_list does not fit x / weight")
     out = rows.new_zeros(rows.shape[0], w.shape[2])
     bounds = [0]
@@ -56,6 +64,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     """
     _require(expert_idx.dtype == torch.int32 and expert_idx.dim() == 2, "expert_idx must be 2-D int32")
     _require(x.dim() == 2 and x.shape[0] == expert_idx.shape[0], "x must be [NUM_ROWS, H]")
+    _require_rows(x, "x")
     _require(drop_pad_mode == 0 and quant_mode == -1 and scale is None, "only dropless, unquantised is modelled")
     _require(active_num == expert_idx.numel(), "active_num must equal NUM_ROWS * K")
     _require(expert_tokens_num_flag and expert_tokens_num_type in (0, 1), "counts must be requested (type 0/1)")
@@ -83,6 +92,7 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     _require(scales is not None and scales.dtype == expanded_permuted_rows.dtype,
              "scales must have the dtype of expanded_permuted_rows")
     _require(expanded_src_to_dst_row.dtype == torch.int32, "expanded_src_to_dst_row must be int32")
+    _require_rows(expanded_permuted_rows, "expanded_permuted_rows")
     rows_n, topk = scales.shape
     index = expanded_src_to_dst_row.long()
     index = index.view(rows_n, topk) if drop_pad_mode == 2 else index.view(topk, rows_n).t()
@@ -101,6 +111,7 @@ def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=No
     """Regroup rows laid out (rank, expert) into expert-major order; permute_token_idx is a gather index."""
     _require(tokens.dtype in (torch.float16, torch.bfloat16, torch.int8), "tokens must be fp16/bf16/int8")
     _require(expert_token_num_per_rank.dim() == 2, "expert_token_num_per_rank must be [N ranks, E]")
+    _require_rows(tokens, "tokens")
     _require(expert_token_num_type == 1 and idx_type == 0, "only count mode and gather indices are modelled")
     counts = expert_token_num_per_rank.long()
     _require(int(counts.sum()) == tokens.shape[0], "sum of counts must equal the token rows")
@@ -115,6 +126,7 @@ def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=No
 
 def npu_swiglu(x, dim=-1):
     """silu(first half) * second half along `dim`."""
+    _require_rows(x, "x")
     first, second = x.chunk(2, dim=dim)
     return (F.silu(first.float()) * second.float()).to(x.dtype)
 

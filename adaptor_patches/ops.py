@@ -28,6 +28,11 @@ Forms (one is chosen per device kind, once; call sites never branch on the devic
 `use_form("loop")` (a context manager) forces a form; `use_form("npu", npu_ops=npu_double)` runs
 the NPU call sites on CPU against the test double.
 
+Empty input (an EP rank whose token chunk or received rows are empty: decode steps have one token
+per CFG branch) never reaches a kernel: every function here returns its empty result from the
+host-known shape first. Ascend documents empty tensors as unsupported for npu_swiglu and leaves
+them undocumented for grouped matmul and the routing ops, so no form calls them with zero rows.
+
 Host syncs: none in the "npu" and "grouped_mm" forms; one `.tolist()` of the counts per grouped
 matmul in "loop", one per layer in "cpu" (free on CPU, where there is no device queue).
 SwiGLU convention: silu is applied to the FIRST half, as npu_swiglu does. Upstream's HunyuanMLP
@@ -106,6 +111,8 @@ def routed_experts(x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.T
     Returned in x's dtype; with `add_to` ([T, H], x's dtype) the sum is added into it in place
     and add_to is returned (the MoE passes its finished shared-MLP output).
     """
+    if x.shape[0] == 0:
+        return add_to if add_to is not None else x.new_empty(0, w2.shape[-1])
     if active_form() == "cpu" and records_no_graph(x, topk_weight, w13, w2, add_to):
         out = moe_cpu.routed_experts_padded(x, topk_weight, topk_idx, w13, w2, add_to, expert_counts)
         if out is not None:
@@ -117,6 +124,8 @@ def routed_experts(x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.T
 
 def expert_mlp(sorted_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows grouped by expert (counts [E]) -> down(swiglu(rows @ w13[e])) per group, same row order."""
+    if sorted_x.shape[0] == 0:
+        return sorted_x.new_empty(0, w2.shape[-1])
     return grouped_matmul(swiglu(grouped_matmul(sorted_x, w13, counts)), w2, counts)
 
 
@@ -126,6 +135,8 @@ def shared_mlp(x: torch.Tensor, gate_and_up: torch.Tensor, down: torch.Tensor) -
     Weights as nn.Linear stores them ([out, in]); the halves are upstream's, NOT swapped (the shared
     MLP keeps upstream's module and weights). Returns a fresh [T, H] tensor.
     """
+    if x.shape[0] == 0:
+        return x.new_empty(0, down.shape[0])
     if active_form() == "cpu" and records_no_graph(x, gate_and_up, down):
         return moe_cpu.shared_mlp(x, gate_and_up, down)
     x1, x2 = F.linear(x, gate_and_up).chunk(2, dim=-1)
@@ -136,6 +147,8 @@ def shared_mlp(x: torch.Tensor, gate_and_up: torch.Tensor, down: torch.Tensor) -
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """y[rows of group e] = x[rows of group e] @ w[e]; x [N, in], w [E, in, out], counts [E] (sum N)."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, w.shape[-1])
     form = active_form()
     if form == "npu":
         return _grouped_matmul_npu(x, w, counts)
@@ -172,6 +185,9 @@ def _grouped_matmul_grouped_mm(x, w, counts):
 
 
 def _grouped_matmul_npu(x, w, counts):
+    if w.shape[0] == 1:
+        # One local expert (EP degree == expert count): group_list_type=1 rejects a length-1 list.
+        return torch.matmul(x, w[0])
     # group_list_type=1: group_list holds per-group counts; split_item=2: one output tensor.
     return _npu().npu_grouped_matmul([x], [w], group_list=counts.to(torch.int64), group_type=0,
                                      group_list_type=1, split_item=2)[0]
@@ -201,6 +217,9 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
     Returns (sorted_x [T*K, H], row_idx [T*K], counts [E] int64) where row_idx[t*K + k] is the
     sorted row holding token t's k-th expert choice.
     """
+    if x.shape[0] == 0:
+        return (x.new_empty(0, x.shape[1]), topk_idx.new_empty(0, dtype=torch.int64),
+                torch.zeros(num_experts, dtype=torch.int64, device=x.device))
     if active_form() == "npu":
         return _permute_npu(x, topk_idx, num_experts)
     flat = topk_idx.reshape(-1)
@@ -228,6 +247,8 @@ def _permute_npu(x, topk_idx, num_experts):
 
 def unpermute(y: torch.Tensor, row_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k topk_weight[t, k] * y[row_idx[t*K + k]], in y's dtype."""
+    if topk_weight.shape[0] == 0:
+        return y.new_empty(0, y.shape[-1])
     if active_form() == "npu":
         return _unpermute_npu(y, row_idx, topk_weight)
     tokens, topk = topk_weight.shape
@@ -251,6 +272,8 @@ def regroup(x: torch.Tensor, counts_per_rank: torch.Tensor):
     counts_per_rank [R, E_local]. Returns (grouped_x, order, local_counts [E_local] int64) with
     grouped_x = x[order].
     """
+    if x.shape[0] == 0:
+        return x, torch.zeros(0, dtype=torch.int64, device=x.device), counts_per_rank.sum(0).to(torch.int64)
     if active_form() == "npu" and x.dtype in (torch.float16, torch.bfloat16):
         grouped, _, order, local_counts = _npu().npu_moe_re_routing(
             x, counts_per_rank, expert_token_num_type=1, idx_type=0)
@@ -272,6 +295,8 @@ def ungroup(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(first half) * second half (npu_swiglu's convention; see the module docstring)."""
+    if x.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
     if active_form() == "npu":
         return _npu().npu_swiglu(x, dim=-1)
     gate, up = x.chunk(2, dim=-1)

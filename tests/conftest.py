@@ -14,3 +14,10 @@ def tiny_model(tmp_path_factory):
     """One tiny random checkpoint (bf16, sharded, no zero layers) shared by the session."""
     from utils.make_tiny_model import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def text_model(tiny_model, tmp_path_factory):
+    """The tiny checkpoint made for the text phase (tests/text_checkpoint.py)."""
+    from text_checkpoint import make_text_checkpoint
+    return make_text_checkpoint(tiny_model, tmp_path_factory.mktemp("ckpt_text") / "tiny_text")

@@ -82,3 +82,28 @@ def test_two_rank_moe_parallel_matches_single_process(tiny_model, out_dir, refer
     assert f"world_size=2 adaptor=full cfg=1 tp=2 moe={moe_flag[-2:]}" in proc.stdout
     assert psnr(png, reference[0]) >= PSNR_MIN_DB
     assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
+
+
+def test_think_and_auto_size_match_upstream_eager(text_model, out_dir):
+    # The shims-only reference runs the text phase too (same seeded sampler): the adaptor's think
+    # text and ratio equal upstream eager's; the image gets the bounds above.
+    import json
+    runs = {}
+    for adaptor in ("shims", "full"):
+        text, metrics = out_dir / f"think_{adaptor}.txt", out_dir / f"think_{adaptor}.json"
+        png, latents, _ = generate(text_model, out_dir, f"think_{adaptor}", "--adaptor", adaptor, "--bot-task", "think",
+                                   "--max-new-tokens", 6, "--save-text", text, "--metrics-json", metrics,
+                                   steps=2, seed=1, size="auto")
+        runs[adaptor] = png, latents, text.read_text(), json.loads(metrics.read_text())
+    (ref_png, ref_latents, ref_text, ref_metrics), (png, latents, text, metrics) = runs["shims"], runs["full"]
+    ratio = ref_metrics["rounds"][0]["text_phase"]["ratio"]
+    assert ratio["valid"] and ref_text.strip(), (ratio, ref_text)
+    assert text == ref_text and metrics["rounds"][0]["text_phase"]["ratio"] == ratio
+    assert metrics["image_size"] == ref_metrics["image_size"]
+    import os
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for output in (png, latents, out_dir / "think_full.txt", out_dir / "think_full.json"):
+        assert output.stat().st_mode & 0o777 == 0o666 & ~umask, output      # not mkstemp's 0600
+    assert psnr(png, ref_png) >= PSNR_MIN_DB
+    assert latent_rel_err(latents, ref_latents) <= LATENT_REL_ERR_MAX

@@ -11,12 +11,18 @@ branch's rows compute the same at batch 1 as at batch 2 here). The bounds leave 
 ~10 dB on PSNR. A broken split fails by far: without the o_proj all-reduce 21 dB / 0.55, a
 replicated-KV rank reading the wrong query heads likewise.
 
+The text phase (think, then the ratio token of --image-size auto) runs on the same layouts plus
+two 8-rank ones shaped like the 16-card configs; its text and ratio must equal the single-process
+run's exactly, its image within the bounds above (text_checkpoint.py says why its LM head is scaled).
+
 Layouts (tiny model: 4 attention heads, 2 KV heads, 4 experts):
   tp2                  attention TP2 (one KV group per rank), MoE replicated
   cfg2                 CFG parallel: cond rows on rank 0, uncond on rank 1
   tp2_cfg2_moe_tp      CFG2 x (attention TP2 + MoE TP2)
   ep2_cfg2_moe_ep      CFG2 x (attention TP2 + MoE EP2), VAE decode over 4 ranks
   tp4                  attention TP4: 1 query head per rank, KV heads replicated on 2 ranks each
+  ep4_cfg2_moe_ep      (text) CFG2 x (attention TP4 + MoE EP4: one expert per rank) + VAE, 8 ranks
+  tp4_cfg2_moe_tp      (text) CFG2 x (attention TP4 + MoE TP4), 8 ranks
 """
 import json
 import shutil
@@ -27,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from generation import generate, latent_rel_err, psnr, run_cli
 from test_launcher import assert_one_error, run_launcher, write_yaml
+from text_checkpoint import make_text_checkpoint
 
 PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 3e-2
@@ -74,21 +81,112 @@ def single(checkpoint, out_dir):
     return png, latents
 
 
+@pytest.fixture(scope="module")
+def layout_runs():
+    """Layout name -> generate() result, filled by the matrix test for the tests after it."""
+    return {}
+
+
+def _matrix_run(runs, layout, test="test_layout_matches_single_process"):
+    if layout not in runs:
+        pytest.fail(f"needs {test}[{layout}] to have run first")
+    return runs[layout]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(checkpoint, out_dir, single, layout):
+def test_layout_matches_single_process(checkpoint, out_dir, single, layout_runs, layout):
     nproc, flags = LAYOUTS[layout]
-    png, latents, proc = generate(checkpoint, out_dir, layout, *flags, nproc=nproc)
+    png, latents, proc = layout_runs[layout] = generate(checkpoint, out_dir, layout, *flags, nproc=nproc)
     assert f"world_size={nproc}" in proc.stdout
     db, err = psnr(png, single[0]), latent_rel_err(latents, single[1])
     print(f"{layout}: PSNR {db:.1f} dB, latent rel err {err:.2e}")
     assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (layout, db, err)
 
 
-def test_same_seed_and_layout_give_byte_identical_png(checkpoint, out_dir):
+def test_same_seed_and_layout_give_byte_identical_png(checkpoint, out_dir, layout_runs):
     nproc, flags = LAYOUTS["ep2_cfg2_moe_ep"]
-    first, _, _ = generate(checkpoint, out_dir, "repeat_a", *flags, nproc=nproc)
-    second, _, _ = generate(checkpoint, out_dir, "repeat_b", *flags, nproc=nproc)
+    first = _matrix_run(layout_runs, "ep2_cfg2_moe_ep")[0]
+    second, _, _ = generate(checkpoint, out_dir, "repeat", *flags, nproc=nproc)
     assert first.read_bytes() == second.read_bytes()
+
+
+# ---------------------------------------------------------------- the text phase on every layout
+# think (6 tokens) then the ratio token of --image-size auto, then the image at the chosen size.
+# Text and ratio must equal the single-process run's exactly (tokens are chosen on global rank 0
+# and broadcast; the checkpoint's decisive LM head keeps bf16 layout differences from flipping a
+# draw); the image gets the bounds above.
+
+TEXT_SEED = 1
+# The 16-rank configs' shapes at the tiny model's scale, on 8 ranks: ep8_cfg.yaml is CFG2 x (attention
+# TP + MoE EP + VAE parallel), here with EP degree == experts (one local expert per rank) and
+# replicated KV heads; tp8_cfg.yaml is CFG2 x (attention TP + MoE TP).
+TEXT_LAYOUTS = {**LAYOUTS,
+                "ep4_cfg2_moe_ep": (8, ["--cfg-parallel", "--moe-ep", "--vae-parallel"]),
+                "tp4_cfg2_moe_tp": (8, ["--cfg-parallel", "--moe-tp"])}
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(checkpoint, tmp_path_factory):
+    return make_text_checkpoint(checkpoint, tmp_path_factory.mktemp("text") / "tiny")
+
+
+def generate_with_text(model_dir, out_dir, name, *flags, nproc=1):
+    """(png, latents, text, metrics, process) of a think + auto-size run, with --verbose 1 (the text
+    streamed to the console)."""
+    text, metrics = out_dir / f"{name}.txt", out_dir / f"{name}.json"
+    png, latents, proc = generate(model_dir, out_dir, name, "--bot-task", "think", "--max-new-tokens", 6,
+                                  "--save-text", text, "--metrics-json", metrics, "--verbose", 1, *flags, nproc=nproc,
+                                  steps=2, seed=TEXT_SEED, size="auto")
+    return png, latents, text.read_bytes(), json.loads(metrics.read_text()), proc
+
+
+@pytest.fixture(scope="module")
+def single_text(text_checkpoint, out_dir):
+    png, latents, text, metrics, proc = generate_with_text(text_checkpoint, out_dir, "single_text")
+    phase = metrics["rounds"][0]["text_phase"]
+    assert phase["ratio"]["valid"] and metrics["image_size"] != [64, 64], (phase["ratio"], metrics["image_size"])
+    assert len(text.strip()) > 0 and phase["tokens_generated"] == 7      # 6 think tokens + 1 ratio
+    return png, latents, text, phase, metrics["image_size"], proc.stdout
+
+
+@pytest.fixture(scope="module")
+def layout_text_runs():
+    """Layout name -> generate_with_text result, filled by the matrix test for the tests after it."""
+    return {}
+
+
+TEXT_MATRIX = "test_layout_text_phase_matches_single_process"
+
+
+@pytest.mark.parametrize("layout", list(TEXT_LAYOUTS))
+def test_layout_text_phase_matches_single_process(text_checkpoint, out_dir, single_text, layout_text_runs, layout):
+    nproc, flags = TEXT_LAYOUTS[layout]
+    run = layout_text_runs[layout] = generate_with_text(text_checkpoint, out_dir, f"{layout}_text", *flags,
+                                                        nproc=nproc)
+    png, latents, text, metrics, _ = run
+    phase = metrics["rounds"][0]["text_phase"]
+    assert text == single_text[2], (layout, text, single_text[2])
+    assert phase["ratio"] == single_text[3]["ratio"] and phase["text"] == single_text[3]["text"]
+    assert metrics["image_size"] == single_text[4]
+    db, err = psnr(png, single_text[0]), latent_rel_err(latents, single_text[1])
+    assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (layout, db, err)
+
+
+def test_text_mode_same_seed_and_layout_give_identical_text_and_png_bytes(text_checkpoint, out_dir,
+                                                                          layout_text_runs):
+    nproc, flags = TEXT_LAYOUTS["ep2_cfg2_moe_ep"]
+    first = _matrix_run(layout_text_runs, "ep2_cfg2_moe_ep", TEXT_MATRIX)
+    second = generate_with_text(text_checkpoint, out_dir, "text_repeat", *flags, nproc=nproc)
+    assert first[2] == second[2] and first[0].read_bytes() == second[0].read_bytes()
+
+
+def test_text_is_streamed_on_rank_zero_only_with_verbose(single_text, layout_text_runs):
+    # Upstream's --verbose prints the context (which holds the text) and streams the text; on two
+    # ranks the console must show exactly what one process shows: rank 1 prints none of it.
+    alone, pair = single_text[5], _matrix_run(layout_text_runs, "cfg2", TEXT_MATRIX)[4].stdout
+    streamed = single_text[3]["text"]
+    assert alone.count(streamed) >= 1
+    assert pair.count(streamed) == alone.count(streamed), pair[-3000:]
 
 
 # ---------------------------------------------------------------- refused before any weight is read

@@ -297,3 +297,44 @@ def test_npu_double_rejects_calls_outside_the_documented_contract():
     with pytest.raises(ValueError, match="fp16/bf16"):
         npu_double.npu_moe_re_routing(torch.zeros(2, 4), torch.tensor([[1, 1]]))
     assert npu_double.IS_TEST_DOUBLE
+
+
+def test_every_kernel_returns_empty_results_for_zero_rows_without_calling_an_op():
+    # An EP rank's empty token chunk (a text decode step has one token per CFG branch): in the NPU
+    # form the double raises if any torch_npu op sees an empty tensor, as Ascend documents for
+    # npu_swiglu. Every form must return the right empty shapes.
+    hidden, inter, experts, topk = 32, 16, 4, 2
+    x = torch.zeros(0, hidden, dtype=torch.bfloat16)
+    w13 = torch.randn(experts, hidden, 2 * inter).to(torch.bfloat16)
+    w2 = torch.randn(experts, inter, hidden).to(torch.bfloat16)
+    topk_idx, topk_weight = torch.zeros(0, topk, dtype=torch.int64), torch.zeros(0, topk)
+    counts = torch.zeros(experts, dtype=torch.int64)
+    for name, form in _forms():
+        with form():
+            assert ops.routed_experts(x, topk_weight, topk_idx, w13, w2).shape == (0, hidden), name
+            assert ops.expert_mlp(x, w13, w2, counts).shape == (0, hidden), name
+            assert ops.shared_mlp(x, torch.randn(2 * inter, hidden).to(x.dtype),
+                                  torch.randn(hidden, inter).to(x.dtype)).shape == (0, hidden), name
+            sorted_x, row_idx, got_counts = ops.permute(x, topk_idx, experts)
+            assert sorted_x.shape == (0, hidden) and row_idx.numel() == 0 and got_counts.tolist() == [0] * 4, name
+            assert ops.unpermute(x, row_idx, topk_weight).shape == (0, hidden), name
+            grouped, order, local = ops.regroup(x, torch.zeros(2, 2, dtype=torch.int64))
+            assert grouped.shape == (0, hidden) and order.numel() == 0 and local.tolist() == [0, 0], name
+            assert ops.swiglu(torch.zeros(0, 2 * inter, dtype=x.dtype)).shape == (0, inter), name
+
+
+def test_npu_form_with_one_local_expert_passes_no_length_one_group_list():
+    x, w, counts, ref = _grouped_problem(torch.bfloat16, counts=(5,))
+    with ops.use_form("npu", npu_ops=npu_double):
+        assert _rel_err(ops.grouped_matmul(x, w, counts), ref) <= TOL[torch.bfloat16]
+
+
+def test_npu_double_rejects_empty_tensors_and_a_length_one_group_list():
+    with pytest.raises(ValueError, match="empty"):
+        npu_double.npu_swiglu(torch.zeros(0, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="empty"):
+        npu_double.npu_grouped_matmul([torch.zeros(0, 4)], [torch.zeros(2, 4, 4)], group_list=torch.zeros(2, dtype=torch.int64),
+                                      group_type=0, group_list_type=1, split_item=2)
+    with pytest.raises(ValueError, match="length 1"):
+        npu_double.npu_grouped_matmul([torch.zeros(3, 4)], [torch.zeros(1, 4, 4)], group_list=torch.tensor([3]),
+                                      group_type=0, group_list_type=1, split_item=2)

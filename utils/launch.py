@@ -164,7 +164,27 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
     check_image_size(get("image-size", "auto"))
     if get("multi-stream") not in (None, True, False, "on", "off"):
         raise ConfigError("model_args.multi-stream", f"{margs['multi-stream']!r} is not on|off", "use on or off")
-    return model_config(get("model-id"), build_tiny)
+    config = model_config(get("model-id"), build_tiny)
+    if config is not None:
+        check_text_task(get("bot-task"), get("save-text") is not None, resolve_path(get("model-id")))
+    return config
+
+
+def check_text_task(bot_task, save_text: bool, model_dir: Path) -> None:
+    """think / recaption on this checkpoint, by adaptor_patches.text_phase's rule (its JSON only)."""
+    sys.path.insert(0, str(ROOT))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from adaptor_patches.text_phase import text_task_problem
+    path = model_dir / "generation_config.json"
+    try:
+        generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError("model_args.model-id", f"{path} is not valid JSON ({e})", "repair or regenerate it") from None
+    problem = text_task_problem(bot_task, save_text, generation if isinstance(generation, dict) else {})
+    if problem:
+        field, what, fix = problem
+        raise ConfigError(f"model_args.{field}", what, fix)
 
 
 def check_flag(key, val) -> None:

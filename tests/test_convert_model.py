@@ -7,6 +7,7 @@ Also: bad input refused (exit 2, one `error:` line, nothing written), a SIGKILLe
 leaves no OUT and a rerun finishes, and --verify catches a flipped byte.
 """
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -162,7 +163,10 @@ def test_output_layout_manifest_and_configs(tiny_model, converted):
     import hashlib
     out = converted["tp4"]
     manifest = json.loads((out / "manifest.json").read_text())
-    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
+    # the run marker says "made by convert_model.py" (what --overwrite may replace); it is not content
+    assert json.loads((out / ".convert_model_run.json").read_text())["tool"] == "utils/convert_model.py"
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"manifest.json",
+                                                                                  ".convert_model_run.json"}
     assert set(manifest["files"]) == on_disk
     for rel, record in manifest["files"].items():
         data = (out / rel).read_bytes()
@@ -272,16 +276,84 @@ def test_inconsistent_checkpoint_is_one_error_line(tiny_model, tmp_path, breaker
     assert needle in proc.stderr
 
 
-def test_existing_output_needs_overwrite(tiny_model, tmp_path):
+def test_existing_output_needs_overwrite_and_overwrite_replaces_only_a_conversion(tiny_model, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     proc = run_convert_cli("--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2)
     assert_refused(proc, "output-path", out, may_exist=True)
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     proc = run_convert("--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2, "--overwrite")
-    assert proc.returncode == 0, proc.stderr
-    assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
+    assert_refused(proc, "output-path", out, may_exist=True)
+    assert "not a conversion made by convert_model.py" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "keep.txt").unlink()                 # an empty directory holds nothing to lose
+    convert(tiny_model, out, "ep2")
+    convert(tiny_model, out, "tp2", "--overwrite")     # a conversion of ours is replaced
+    assert json.loads((out / "manifest.json").read_text())["parallel_layout"]["tp_moe"] == 2
+    assert not (tmp_path / "out.old").exists() and not (tmp_path / "out.partial").exists()
+
+
+def _tree_digest(path: Path) -> dict:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _alias_dotdot(tmp_path, src):
+    return src, tmp_path / "elsewhere" / ".." / src.name, ["--overwrite"]
+
+
+def _alias_source_is_partial(tmp_path, src):
+    moved = src.rename(tmp_path / "out.partial")
+    return moved, tmp_path / "out", []
+
+
+def _alias_source_is_old(tmp_path, src):
+    convert(src, tmp_path / "out", "ep2")           # an earlier conversion of ours at OUT
+    return src.rename(tmp_path / "out.old"), tmp_path / "out", ["--overwrite"]
+
+
+def _alias_symlink_to_source(tmp_path, src):
+    (tmp_path / "link").symlink_to(src)
+    return src, tmp_path / "link", ["--overwrite"]
+
+
+def _alias_symlinked_parent(tmp_path, src):
+    (tmp_path / "parent_link").symlink_to(tmp_path)
+    return src, tmp_path / "parent_link" / src.name, ["--overwrite"]
+
+
+@pytest.mark.parametrize("alias", [_alias_dotdot, _alias_source_is_partial, _alias_source_is_old,
+                                   _alias_symlink_to_source, _alias_symlinked_parent])
+def test_no_aliasing_of_the_output_touches_the_checkpoint(tiny_model, tmp_path, alias):
+    (tmp_path / "elsewhere").mkdir()
+    source, out, extra = alias(tmp_path, _copy(tiny_model, tmp_path))
+    before = _tree_digest(source)
+    proc = run_convert("--model-path", source, "--output-path", out, "--tp-attn", 2, "--ep", 2, *extra)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: output-path: "), proc.stderr
+    assert _tree_digest(source) == before
+
+
+@pytest.mark.parametrize("suffix", [".partial", ".old"])
+def test_a_users_own_partial_or_old_dir_is_never_deleted(tiny_model, tmp_path, suffix):
+    theirs = tmp_path / f"out{suffix}"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    proc = run_convert("--model-path", tiny_model, "--output-path", tmp_path / "out", "--tp-attn", 2, "--ep", 2)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "was not made by convert_model.py" in lines[0], proc.stderr
+    assert (theirs / "notes.txt").read_text() == "mine" and not (tmp_path / "out").exists()
+
+
+def test_infinite_shard_size_and_an_empty_shard_are_one_error_line(tiny_model, tmp_path):
+    for value in ("inf", "nan"):
+        proc = run_convert("--model-path", tiny_model, "--output-path", tmp_path / "out", "--max-shard-size", value)
+        assert_refused(proc, "max-shard-size", tmp_path / "out")
+    src = _copy(tiny_model, tmp_path)
+    (src / "model-00002-of-00003.safetensors").write_bytes(b"")
+    proc = run_convert("--model-path", src, "--output-path", tmp_path / "out2", "--tp-attn", 2, "--ep", 2)
+    assert_refused(proc, "model-path", tmp_path / "out2")
+    assert "model-00002-of-00003.safetensors is not a readable safetensors file" in proc.stderr
 
 
 def test_output_inside_the_checkpoint_is_refused(tiny_model, tmp_path):
@@ -337,3 +409,23 @@ def test_sigkill_mid_way_leaves_no_output_and_a_rerun_finishes(tiny_model, tmp_p
     assert not partial.exists()
     assert run_convert("--verify", out).returncode == 0
     assert_reassembles(tiny_model, out, LAYOUTS["ep2"])
+
+
+def test_ctrl_c_mid_way_is_one_error_line_and_leaves_nothing(tiny_model, tmp_path):
+    out, partial = tmp_path / "out", tmp_path / "out.partial"
+    args = ["--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2, "--max-shard-size", "0.0005"]
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT.format(root=str(ROOT)), *map(str, args)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(partial.glob("rank-*/model-*.safetensors")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the conversion ended before any shard"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1].startswith("error: interrupted"), stderr
+    assert "Traceback" not in stderr and not out.exists() and not partial.exists()

@@ -8,6 +8,7 @@ every tensor whose shape config.json determines has that shape.
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from pathlib import Path
 from typing import Optional
@@ -80,7 +81,7 @@ def _headers(directory: Path, files) -> tuple:
             return None, f"{FIELD}: {file} (listed in {INDEX_FILE}) is missing from {directory}; {REDOWNLOAD}"
         try:
             headers[file] = read_header(path)
-        except (OSError, ValueError, KeyError, UnicodeDecodeError) as exc:
+        except (OSError, ValueError, KeyError, UnicodeDecodeError, struct.error) as exc:
             return None, f"{FIELD}: {file} is not a readable safetensors file ({exc}); {REDOWNLOAD}"
         end = max((t.offset + t.nbytes for t in headers[file].values()), default=0)
         if path.stat().st_size < end:

@@ -21,17 +21,26 @@ copied by the kernel. Output tensors held in memory, across all workers, never e
 thread pool (reads, hashing and writes release the GIL); jobs go shard-major, so the ranks' reads
 of the same source bytes meet in the page cache. Atomic against the process dying (no fsync, like cp): everything is written into
 OUT.partial and renamed to OUT at the end; a killed run leaves no OUT, the next run starts
-OUT.partial afresh, a failing run removes it. Bad input is refused before anything is written:
-one `error: field: problem; fix` line, exit 2. --verify exits 1 on the first mismatch.
+OUT.partial afresh, a failing or interrupted (Ctrl-C: exit 130) run removes it.
+
+Never loses a checkpoint: paths are compared as real paths (symlinks, `..`, same inode), and
+none of OUT, OUT.partial, OUT.old may overlap the source; the converter deletes or replaces only
+directories it made (they carry `.convert_model_run.json`, or an OUT from before that marker its
+manifest) — `--overwrite` refuses a directory of anyone else's, and a user's own OUT.partial or
+OUT.old is refused, not removed. Bad input is refused before anything is written: one
+`error: field: problem; fix` line, exit 2. --verify exits 1 on the first mismatch.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import math
+import os
 import shutil
 import sys
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,39 +247,106 @@ def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int, budget
 
 
 def commit(partial: Path, out: Path) -> None:
-    """Move the finished partial directory into place (replacing an old OUT, if --overwrite)."""
+    """Move the finished partial directory into place (replacing an old OUT, if --overwrite: checked
+    before anything was written to be a conversion of ours, or empty)."""
     if not out.exists():
         partial.rename(out)
         return
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
+    old = sibling(out, OLD_SUFFIX)
+    remove_own_work_dir(old)
     out.rename(old)
     partial.rename(out)
     shutil.rmtree(old)
 
 
+# ---------------------------------------------------------------- what the converter may delete
+# It deletes or replaces only what it made: its work dirs carry WORK_MARKER (the run's identity),
+# which a finished OUT keeps; an OUT from before the marker is recognised by its manifest's format.
+
+WORK_MARKER = ".convert_model_run.json"
+PARTIAL_SUFFIX, OLD_SUFFIX = ".partial", ".old"
+
+
+def sibling(out: Path, suffix: str) -> Path:
+    return out.with_name(out.name + suffix)
+
+
+def made_by_converter(path: Path) -> bool:
+    if (path / WORK_MARKER).is_file():
+        return True
+    try:
+        return json.loads((path / MANIFEST_FILE).read_text()).get("format") == MANIFEST_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def remove_own_work_dir(path: Path) -> None:
+    """Remove a work dir an earlier run left (it carries WORK_MARKER); refuse to touch anything else."""
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir() or not made_by_converter(path):
+        raise ConvertError(f"output-path: {path} exists and was not made by convert_model.py; move it away "
+                           f"or choose another --output-path (nothing was written)")
+    shutil.rmtree(path)
+
+
+def start_work_dir(partial: Path, source: Path) -> None:
+    remove_own_work_dir(partial)
+    partial.mkdir(parents=True)
+    run = {"tool": "utils/convert_model.py", "run_id": uuid.uuid4().hex, "pid": os.getpid(), "source": str(source)}
+    write_json(partial / WORK_MARKER, run)
+
+
 # ---------------------------------------------------------------- convert
 
+def _overlaps(a: Path, b: Path) -> bool:
+    """Real paths (symlinks and `..` resolved): a is b (also by inode, e.g. on a case-insensitive
+    file system or through a hard-linked dir), or one contains the other."""
+    if a == b or a in b.parents or b in a.parents:
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _check_paths(source: Path, out: Path, overwrite: bool) -> None:
+    """source and out are resolved. Nothing the converter writes, renames or deletes (OUT,
+    OUT.partial, OUT.old) may touch the checkpoint, and only its own earlier work is replaced."""
     if not (source / "config.json").is_file():
         raise ConvertError(f"model-path: {source} has no config.json; pass a HunyuanImage-3 checkpoint directory")
-    if out == source or out in source.parents or source in out.parents:
-        raise ConvertError(f"output-path: {out} overlaps the checkpoint {source}; choose a directory outside it")
-    if out.exists() and not (overwrite and out.is_dir()):
-        fix = "pass --overwrite" if out.is_dir() else "remove it"
-        raise ConvertError(f"output-path: {out} already exists; {fix} or choose another path")
+    for path in (out, sibling(out, PARTIAL_SUFFIX), sibling(out, OLD_SUFFIX)):
+        if _overlaps(path, source):
+            raise ConvertError(f"output-path: {path} overlaps the checkpoint {source} (real paths compared); "
+                               f"choose a directory outside it")
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"output-path: {out} exists and is not a directory; remove it or choose another path")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ConvertError(f"output-path: {out} already exists; pass --overwrite or choose another path")
+        if not made_by_converter(out):
+            raise ConvertError(f"output-path: {out} is not a conversion made by convert_model.py, and --overwrite "
+                               f"replaces only those; choose another path (nothing was written)")
+    for path in (sibling(out, PARTIAL_SUFFIX), sibling(out, OLD_SUFFIX)):
+        if os.path.lexists(path) and (path.is_symlink() or not path.is_dir() or not made_by_converter(path)):
+            raise ConvertError(f"output-path: {path} exists and was not made by convert_model.py; move it away "
+                               f"or choose another --output-path (nothing was written)")
 
 
 def _check_numbers(args) -> None:
-    if not args.max_shard_size > 0:
-        raise ConvertError(f"max-shard-size: must be > 0 GB, got {args.max_shard_size}; the default is 5")
+    if not (args.max_shard_size > 0 and math.isfinite(args.max_shard_size)):
+        raise ConvertError(f"max-shard-size: must be a finite number > 0 of GB, got {args.max_shard_size}; "
+                           f"the default is 5")
     if args.max_workers < 1:
         raise ConvertError(f"max-workers: must be >= 1, got {args.max_workers}; use 1 (the default) or more")
 
 
 def validate(args) -> tuple:
     """(source, out, layout, config), or ConvertError with the first problem; nothing is written."""
-    source, out = Path(args.model_path).absolute(), Path(args.output_path).absolute()
+    if Path(args.output_path).is_symlink():
+        raise ConvertError(f"output-path: {args.output_path} is a symbolic link; pass the directory it should be "
+                           f"(the converter replaces OUT by renaming, which would not follow the link)")
+    source, out = Path(args.model_path).resolve(), Path(args.output_path).resolve()
     layout = ParallelLayout(args.tp_attn, args.tp_moe, args.ep)
     _check_numbers(args)
     _check_paths(source, out, args.overwrite)
@@ -296,9 +372,9 @@ def convert(args) -> str:
     jobs = plan_jobs(files, config, layout, max_bytes)
     for note in oversized_notes(jobs, max_bytes):
         print(note, file=sys.stderr)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)              # what a killed run left behind
+    partial = sibling(out, PARTIAL_SUFFIX)
     layout_block = {**layout.as_json(), "source_index_sha256": index_sha256(source)}
+    start_work_dir(partial, source)         # replaces only what a killed run of ours left behind
     try:
         written = write_small_files(source, partial, config, layout_block, jobs)
         written.update(run_jobs(jobs, files, partial, args.max_workers, ByteBudget(max_bytes)))
@@ -389,6 +465,9 @@ def main(argv=None) -> int:
     except ConvertError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; no output was committed and the work dir was removed", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ process or under torchrun. Rank 0 writes the PNG (atomically) and the metrics JS
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -23,6 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 class UsageError(Exception):
     pass
+
+
+DEFAULT_DIST_TIMEOUT_S = 1200.0      # like the HCCL connect/exec timeouts cann-recipes sets
 
 
 def parse_args(argv=None):
@@ -58,12 +62,24 @@ def parse_args(argv=None):
     p.add_argument("--multi-stream", choices=["on", "off"], default=None)
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
+    p.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S,
+                   help="seconds a collective may wait for the other ranks before the job ends with an error "
+                        f"(default {DEFAULT_DIST_TIMEOUT_S:.0f}: a load can keep ranks apart for minutes)")
     return p.parse_args(argv)
+
+
+SEED_RANGE = (0, 2**32 - 1)      # the launcher's rule too (utils/launch.py NUMBERS)
+OUTPUT_FLAGS = ("save", "metrics_json", "save_latents", "save_text")
 
 
 def validate(args):
     if not args.prompt.strip():
         raise UsageError("prompt: empty; pass --prompt 'a description'")
+    if args.seed is not None and not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise UsageError(f"seed: {args.seed} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]}; pass a seed in that range "
+                         f"or none (rank 0 picks one)")
+    if args.dist_timeout <= 0:
+        raise UsageError(f"dist-timeout: must be > 0 seconds, got {args.dist_timeout}")
     model_dir = Path(args.model_id)
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"model-id: {model_dir} has no config.json; pass a HunyuanImage-3 checkpoint dir "
@@ -81,6 +97,68 @@ def validate(args):
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     check_text_task(args)
+    check_checkpoint_files(model_dir)
+    if int(os.environ.get("RANK", "0")) == 0:           # only rank 0 writes outputs
+        for flag in OUTPUT_FLAGS:
+            if getattr(args, flag) is not None:
+                check_output_path(flag.replace("_", "-"), getattr(args, flag))
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"model-id: {path} is not readable JSON ({exc}); repair it or download it again") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"model-id: {path} is not a JSON object; repair it or download it again")
+    return data
+
+
+def check_checkpoint_files(model_dir: Path) -> None:
+    """Damaged checkpoints fail here, from JSON and safetensors headers (no hashes), before any weight
+    is read: the original's shards against its index and config.json; a converted one's rank dirs."""
+    from adaptor_patches.loading import LoadingError, converted_layout, is_converted, rank_dir_name
+    from utils.checkpoint_checks import files_problem, source_problem
+    config = read_json(model_dir / "config.json")
+    if is_converted(model_dir):
+        try:
+            dirs = [model_dir / rank_dir_name(r) for r in range(converted_layout(model_dir).ranks)]
+        except (LoadingError, KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"model-id: {model_dir}/config.json has a damaged layout block ({exc}); convert "
+                             f"again") from None
+        problem = next(filter(None, (files_problem(d) for d in dirs if (d / "config.json").is_file())), None)
+    else:
+        if not (model_dir / "tokenizer.json").is_file():
+            raise UsageError(f"model-id: {model_dir} has no tokenizer.json; download or copy the checkpoint again")
+        try:
+            problem = source_problem(model_dir, config)
+        except (KeyError, TypeError, ValueError) as exc:
+            problem = f"model-path: config.json lacks or mangles a field the model needs ({exc!r}); restore it"
+    if problem:
+        raise UsageError("model-id:" + problem.split(":", 1)[1])
+
+
+def check_output_path(field: str, value: str) -> None:
+    """An output we could not write would fail only after the load and the generation."""
+    path = Path(value)
+    if not value.strip() or value.endswith(os.sep):
+        raise UsageError(f"{field}: '{value}' is not a file path; pass e.g. outputs/image.png")
+    if path.is_dir():
+        raise UsageError(f"{field}: {path} is a directory; pass a file path inside it")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{field}: {path} exists and is not writable; fix its permissions or pick another path")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{field}: cannot write under {parent} (read-only or not a directory); pick another path")
+    try:        # a small probe: a full disk refuses it
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".write-probe-") as probe:
+            probe.write(b"\0" * 65536)
+            probe.flush()
+    except OSError as exc:
+        raise UsageError(f"{field}: cannot write under {parent} ({exc.strerror or exc}); free space or pick "
+                         f"another path") from None
 
 
 def generation_config(model_id) -> dict:
@@ -125,12 +203,13 @@ def set_reproducibility(torch, seed):
     torch.use_deterministic_algorithms(True)
 
 
-def init_distributed(settings, device):
+def init_distributed(settings, device, timeout_s: float):
     if not settings.is_distributed:
         return None
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group(backend=device.dist_backend, rank=settings.rank, world_size=settings.world_size)
+        dist.init_process_group(backend=device.dist_backend, rank=settings.rank, world_size=settings.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return dist
 
 
@@ -196,7 +275,19 @@ def versions(torch):
             "transformers": transformers.__version__, "diffusers": diffusers.__version__}
 
 
-def run(args):
+class JobPhase:
+    """What this rank is doing, for the message when a collective times out."""
+    name = "starting"
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+    text = str(exc).lower()
+    return isinstance(exc, getattr(dist, "DistError", ())) or (
+        isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text or "connection closed" in text))
+
+
+def run(args, phase: JobPhase = JobPhase()):
     import torch
     import model_adaptor
     from adaptor_patches.loading import check_checkpoint, load_model
@@ -211,7 +302,9 @@ def run(args):
     t0 = time.perf_counter()
     device = model_adaptor.apply(settings, shims_only=args.adaptor == "shims")
     device.make_current()
-    dist = init_distributed(settings, device)
+    phase.name = "joining the process group"
+    dist = init_distributed(settings, device, args.dist_timeout)
+    phase.name = "agreeing on the seed"
     seed = shared_seed(dist, args.seed)
     if args.reproduce:
         set_reproducibility(torch, seed)
@@ -221,17 +314,23 @@ def run(args):
         f"cfg={settings.cfg_degree} tp={settings.tp_degree} moe={settings.moe_mode} seed={seed}")
 
     with torch.no_grad():
+        phase.name = "loading weights"
         model = load_model(args.model_id, device, args.attn_impl, args.moe_impl, per_rank=per_rank)
+        if dist is not None:
+            phase.name = "waiting for the other ranks to finish loading"
+            dist.barrier()
         load_s = time.perf_counter() - t0
         log(f"loaded {args.model_id} in {load_s:.2f}s")
         timer = PhaseTimer(device).attach(model)
         for i in range(args.warmup):
+            phase.name = f"warm-up generation {i + 1}"
             generate(model, args, seed, rank)
             log(f"warmup {i + 1}/{args.warmup} done")
         device.reset_peak_memory()
         rounds, image = [], None
         for i in range(args.rounds):
             timer.reset()
+            phase.name = f"generation {i + 1} (text phase, denoising or VAE decode)"
             start = time.perf_counter()
             image = generate(model, args, seed, rank)
             device.synchronize()
@@ -239,6 +338,7 @@ def run(args):
             rounds.append({"total_s": round(time.perf_counter() - start, 6), **timer.summary(), "text_phase": text})
             log(f"round {i + 1}/{args.rounds}: {rounds[-1]['total_s']:.3f}s{describe_text_phase(text)}")
 
+    phase.name = "gathering metrics and writing outputs"
     peak = device.peak_memory_bytes()
     peaks = [peak]
     if dist is not None:
@@ -274,10 +374,19 @@ def main(argv=None):
         from adaptor_patches.parallel import SettingsError
         from adaptor_patches.text_phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
+        phase = JobPhase()
         try:
-            return run(args)
+            return run(args, phase)
         except (DeviceError, SettingsError, UpstreamMismatchError, ContextTooLongError) as exc:
             raise UsageError(str(exc)) from exc
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise
+            first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            print(f"error: rank {os.environ.get('RANK', '0')}: a collective failed while {phase.name} "
+                  f"(another rank stalled or died; --dist-timeout is {args.dist_timeout:g} s): {first_line}",
+                  file=sys.stderr, flush=True)
+            return 1
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -104,6 +104,16 @@ def _key_problem(key: str, stored, config: dict) -> Optional[str]:
     return None
 
 
+def files_problem(directory: Path) -> Optional[str]:
+    """The index and every shard it names: present, readable headers, not truncated (a converted
+    rank dir, whose shapes are this rank's share, gets only this check)."""
+    weight_map, problem = _weight_map(directory)
+    if problem:
+        return problem
+    files = set(weight_map.values()) if weight_map is not None else {SINGLE_FILE}
+    return _headers(directory, files)[1]
+
+
 def source_problem(directory: Path, config: dict) -> Optional[str]:
     weight_map, problem = _weight_map(directory)
     if problem:

@@ -1,0 +1,150 @@
+"""What happens when a checkpoint is damaged, an output cannot be written, or a rank stalls.
+
+Every damaged-checkpoint and bad-path case must end with exit 2 and one `error:` line before any
+weight is read (on 1 rank; on 2 ranks under torchrun each rank says the same line and exits 2);
+a rank stopped with SIGSTOP must end a 2-rank job within --dist-timeout plus a bounded margin,
+with a message naming the rank and what it was doing. docs/RELIABILITY.md lists the outcomes.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from generation import ROOT, run_cli
+from multirank import free_port
+
+LOAD_MARKER = "Loading weights"
+
+
+def _copy(tiny_model, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_model, dst)
+    return dst
+
+
+def _shard(ckpt, n=2):
+    return ckpt / f"model-0000{n}-of-00003.safetensors"
+
+
+def _index_path(ckpt):
+    return ckpt / "model.safetensors.index.json"
+
+
+DAMAGE = {
+    "deleted_shard": lambda c: _shard(c).unlink(),
+    "truncated_shard": lambda c: _shard(c).write_bytes(_shard(c).read_bytes()[:-1000]),
+    "zero_byte_shard": lambda c: _shard(c).write_bytes(b""),
+    "cut_off_index": lambda c: _index_path(c).write_text(_index_path(c).read_text()[:200]),
+    "broken_config": lambda c: (c / "config.json").write_text("{\"hidden_size\": 64,"),
+    "num_experts_mismatch": lambda c: (c / "config.json").write_text(json.dumps(
+        {**json.loads((c / "config.json").read_text()), "num_experts": 8})),
+    "no_tokenizer": lambda c: (c / "tokenizer.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_checkpoint_is_one_error_line_before_loading(tiny_model, tmp_path, damage):
+    ckpt = _copy(tiny_model, tmp_path)
+    DAMAGE[damage](ckpt)
+    save = tmp_path / "never.png"
+    proc = run_cli(["--prompt", "x", "--model-id", ckpt, "--device", "cpu", "--save", save, "--image-size", "64x64"])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: model-id: "), proc.stderr[-3000:]
+    assert LOAD_MARKER not in proc.stdout + proc.stderr and not save.exists()
+
+
+def test_damaged_checkpoint_on_two_ranks_ends_both_with_the_line(tiny_model, tmp_path):
+    ckpt = _copy(tiny_model, tmp_path)
+    DAMAGE["truncated_shard"](ckpt)
+    proc = run_cli(["--prompt", "x", "--model-id", ckpt, "--device", "cpu", "--save", tmp_path / "n.png"], nproc=2,
+                   timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: model-id: ")]
+    assert proc.returncode != 0 and len(errors) == 2 and "truncated" in errors[0], proc.stderr[-3000:]
+    assert LOAD_MARKER not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--save", "--metrics-json", "--save-latents"])
+@pytest.mark.parametrize("case", ["directory", "read_only_dir", "empty"])
+def test_unwritable_output_is_refused_before_loading(tiny_model, tmp_path, flag, case):
+    if case == "read_only_dir" and os.geteuid() == 0:
+        target = "/proc/never/out.file"      # root may write anywhere a mode allows: use a file system that refuses
+    elif case == "read_only_dir":
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        target = str(ro / "out.file")
+    else:
+        target = {"directory": str(tmp_path), "empty": ""}[case]
+    args = ["--prompt", "x", "--model-id", tiny_model, "--device", "cpu", "--image-size", "64x64"]
+    if flag != "--save":
+        args += ["--save", tmp_path / "ok.png"]
+    proc = run_cli(args + [flag, target])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {flag[2:]}: "), proc.stderr
+    assert LOAD_MARKER not in proc.stdout + proc.stderr and not (tmp_path / "ok.png").exists()
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**70)])
+def test_seed_outside_the_range_is_one_error_line(tiny_model, seed):
+    proc = run_cli(["--prompt", "x", "--model-id", tiny_model, "--device", "cpu", "--seed", seed])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: seed: "), proc.stderr
+
+
+def _rank_pids(parent_pid):
+    """{RANK: pid} of torchrun's worker processes."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            if b"RANK" in env:
+                found[int(env[b"RANK"])] = int(entry)
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
+    timeout_s, margin_s = 10, 45
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "run_image_gen.py", "--prompt", "x", "--model-id", str(tiny_model), "--device", "cpu",
+           "--image-size", "64x64", "--diff-infer-steps", "200", "--save", str(tmp_path / "never.png"),
+           "--dist-timeout", str(timeout_s)]
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    stopped = None
+    try:
+        deadline = time.monotonic() + 120
+        while "loaded" not in log.read_text():
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        stopped = _rank_pids(job.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        job.wait(timeout=timeout_s + margin_s)
+        elapsed = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = log.read_text()
+    assert job.returncode != 0 and elapsed <= timeout_s + margin_s, (elapsed, text[-3000:])
+    assert "error: rank 0: a collective failed while generation 1" in text, text[-3000:]
+    assert not (tmp_path / "never.png").exists()

@@ -97,7 +97,6 @@ def validate(args):
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     check_text_task(args)
-    check_checkpoint_files(model_dir)
     if int(os.environ.get("RANK", "0")) == 0:           # only rank 0 writes outputs
         for flag in OUTPUT_FLAGS:
             if getattr(args, flag) is not None:
@@ -182,11 +181,11 @@ def check_layout(args, settings):
     head / expert divisibility (ParallelSettings.check_model), and cfg-parallel without guidance."""
     from adaptor_patches.parallel import SettingsError
     model_dir = Path(args.model_id)
-    settings.check_model(json.loads((model_dir / "config.json").read_text()))
+    settings.check_model(read_json(model_dir / "config.json"))
     if not settings.cfg_parallel:
         return
     path = model_dir / "generation_config.json"
-    scale = json.loads(path.read_text()).get("diff_guidance_scale") if path.is_file() else None
+    scale = read_json(path).get("diff_guidance_scale") if path.is_file() else None
     if scale is None or scale <= 1:
         raise SettingsError(f"cfg-parallel: guidance scale {scale} (diff_guidance_scale in {path}) leaves no "
                             f"unconditional branch to run in parallel; turn cfg-parallel off (and unset CFG_PARALLEL)")
@@ -299,6 +298,7 @@ def run(args, phase: JobPhase = JobPhase()):
     check_checkpoint(args.model_id, settings, per_rank)
     if args.adaptor == "full":        # the shims alone parallelise nothing
         check_layout(args, settings)
+    check_checkpoint_files(Path(args.model_id))      # after the layout: the cheaper, likelier mistake first
     t0 = time.perf_counter()
     device = model_adaptor.apply(settings, shims_only=args.adaptor == "shims")
     device.make_current()

@@ -51,8 +51,9 @@ class ParallelSettings:
         if self.moe_mode not in MOE_MODES:
             raise SettingsError(f"moe_mode: '{self.moe_mode}' is not one of {', '.join(MOE_MODES)}")
         if self.cfg_parallel and self.world_size % 2:
+            options = sorted({self.world_size + 1, max(self.world_size - 1, 2)})
             raise SettingsError(f"cfg-parallel: needs an even world size, got {self.world_size}; "
-                                f"use {self.world_size + 1} or {max(self.world_size - 1, 2)} ranks, or turn it off")
+                                f"use {' or '.join(map(str, options))} ranks, or turn it off")
 
     @property
     def cfg_degree(self) -> int:

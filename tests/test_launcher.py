@@ -128,7 +128,7 @@ BAD_CONFIGS = {
     "moe_ep_experts_do_not_split": (lambda cfg: cfg.update(world_size=3) or cfg["model_args"].update({"moe-ep": True}),
                                     "moe-ep:"),
     "moe_tp_multinode_does_not_split": (
-        lambda cfg: cfg.update(world_size=3, nnodes=2) or cfg["model_args"].update({"moe-tp": True}), "moe-tp:"),
+        lambda cfg: cfg.update(world_size=3, nnodes=2, master_addr="127.0.0.1") or cfg["model_args"].update({"moe-tp": True}), "moe-tp:"),
     "steps_negative": (arg("diff-infer-steps", -1), "model_args.diff-infer-steps:"),
     "steps_zero": (arg("diff-infer-steps", 0), "model_args.diff-infer-steps:"),
     "steps_string": (arg("diff-infer-steps", "four"), "model_args.diff-infer-steps:"),

@@ -148,3 +148,49 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
     assert job.returncode != 0 and elapsed <= timeout_s + margin_s, (elapsed, text[-3000:])
     assert "error: rank 0: a collective failed while generation 1" in text, text[-3000:]
     assert not (tmp_path / "never.png").exists()
+
+
+# ---------------------------------------------------------------- launcher
+
+def _job(tiny_model, **top):
+    return {"world_size": 1, "master_port": free_port(), "entry_script": "run_image_gen.py",
+            "model_args": {"prompt": "x", "model-id": str(tiny_model), "device": "cpu"}, **top}
+
+
+@pytest.mark.parametrize("top,field", [
+    ({"nnodes": 2}, "master_addr: missing with nnodes=2"),
+    ({"master_addr": "no-such-host.invalid"}, "master_addr: 'no-such-host.invalid' does not resolve"),
+    ({"dist_timeout": 0}, "dist_timeout:"),
+    ({"dist_timeout": "soon"}, "dist_timeout:"),
+])
+def test_launcher_refuses_what_would_hang_or_wait(tiny_model, tmp_path, top, field):
+    from test_launcher import assert_one_error, run_launcher, write_yaml
+    assert_one_error(run_launcher(write_yaml(tmp_path, _job(tiny_model, **top)), "--dry-run"), field)
+
+
+def test_launcher_passes_dist_timeout_and_dash_values_safely(tiny_model, tmp_path):
+    from test_launcher import run_launcher, write_yaml
+    job = _job(tiny_model, dist_timeout=30)
+    job["model_args"]["prompt"] = "--bright sun"
+    res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "'--prompt=--bright sun'" in res.stdout and "--dist-timeout 30" in res.stdout, res.stdout
+
+
+def test_launcher_names_a_nested_duplicate_key_and_a_busy_port(tiny_model, tmp_path):
+    import socket
+    from test_launcher import assert_one_error, run_launcher, write_yaml
+    text = (f"world_size: 1\nmaster_port: 29611\nentry_script: run_image_gen.py\nmodel_args:\n  prompt: x\n"
+            f"  model-id: {tiny_model}\n  seed: 1\n  seed: 2\n")
+    assert_one_error(run_launcher(write_yaml(tmp_path, text), "--dry-run"), "model_args.seed: appears twice")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        job = _job(tiny_model, master_port=busy.getsockname()[1])
+        assert_one_error(run_launcher(write_yaml(tmp_path, job)), "master_port:")
+
+
+def test_odd_world_with_cfg_parallel_names_distinct_options(tiny_model):
+    proc = run_cli(["--prompt", "x", "--model-id", tiny_model, "--device", "cpu", "--cfg-parallel"],
+                   env={"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"})
+    assert "use 2 ranks, or turn it off" in proc.stderr and proc.returncode == 2, proc.stderr

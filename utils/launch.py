@@ -17,6 +17,7 @@ import re
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import warnings
@@ -28,7 +29,8 @@ TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
 USAGE = "usage: run.sh [CONFIG_YAML] [--dry-run]"
 
 REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
-DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False}
+DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False,
+            "dist_timeout": None}
 TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
 DEVICES = ("auto", "npu", "cuda", "cpu")
 SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce")
@@ -50,13 +52,25 @@ def load_config(path: Path) -> dict:
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
-            for key_node, key in zip((k for k, _ in node.value), keys):
-                if keys.count(key) > 1:
-                    raise ConfigError(str(key), f"appears twice (line {key_node.start_mark.line + 1})",
-                                      "keep one entry")
-            return super().construct_mapping(node, deep)
+        """Refuses a key given twice, naming it by its path (e.g. model_args.seed)."""
+
+        def construct_document(self, node):
+            self._check_unique(node, "")
+            return super().construct_document(node)
+
+        def _check_unique(self, node, prefix):
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, value_node in node.value:
+                    key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
+                    if key in seen:
+                        raise ConfigError(f"{prefix}{key}", f"appears twice (line {key_node.start_mark.line + 1})",
+                                          "keep one entry")
+                    seen.add(key)
+                    self._check_unique(value_node, f"{prefix}{key}.")
+            elif isinstance(node, yaml.SequenceNode):
+                for item in node.value:
+                    self._check_unique(item, prefix)
 
     if not path.is_file():
         raise ConfigError("config", f"'{path}' does not exist", "pass an existing YAML file (see config/)")
@@ -112,6 +126,18 @@ def check_top(cfg: dict) -> dict:
     addr = job["master_addr"]
     if not isinstance(addr, str) or not addr or any(c.isspace() for c in addr):
         raise ConfigError("master_addr", f"{addr!r} is not a host name or IP", "use e.g. 127.0.0.1 or node0")
+    if job["nnodes"] > 1 and "master_addr" not in cfg:
+        raise ConfigError("master_addr", f"missing with nnodes={job['nnodes']} (the default 127.0.0.1 reaches no "
+                                         f"other node)", "set it to the master node's host name or IP on every node")
+    try:
+        socket.getaddrinfo(addr, job["master_port"])
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError("master_addr", f"{addr!r} does not resolve ({e})", "use the master node's IP or a "
+                                                                             "host name this machine resolves") from None
+    timeout = job["dist_timeout"]
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ConfigError("dist_timeout", f"{timeout!r} is not a number of seconds > 0",
+                          "use e.g. 1200, or leave it out for the default")
     script = job["entry_script"]
     if not isinstance(script, str) or not script or not resolve_path(script).is_file():
         raise ConfigError("entry_script", f"{script!r} is not a file under {ROOT}",
@@ -265,6 +291,9 @@ def flags(margs: dict) -> list[str]:
             val = "on" if val else "off"
         if val is None or val is False or val == []:
             continue
+        if isinstance(val, str) and val.startswith("-"):
+            out.append(f"--{key}={val}")        # a value like "--x" would read as a flag
+            continue
         out.append(f"--{key}")
         if isinstance(val, list):
             out.extend(env_string(v) for v in val)
@@ -286,9 +315,24 @@ def exports(job: dict) -> dict:
 
 
 def torchrun_command(job: dict) -> list[str]:
+    margs = dict(job["model_args"])
+    if job["dist_timeout"] is not None and margs.get("dist-timeout") is None:
+        margs["dist-timeout"] = job["dist_timeout"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={job['world_size']}",
             f"--nnodes={job['nnodes']}", f"--node_rank={job['node_rank']}", f"--master_addr={job['master_addr']}",
-            f"--master_port={job['master_port']}", job["entry_script"], *flags(job["model_args"])]
+            f"--master_port={job['master_port']}", job["entry_script"], *flags(margs)]
+
+
+def check_port_free(job: dict) -> None:
+    """On the master node, the rendezvous port must be free: taken, torchrun fails with a bare EADDRINUSE."""
+    if job["node_rank"] != 0:
+        return
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", job["master_port"]))
+        except OSError as e:
+            raise ConfigError("master_port", f"{job['master_port']} is in use on this machine ({e.strerror})",
+                              "pick a free port, or stop the job that holds it") from None
 
 
 def shell_line(env: dict, cmd: list[str]) -> str:
@@ -390,6 +434,7 @@ def run(argv: list[str]) -> int:
     check_parallel(job, config, {**os.environ, **job["env_vars"]})
     env = exports(job)
     if not dry_run:
+        check_port_free(job)
         return launch(job, env)
     if needs_tiny_model(job):
         print(f"note: would first run {TINY_MODEL_SCRIPT} --out {job['model_args']['model-id']}", file=sys.stderr)

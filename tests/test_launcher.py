@@ -295,6 +295,9 @@ def test_real_launch_two_cpu_ranks_returns_job_exit_code(tmp_path, base):
         for rank in (0, 1):
             assert f"rank {rank} of 2 args ['--prompt', 'a red fox', " in text
         assert "'--flag'" in text
+        # torchrun's ChildFailedError report stays in the log; the console gets one line naming the log
+        assert "ChildFailedError" in text and "ChildFailedError" not in res.stdout + res.stderr
+        assert res.stderr.strip().splitlines()[-1].startswith("error: job: rank ") and str(log) in res.stderr
     finally:
         remove_log(log)
 

@@ -41,6 +41,7 @@ FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 IMAGE_SIZE = re.compile(r"(\d+)[x:](\d+)\Z")
 ROOT_CAUSE_EXITCODE = re.compile(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", re.S)
+ROOT_CAUSE_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)", re.S)
 
 
 class ConfigError(Exception):
@@ -356,6 +357,31 @@ def read_chunks(fd: int):
             yield chunk
 
 
+# torchrun's agent line when a worker fails; its ChildFailedError report follows it.
+AGENT_FAILURE = re.compile(rb"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode")
+
+
+class ConsoleFilter:
+    """Shows the job's output but not torchrun's failure report (the log keeps everything): after
+    the agent's "failed (exitcode" line the rest goes to the log only."""
+
+    def __init__(self):
+        self.hiding, self._recent = False, b""
+
+    def visible(self, chunk: bytes) -> bytes:
+        if self.hiding:
+            return b""
+        window = self._recent + chunk
+        match = AGENT_FAILURE.search(window)
+        self._recent = window[-4096:]
+        if not match:
+            return chunk
+        self.hiding = True
+        end = window.find(b"\n", match.end())
+        keep = (len(window) if end < 0 else end + 1) - (len(window) - len(chunk))
+        return chunk[:max(keep, 0)]
+
+
 def run_tee(cmd: list[str], env: dict, log) -> int:
     """Run cmd from the project root; its combined output goes to the console and the log.
 
@@ -373,10 +399,10 @@ def run_tee(cmd: list[str], env: dict, log) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    tail = b""
+    tail, console = b"", ConsoleFilter()
     try:
         for chunk in read_chunks(proc.stdout.fileno()):
-            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.write(console.visible(chunk))
             sys.stdout.buffer.flush()
             log.write(chunk)
             log.flush()
@@ -385,7 +411,15 @@ def run_tee(cmd: list[str], env: dict, log) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 + received[0] if received else job_exit_code(rc, tail.decode(errors="replace"))
+    if received:
+        return 128 + received[0]
+    code = job_exit_code(rc, tail.decode(errors="replace"))
+    if console.hiding:
+        rank = ROOT_CAUSE_RANK.findall(tail.decode(errors="replace"))
+        who = f"rank {rank[-1]}" if rank else "a rank"
+        print(f"error: job: {who} failed (exit {code}); its own messages are above, torchrun's report is in "
+              f"{getattr(log, 'name', 'the log')}", file=sys.stderr, flush=True)
+    return code
 
 
 def job_exit_code(rc: int, output: str) -> int:

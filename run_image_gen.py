@@ -137,6 +137,18 @@ def check_checkpoint_files(model_dir: Path) -> None:
         raise UsageError("model-id:" + problem.split(":", 1)[1])
 
 
+def check_prompt_length(args) -> None:
+    """A prompt the model's context cannot hold would run for minutes behind a tokenizer warning."""
+    from adaptor_patches.loading import load_tokenizer
+    limit = generation_config(args.model_id).get("max_length")
+    if not isinstance(limit, int):
+        return
+    tokens = len(load_tokenizer(args.model_id)(args.prompt, verbose=False)["input_ids"])
+    if tokens >= limit:
+        raise UsageError(f"prompt: {tokens} tokens, but the model's context is {limit} tokens (max_length in "
+                         f"generation_config.json) and the template and image need room too; shorten the prompt")
+
+
 def check_output_path(field: str, value: str) -> None:
     """An output we could not write would fail only after the load and the generation."""
     path = Path(value)
@@ -299,6 +311,7 @@ def run(args, phase: JobPhase = JobPhase()):
     if args.adaptor == "full":        # the shims alone parallelise nothing
         check_layout(args, settings)
     check_checkpoint_files(Path(args.model_id))      # after the layout: the cheaper, likelier mistake first
+    check_prompt_length(args)
     t0 = time.perf_counter()
     device = model_adaptor.apply(settings, shims_only=args.adaptor == "shims")
     device.make_current()

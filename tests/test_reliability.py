@@ -58,14 +58,33 @@ def test_damaged_checkpoint_is_one_error_line_before_loading(tiny_model, tmp_pat
     assert LOAD_MARKER not in proc.stdout + proc.stderr and not save.exists()
 
 
-def test_damaged_checkpoint_on_two_ranks_ends_both_with_the_line(tiny_model, tmp_path):
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_checkpoint_on_two_ranks_ends_both_with_the_line(tiny_model, tmp_path, damage):
     ckpt = _copy(tiny_model, tmp_path)
-    DAMAGE["truncated_shard"](ckpt)
+    DAMAGE[damage](ckpt)
     proc = run_cli(["--prompt", "x", "--model-id", ckpt, "--device", "cpu", "--save", tmp_path / "n.png"], nproc=2,
                    timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: model-id: ")]
-    assert proc.returncode != 0 and len(errors) == 2 and "truncated" in errors[0], proc.stderr[-3000:]
+    assert proc.returncode != 0 and len(errors) == 2 and errors[0] == errors[1], proc.stderr[-3000:]
     assert LOAD_MARKER not in proc.stdout + proc.stderr
+
+
+def test_unwritable_output_on_two_ranks_is_rank_zero_line_and_no_load(tiny_model, tmp_path):
+    proc = run_cli(["--prompt", "x", "--model-id", tiny_model, "--device", "cpu", "--save", tmp_path], nproc=2,
+                   timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and errors and errors[0].startswith("error: save: "), proc.stderr[-3000:]
+    assert LOAD_MARKER not in proc.stdout + proc.stderr
+
+
+def test_prompt_beyond_the_context_is_refused_before_loading(tiny_model, tmp_path):
+    ckpt = _copy(tiny_model, tmp_path)
+    config = json.loads((ckpt / "generation_config.json").read_text())
+    (ckpt / "generation_config.json").write_text(json.dumps({**config, "max_length": 64}))
+    proc = run_cli(["--prompt", "a fox " * 80, "--model-id", ckpt, "--device", "cpu", "--save", tmp_path / "n.png"])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: prompt: "), proc.stderr[-3000:]
+    assert "context is 64 tokens" in lines[0] and LOAD_MARKER not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("flag", ["--save", "--metrics-json", "--save-latents"])

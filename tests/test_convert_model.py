@@ -429,3 +429,11 @@ def test_ctrl_c_mid_way_is_one_error_line_and_leaves_nothing(tiny_model, tmp_pat
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted"), stderr
     assert "Traceback" not in stderr and not out.exists() and not partial.exists()
+
+
+def test_unwritable_output_location_is_one_error_line(tiny_model):
+    out = Path("/proc/no_such_dir/out")        # refused even to root
+    proc = run_convert("--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: output-path: cannot create"), \
+        proc.stderr

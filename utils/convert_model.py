@@ -374,7 +374,11 @@ def convert(args) -> str:
         print(note, file=sys.stderr)
     partial = sibling(out, PARTIAL_SUFFIX)
     layout_block = {**layout.as_json(), "source_index_sha256": index_sha256(source)}
-    start_work_dir(partial, source)         # replaces only what a killed run of ours left behind
+    try:
+        start_work_dir(partial, source)     # replaces only what a killed run of ours left behind
+    except OSError as exc:
+        raise ConvertError(f"output-path: cannot create {partial} ({exc.strerror or exc}); pick a writable "
+                           f"location") from None
     try:
         written = write_small_files(source, partial, config, layout_block, jobs)
         written.update(run_jobs(jobs, files, partial, args.max_workers, ByteBudget(max_bytes)))

@@ -387,22 +387,29 @@ sys.exit(convert_model.main(sys.argv[1:]))
 """
 
 
-def test_sigkill_mid_way_leaves_no_output_and_a_rerun_finishes(tiny_model, tmp_path):
-    out = tmp_path / "out"
-    partial = tmp_path / "out.partial"
-    args = ["--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2,
-            "--max-shard-size", "0.0005"]
+def signal_mid_way(args, partial: Path, signum) -> tuple:
+    """Start a slowed conversion, send `signum` once its first shard is written; (exit code, stderr)."""
     proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT.format(root=str(ROOT)), *map(str, args)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not list(partial.glob("rank-*/model-*.safetensors")):
             assert proc.poll() is None and time.monotonic() < deadline, "the conversion ended before any shard"
             time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signum)
+        _, stderr = proc.communicate(timeout=60)
     finally:
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, stderr
+
+
+def test_sigkill_mid_way_leaves_no_output_and_a_rerun_finishes(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    partial = tmp_path / "out.partial"
+    args = ["--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2,
+            "--max-shard-size", "0.0005"]
+    assert signal_mid_way(args, partial, signal.SIGKILL)[0] == -signal.SIGKILL
     assert not out.exists() and partial.exists()
     rerun = run_convert(*args)
     assert rerun.returncode == 0, rerun.stderr
@@ -414,19 +421,8 @@ def test_sigkill_mid_way_leaves_no_output_and_a_rerun_finishes(tiny_model, tmp_p
 def test_ctrl_c_mid_way_is_one_error_line_and_leaves_nothing(tiny_model, tmp_path):
     out, partial = tmp_path / "out", tmp_path / "out.partial"
     args = ["--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2, "--max-shard-size", "0.0005"]
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT.format(root=str(ROOT)), *map(str, args)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not list(partial.glob("rank-*/model-*.safetensors")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the conversion ended before any shard"
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, stderr
+    code, stderr = signal_mid_way(args, partial, signal.SIGINT)
+    assert code == 130, stderr
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted"), stderr
     assert "Traceback" not in stderr and not out.exists() and not partial.exists()
 

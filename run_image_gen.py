@@ -298,7 +298,8 @@ def is_collective_failure(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text or "connection closed" in text))
 
 
-def run(args, phase: JobPhase = JobPhase()):
+def run(args, phase: "JobPhase | None" = None):
+    phase = phase or JobPhase()
     import torch
     import model_adaptor
     from adaptor_patches.loading import check_checkpoint, load_model

@@ -389,8 +389,11 @@ sys.exit(convert_model.main(sys.argv[1:]))
 
 def signal_mid_way(args, partial: Path, signum) -> tuple:
     """Start a slowed conversion, send `signum` once its first shard is written; (exit code, stderr)."""
+    # A job started in the background inherits SIGINT ignored, and Python then installs no Ctrl-C
+    # handler: give the child a terminal's default, as a user pressing Ctrl-C has.
     proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT.format(root=str(ROOT)), *map(str, args)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not list(partial.glob("rank-*/model-*.safetensors")):

@@ -174,10 +174,7 @@ def check_output_path(field: str, value: str) -> None:
 
 def generation_config(model_id) -> dict:
     path = Path(model_id) / "generation_config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"model-id: {path} is not valid JSON ({exc}); repair or regenerate it") from None
+    return read_json(path) if path.is_file() else {}
 
 
 def check_text_task(args):

@@ -1,10 +1,13 @@
 """Everything the adaptor changes in upstream HunyuanImage-3.0, in one table.
 
 Reading PATCHES tells a newcomer the whole story: each row rebinds one upstream attribute to a
-replacement built from `adaptor_patches/`. `apply(settings)` installs them (idempotent; nothing
-happens at import time), `remove()` restores every original.
+replacement built from `adaptor_patches/`, whose files are named after the upstream files they
+patch (hunyuan.py, autoencoder_kl_3d.py) plus the shims (compat.py) and the text phase
+(text_phase.py). `apply(device)` installs them (idempotent; nothing happens at import time),
+`remove()` restores every original. Which split a model is built for is not decided here: the
+loader builds each model for one RankContext (adaptor_patches/parallel/context.py).
 
-`apply(settings, shims_only=True)` installs only the compat shims: that is the "upstream eager"
+`apply(device, shims_only=True)` installs only the compat shims: that is the "upstream eager"
 reference the equivalence tests and benchmarks compare against.
 """
 from __future__ import annotations
@@ -16,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from adaptor_patches import attention, cfg_parallel, compat, device as device_mod
-from adaptor_patches import model as model_patches, moe, moe_weights
-from adaptor_patches import parallel, text_phase, vae_parallel
-from adaptor_patches.parallel import ParallelSettings
+from adaptor_patches import autoencoder_kl_3d, compat, hunyuan, text_phase
+from adaptor_patches.kernels import device as device_mod
+from adaptor_patches.kernels.device import Device
 
 UPSTREAM_COMMIT = "62da220178f4b0b7d83e91665a46a20a3ee4f7cd"
 ALLOW_MISMATCH_ENV = "HUNYUAN_ADAPTOR_ALLOW_UPSTREAM_MISMATCH"
@@ -64,28 +66,28 @@ PATCHES = (
           "text calls fitted to the context and recorded (tokens, time)", shim=True),
     Patch(f"{H}:HunyuanImage3ForCausalMM", "generate_image", text_phase.generate_image_in_text_phase,
           "one TextPhase per image; its text, ratio and timing left on model.last_text_phase", shim=True),
-    Patch(f"{H}:HunyuanMoE", "__init__", moe.moe_init,
-          "experts stacked for grouped matmul (this rank's EP/TP share), shared MLP split under TP, "
-          "load_state_dict pre-hook stacking upstream's per-expert keys"),
-    Patch(f"{H}:HunyuanMoE", "forward", moe.moe_forward,
-          "dropless sort-by-expert routing + grouped matmul; shared MLP on the side stream; "
-          "TP all-reduce or EP all-to-all double routing"),
-    Patch(f"{H}:HunyuanImage3Model", "__init__", model_patches.model_init,
-          "one shared-MLP side stream, injected into every layer's MoE"),
-    Patch(f"{H}:HunyuanImage3PreTrainedModel", "from_pretrained", moe_weights.from_pretrained_stacking_experts,
-          "transformers 5 loading: per-expert checkpoint keys -> this rank's stacked expert weights"),
-    Patch(f"{H}:HunyuanImage3SDPAAttention", "__init__", attention.attention_init,
-          "attention TP: this rank's KV groups (or its query heads of a replicated KV head) of the "
-          "interleaved qkv_proj, row-parallel o_proj; load_state_dict pre-hook slicing full weights"),
-    Patch(f"{H}:HunyuanImage3SDPAAttention", "forward", attention.attention_forward,
-          "upstream's attention on the local heads through ops.attention; one all-reduce after o_proj"),
-    # After the from_pretrained row above: this one wraps the inherited (already patched) classmethod.
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "from_pretrained", attention.from_pretrained_sharding_heads,
-          "transformers 5 loading: full qkv_proj / o_proj -> this rank's attention heads"),
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "forward", cfg_parallel.causal_mm_forward,
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "__init__", hunyuan.causal_mm_init,
+          "the whole model (text model, layers, VAE) built for one RankContext, kept as model.rank_context"),
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "from_pretrained", hunyuan.causal_mm_from_pretrained,
+          "the one weight path: this rank's slices of an original or converted checkpoint, read lazily"),
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "forward", hunyuan.causal_mm_forward,
           "CFG parallel: gen_image steps run this rank's half (cond | uncond) of the batch; "
           "diffusion_prediction all-gathered over the cfg pair"),
-    Patch(f"{VAE}:Decoder", "forward", vae_parallel.decoder_forward,
+    Patch(f"{H}:HunyuanImage3Model", "__init__", hunyuan.model_init,
+          "one shared-MLP side stream, injected into every layer's MoE"),
+    Patch(f"{H}:HunyuanImage3SDPAAttention", "__init__", hunyuan.attention_init,
+          "attention TP: this rank's KV groups (or its query heads of a replicated KV head) of the "
+          "interleaved qkv_proj, row-parallel o_proj; the device's attention kernel"),
+    Patch(f"{H}:HunyuanImage3SDPAAttention", "forward", hunyuan.attention_forward,
+          "upstream's attention on the local heads through the kernel set; one all-reduce after o_proj"),
+    Patch(f"{H}:HunyuanMoE", "__init__", hunyuan.moe_init,
+          "experts stacked for grouped matmul (this rank's EP/TP share), shared MLP split under TP, "
+          "a dispatcher (replicated / TP all-reduce / EP all-to-all) and the kernel set chosen once"),
+    Patch(f"{H}:HunyuanMoE", "forward", hunyuan.moe_forward,
+          "dropless sort-by-expert routing + grouped matmul through the dispatcher; shared MLP on the side stream"),
+    Patch(f"{VAE}:Decoder", "__init__", autoencoder_kl_3d.decoder_init,
+          "the VAE decoder remembers the RankContext it is built for (its split)"),
+    Patch(f"{VAE}:Decoder", "forward", autoencoder_kl_3d.decoder_forward,
           "VAE-parallel decode: latent rows split over all ranks, halo-exchanged convs, "
           "GroupNorm on all-gathered statistics, full image all-gathered to every rank"),
 )
@@ -124,27 +126,25 @@ def selected(shims_only: bool = False) -> tuple:
     return tuple(p for p in PATCHES if p.shim or not shims_only)
 
 
-def apply(settings: Optional[ParallelSettings] = None, shims_only: bool = False):
-    """Install the patches for `settings` (default: single process on the detected device).
+def apply(device="auto", shims_only: bool = False, local_rank: int = 0) -> Device:
+    """Install the patches for `device` ("auto" | "npu" | "cuda" | "cpu", or a Device).
 
     Returns the resolved Device. Calling it again with the same arguments changes nothing; with
     other arguments it first restores the originals.
     """
     global _active
-    settings = settings or ParallelSettings()
-    key = (settings, shims_only)
+    device = device if isinstance(device, Device) else device_mod.resolve(device, local_rank)
+    key = (device, shims_only)
     if _active is not None and _active[0] == key:
         return _active[1]
     remove()
     check_upstream()
-    device = device_mod.resolve(settings.device, settings.local_rank)
     for patch in selected(shims_only):
         owner = _resolve_owner(patch.target)
         original = vars(owner).get(patch.attr, _MISSING)
         _originals[(patch.target, patch.attr)] = original
         base = getattr(owner, patch.attr) if original is _MISSING else original
         setattr(owner, patch.attr, patch.make(base, device))
-    parallel.set_runtime(parallel.Runtime(settings, device))
     _active = (key, device)
     return device
 
@@ -159,7 +159,6 @@ def remove() -> None:
         else:
             setattr(owner, attr, original)
     _originals.clear()
-    parallel.set_runtime(None)
     _active = None
 
 

@@ -116,12 +116,12 @@ def read_json(path: Path) -> dict:
 def check_checkpoint_files(model_dir: Path) -> None:
     """Damaged checkpoints fail here, from JSON and safetensors headers (no hashes), before any weight
     is read: the original's shards against its index and config.json; a converted one's rank dirs."""
-    from adaptor_patches.loading import LoadingError, converted_layout, is_converted, rank_dir_name
+    from adaptor_patches.weights.load import LoadingError, converted_layout, is_converted, rank_dir_name
     from utils.checkpoint_checks import files_problem, source_problem
     config = read_json(model_dir / "config.json")
     if is_converted(model_dir):
         try:
-            dirs = [model_dir / rank_dir_name(r) for r in range(converted_layout(model_dir).ranks)]
+            dirs = [model_dir / rank_dir_name(r) for r in range(converted_layout(model_dir).tp)]
         except (LoadingError, KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"model-id: {model_dir}/config.json has a damaged layout block ({exc}); convert "
                              f"again") from None
@@ -139,7 +139,7 @@ def check_checkpoint_files(model_dir: Path) -> None:
 
 def check_prompt_length(args) -> None:
     """A prompt the model's context cannot hold would run for minutes behind a tokenizer warning."""
-    from adaptor_patches.loading import load_tokenizer
+    from adaptor_patches.weights.load import load_tokenizer
     limit = generation_config(args.model_id).get("max_length")
     if not isinstance(limit, int):
         return
@@ -185,18 +185,18 @@ def check_text_task(args):
         raise UsageError(f"{field}: {what}; {fix}")
 
 
-def check_layout(args, settings):
+def check_layout(args, layout):
     """Refuse a layout this checkpoint cannot run, from its JSON files, before any weight is read:
-    head / expert divisibility (ParallelSettings.check_model), and cfg-parallel without guidance."""
-    from adaptor_patches.parallel import SettingsError
+    head / expert divisibility (Layout.check), and cfg-parallel without guidance."""
+    from adaptor_patches.parallel.layout import LayoutError
     model_dir = Path(args.model_id)
-    settings.check_model(read_json(model_dir / "config.json"))
-    if not settings.cfg_parallel:
+    layout.check(read_json(model_dir / "config.json"))
+    if layout.cfg == 1:
         return
     path = model_dir / "generation_config.json"
     scale = read_json(path).get("diff_guidance_scale") if path.is_file() else None
     if scale is None or scale <= 1:
-        raise SettingsError(f"cfg-parallel: guidance scale {scale} (diff_guidance_scale in {path}) leaves no "
+        raise LayoutError(f"cfg-parallel: guidance scale {scale} (diff_guidance_scale in {path}) leaves no "
                             f"unconditional branch to run in parallel; turn cfg-parallel off (and unset CFG_PARALLEL)")
 
 
@@ -211,14 +211,17 @@ def set_reproducibility(torch, seed):
     torch.use_deterministic_algorithms(True)
 
 
-def init_distributed(settings, device, timeout_s: float):
-    if not settings.is_distributed:
-        return None
+def init_distributed(layout, rank, device, timeout_s: float):
+    """(torch.distributed or None, whether this job created the process group). A caller that
+    runs several jobs in one process group (a test's rank pool) keeps it."""
+    if not layout.is_distributed:
+        return None, False
     import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group(backend=device.dist_backend, rank=settings.rank, world_size=settings.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return dist
+    if dist.is_initialized():
+        return dist, False
+    dist.init_process_group(backend=device.dist_backend, rank=rank, world_size=layout.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist, True
 
 
 def shared_seed(dist, seed):
@@ -299,40 +302,44 @@ def run(args, phase: "JobPhase | None" = None):
     phase = phase or JobPhase()
     import torch
     import model_adaptor
-    from adaptor_patches.loading import check_checkpoint, load_model
     from adaptor_patches.metrics import PhaseTimer
-    from adaptor_patches.parallel import settings_from_args
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.parallel.layout import Layout
+    from adaptor_patches.weights.load import check_checkpoint, load_model
 
-    settings = settings_from_args(args)
+    layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
-    check_checkpoint(args.model_id, settings, per_rank)
+    check_checkpoint(args.model_id, layout, rank, per_rank)
     if args.adaptor == "full":        # the shims alone parallelise nothing
-        check_layout(args, settings)
+        check_layout(args, layout)
     check_checkpoint_files(Path(args.model_id))      # after the layout: the cheaper, likelier mistake first
     check_prompt_length(args)
     t0 = time.perf_counter()
-    device = model_adaptor.apply(settings, shims_only=args.adaptor == "shims")
+    device = model_adaptor.apply(args.device, shims_only=args.adaptor == "shims",
+                                 local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     device.make_current()
+    multi_stream = {"on": True, "off": False, None: None}[args.multi_stream]
+    context = RankContext(layout, rank, device, multi_stream)
     phase.name = "joining the process group"
-    dist = init_distributed(settings, device, args.dist_timeout)
+    dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
     phase.name = "agreeing on the seed"
     seed = shared_seed(dist, args.seed)
     if args.reproduce:
         set_reproducibility(torch, seed)
-    rank = settings.rank
     log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
-    log(f"device={device.torch_device} world_size={settings.world_size} adaptor={args.adaptor} "
-        f"cfg={settings.cfg_degree} tp={settings.tp_degree} moe={settings.moe_mode} seed={seed}")
+    log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
+        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} seed={seed}")
 
     with torch.no_grad():
         phase.name = "loading weights"
-        model = load_model(args.model_id, device, args.attn_impl, args.moe_impl, per_rank=per_rank)
+        model = load_model(args.model_id, context, args.attn_impl, args.moe_impl, per_rank=per_rank)
         if dist is not None:
             phase.name = "waiting for the other ranks to finish loading"
             dist.barrier()
         load_s = time.perf_counter() - t0
         log(f"loaded {args.model_id} in {load_s:.2f}s")
-        timer = PhaseTimer(device).attach(model)
+        # Phase timings synchronise the device around every forward: only when they are asked for.
+        timer = PhaseTimer(device).attach(model) if args.metrics_json or args.save_latents else None
         for i in range(args.warmup):
             phase.name = f"warm-up generation {i + 1}"
             generate(model, args, seed, rank)
@@ -340,20 +347,22 @@ def run(args, phase: "JobPhase | None" = None):
         device.reset_peak_memory()
         rounds, image = [], None
         for i in range(args.rounds):
-            timer.reset()
+            if timer:
+                timer.reset()
             phase.name = f"generation {i + 1} (text phase, denoising or VAE decode)"
             start = time.perf_counter()
             image = generate(model, args, seed, rank)
             device.synchronize()
             text = model.last_text_phase.summary()
-            rounds.append({"total_s": round(time.perf_counter() - start, 6), **timer.summary(), "text_phase": text})
+            phases = timer.summary() if timer else {}
+            rounds.append({"total_s": round(time.perf_counter() - start, 6), **phases, "text_phase": text})
             log(f"round {i + 1}/{args.rounds}: {rounds[-1]['total_s']:.3f}s{describe_text_phase(text)}")
 
     phase.name = "gathering metrics and writing outputs"
     peak = device.peak_memory_bytes()
     peaks = [peak]
     if dist is not None:
-        peaks = [None] * settings.world_size
+        peaks = [None] * layout.world_size
         dist.all_gather_object(peaks, peak)
     if rank == 0:
         write_atomically(Path(args.save), lambda tmp: image.save(tmp, format="PNG"))
@@ -365,15 +374,16 @@ def run(args, phase: "JobPhase | None" = None):
         if args.save_latents:
             write_atomically(Path(args.save_latents), lambda tmp: torch.save(timer.last_latents, tmp))
         if args.metrics_json:
+            parallel = {**layout.describe(), "multi_stream": multi_stream}
             metrics = {"load_s": round(load_s, 6), "rounds": rounds, "peak_memory_bytes_per_rank": peaks,
-                       "settings": {**vars(args), "seed": seed, "parallel": settings.describe(),
-                                    "device": str(device.torch_device)},
+                       "settings": {**vars(args), "seed": seed, "parallel": parallel, "device": str(device.torch_device)},
                        "versions": versions(torch), "image_size": [image.height, image.width]}
             write_atomically(Path(args.metrics_json), lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)))
             log(f"metrics written to {args.metrics_json}")
     if dist is not None:
         dist.barrier()
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
     return 0
 
 
@@ -381,14 +391,14 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         validate(args)
-        from adaptor_patches.device import DeviceError
-        from adaptor_patches.parallel import SettingsError
+        from adaptor_patches.kernels.device import DeviceError
+        from adaptor_patches.parallel.layout import LayoutError
         from adaptor_patches.text_phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
         phase = JobPhase()
         try:
             return run(args, phase)
-        except (DeviceError, SettingsError, UpstreamMismatchError, ContextTooLongError) as exc:
+        except (DeviceError, LayoutError, UpstreamMismatchError, ContextTooLongError) as exc:
             raise UsageError(str(exc)) from exc
         except Exception as exc:
             if not is_collective_failure(exc):

@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from .device import Device
+from .kernels.device import Device
 
 
 class _DeviceNeutralCuda:

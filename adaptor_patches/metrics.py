@@ -9,7 +9,7 @@ import functools
 import time
 from contextlib import contextmanager
 
-from .device import Device
+from .kernels.device import Device
 
 
 class PhaseTimer:

@@ -27,8 +27,10 @@ REAL = dict(hidden=4096, experts=64, topk=8, intermediate=3072, tokens=8192)
 SMALL = dict(hidden=256, experts=8, topk=2, intermediate=128, tokens=512)
 
 
-def build_layer(shape, device):
+def build_layer(shape, device, context):
+    """The patched HunyuanMoE at `shape`, built for `context` (its kernel set, its rank's layout)."""
     import torch
+    from adaptor_patches.parallel.context import building
     from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
     import hunyuan_image_3.hunyuan as upstream
     config = HunyuanImage3Config(
@@ -37,7 +39,8 @@ def build_layer(shape, device):
         use_mixed_mlp_moe=True, num_shared_expert=1, hidden_act="silu", num_hidden_layers=1,
         num_attention_heads=32, num_key_value_heads=8, attention_head_dim=128)
     torch.manual_seed(0)
-    layer = upstream.HunyuanMoE(config, layer_idx=0)
+    with building(context):
+        layer = upstream.HunyuanMoE(config, layer_idx=0)
     for name, child in layer.named_children():
         if name != "gate":
             child.to(torch.bfloat16)
@@ -123,16 +126,16 @@ def main():
 
     import torch
     import model_adaptor
-    from adaptor_patches import moe
-    from adaptor_patches.model import new_shared_mlp_stream
-    from adaptor_patches.parallel import ParallelSettings
-    device = model_adaptor.apply(ParallelSettings(device=args.device, multi_stream=True))
+    from adaptor_patches.parallel.context import RankContext
+    device = model_adaptor.apply(args.device)
     device.make_current()
+    context = RankContext(device=device, multi_stream=True)
     shape = SMALL if args.small else REAL
-    layer = build_layer(shape, device)
+    layer = build_layer(shape, device, context)
     x = torch.randn(1, shape["tokens"], shape["hidden"], device=device.torch_device, dtype=torch.bfloat16)
-    stream = new_shared_mlp_stream()
+    stream = context.shared_mlp_stream()
     shared_mlp = layer.shared_mlp
+    shared_weights = (shared_mlp.gate_and_up_proj.weight, shared_mlp.down_proj.weight)
 
     def run(stream_on=True, shared=True):
         layer.shared_mlp_stream = stream if stream_on else None
@@ -146,10 +149,11 @@ def main():
             "stream_on_ms": timed(lambda: run(True), device, args.repeat) * 1e3,
             "stream_off_ms": timed(lambda: run(False), device, args.repeat) * 1e3,
             "routed_only_ms": timed(lambda: run(False, shared=False), device, args.repeat) * 1e3,
-            "shared_only_ms": timed(lambda: moe._shared_mlp_output(shared_mlp, x[0]), device, args.repeat) * 1e3,
+            "shared_only_ms": timed(lambda: layer.kernels.shared_mlp(x[0], *shared_weights), device, args.repeat) * 1e3,
         }
     layer.shared_mlp = shared_mlp
-    result = {"device": str(device.torch_device), "shape": shape, "stream_exists": stream is not None,
+    result = {"device": str(device.torch_device), "kernels": layer.kernels.name, "shape": shape,
+              "stream_exists": stream is not None,
               "outputs_identical_on_off": same, **{k: round(v, 3) for k, v in times.items()}}
     if stream is not None:
         with tempfile.TemporaryDirectory() as tmp:

@@ -13,7 +13,6 @@ GEMM time (a fresh output over glibc's 32 MiB mmap threshold would add ~1 us of 
 with it. "GEMMs alone" times just the matmuls a per-expert split needs on this routing (one GEMM per
 expert and projection on the real group sizes, the shared MLP's two, the gate's), into
 preallocated outputs: what splitting by expert costs before any gather, activation or combine.
-"without C passes" is the patched layer with moe_cpu_native switched off (its eager-op fallback).
 "balanced bmm" times the same GEMMs as the CPU kernel's bmm would run them on perfectly balanced
 routing (E groups of T*K/E rows, no padding): the least time a per-expert-GEMM kernel can take on
 this BLAS, whatever it does around the GEMMs."""
@@ -55,10 +54,11 @@ def _gemms_alone(layer, tokens, routed=True):
     """A callable running only the GEMMs of a per-expert split of this layer on this input
     (routed=False: only the shared MLP's and the gate's)."""
     import torch
-    from adaptor_patches import moe, ops
+    from adaptor_patches.kernels.torch_kernels import expert_counts
+    from adaptor_patches.moe.dispatch import route
     with torch.no_grad():
-        _, topk_idx = moe._route(layer, tokens)
-    counts = ops.expert_counts(topk_idx.reshape(-1), EXPERTS).tolist()
+        _, topk_idx = route(layer, tokens)
+    counts = expert_counts(topk_idx.reshape(-1), EXPERTS).tolist()
     w13, w2 = layer.experts.w13.detach(), layer.experts.w2.detach()
     hidden, inter = w2.shape[2], w2.shape[1]
     experts = [(e, torch.randn(c, hidden), torch.empty(c, 2 * inter), torch.randn(c, inter), torch.empty(c, hidden))
@@ -114,9 +114,8 @@ def build_layer(hidden: int):
 def child(variant: str, hidden: int, tokens: int, repeat: int) -> dict:
     import torch
     import model_adaptor
-    from adaptor_patches.parallel import ParallelSettings
 
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=variant == "upstream")
+    model_adaptor.apply("cpu", shims_only=variant == "upstream")
     inter = hidden // 2
     layer = build_layer(hidden)
     x = torch.randn(1, tokens, hidden)
@@ -129,13 +128,7 @@ def child(variant: str, hidden: int, tokens: int, repeat: int) -> dict:
         result["peak_extra_mib"] = max(peak - base, 0) / 2**20
         fns = {"time_s": lambda: layer(x)}
         if variant == "patched":
-            from adaptor_patches import moe_cpu_native
-            assert moe_cpu_native.library() is not None, moe_cpu_native.failure
-
-            def without_c_passes():
-                with moe_cpu_native.enabled(False):
-                    layer(x)
-            fns["eager_ops_s"] = without_c_passes
+            assert layer.kernels.name == "cpu", layer.kernels.name
             a, w = torch.randn(tokens * (TOPK + 1), hidden), torch.randn(hidden, 3 * inter)
             floor_out = torch.empty(a.shape[0], w.shape[1])
             fns.update(floor_s=lambda: torch.mm(a, w, out=floor_out),
@@ -168,9 +161,8 @@ def main():
     print(f"fp32 CPU, {torch.get_num_threads()} threads, {EXPERTS} experts top-{TOPK}, intermediate hidden/2, "
           f"median of {args.repeat}\n")
     print("| hidden | tokens | floor (ms) | patched (ms) | upstream eager (ms) | patched / floor | "
-          "patched without C passes / floor | "
           "GEMMs alone / floor | balanced bmm / floor | eager / floor | eager / patched | peak extra patched (MiB) | peak extra eager (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for hidden in args.hidden:
         for tokens in args.tokens:
             patched = run_child("patched", hidden, tokens, args)
@@ -178,7 +170,7 @@ def main():
             floor = patched["floor_s"]
             print(f"| {hidden} | {tokens} | {floor * 1e3:.2f} | {patched['time_s'] * 1e3:.2f} | "
                   f"{eager['time_s'] * 1e3:.2f} | {patched['time_s'] / floor:.2f}x | "
-                  f"{patched['eager_ops_s'] / floor:.2f}x | {patched['gemms_s'] / floor:.2f}x | "
+                  f"{patched['gemms_s'] / floor:.2f}x | "
                   f"{patched['balanced_s'] / floor:.2f}x | "
                   f"{eager['time_s'] / floor:.2f}x | {eager['time_s'] / patched['time_s']:.2f}x | "
                   f"{patched['peak_extra_mib']:.0f} | {eager['peak_extra_mib']:.0f} |", flush=True)

@@ -28,12 +28,11 @@ def main() -> None:
 
     import torch
     import model_adaptor
-    from adaptor_patches.parallel import ParallelSettings
     if not (args.model / "config.json").exists():
         from utils.make_tiny_model import make_tiny_model
         make_tiny_model(args.model)
     torch.set_num_threads(args.threads)
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    model_adaptor.apply("cpu", shims_only=True)
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
     vae = HunyuanImage3ForCausalMM.from_pretrained(str(args.model), dtype="auto").vae.eval()
     factor = vae.config.ffactor_spatial

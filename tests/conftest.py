@@ -9,6 +9,16 @@ for p in (ROOT, ROOT / "tests"):
 import pytest
 
 
+def pytest_sessionfinish(session, exitstatus):
+    from multirank import close_pools
+    close_pools()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: spawns ranks or a fresh interpreter (seconds each); "
+                                       "`pytest -m 'not slow'` is the fast tier")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """One tiny random checkpoint (bf16, sharded, no zero layers) shared by the session."""

@@ -2,7 +2,10 @@
 
     results = run_ranks(2, my_fn, arg1, arg2)      # my_fn(rank, world_size, *args) -> picklable
 
-`my_fn` must be importable (module level). Collectives get a short timeout so a mismatched
+The ranks of each world size form a pool that lives for the whole test session (RankPool), so a
+call costs the function's own time, not a fresh start of N interpreters. `my_fn` must be
+importable (module level) and leave no process-group state behind (the pool resets the patch
+table and the environment after each call). Collectives get a short timeout so a mismatched
 call fails the test in seconds instead of hanging; a rank's exception is re-raised here with its
 traceback.
 """
@@ -31,45 +34,99 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue, env):
-    os.environ.update(env)
+def _serve(rank, world_size, port, tasks, results):
+    """A pool rank: join the gloo group once, then run task after task until told to stop."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        result = fn(rank, world_size, *args)
-        dist.barrier()
-        queue.put((rank, True, result))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+        while (task := tasks.get()) is not None:
+            fn, args, env = task
+            saved = dict(os.environ)
+            os.environ.update(env)
+            try:
+                outcome = (True, fn(rank, world_size, *args))
+            except BaseException:
+                outcome = (False, traceback.format_exc())
+            try:
+                # Every rank says how it ended, so a rank that returned does not wait out the
+                # collective timeout for one that raised before its next collective.
+                all_ok = torch.tensor([int(outcome[0])])
+                dist.all_reduce(all_ok, op=dist.ReduceOp.MIN)
+                results.put((rank, *outcome))
+            except BaseException:
+                results.put((rank, False, outcome[1] if not outcome[0] else traceback.format_exc()))
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+                adaptor = sys.modules.get("model_adaptor")
+                if adaptor is not None:     # the next task starts from unpatched upstream
+                    adaptor.remove()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` spawned gloo ranks kept alive across calls: each rank pays its start-up (torch,
+    transformers and upstream imports, ~7 s of CPU) once per test session instead of once per call.
+    After a failed or timed-out call the pool is closed (its ranks' state is unknown) and the next
+    call starts a fresh one."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, env, timeout_s: float) -> list:
+        for queue in self.tasks:
+            queue.put((fn, args, env))
+        results, failures = {}, []
+        for _ in range(self.world_size):
+            rank, ok, payload = self.results.get(timeout=timeout_s)
+            (results.__setitem__(rank, payload) if ok else failures.append(f"rank {rank}:\n{payload}"))
+        if failures:
+            raise RankFailed("\n".join(failures))
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for queue in self.tasks:
+                queue.put(None)
+        for p in self.procs:
+            p.join(timeout=10 if graceful else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+_pools: dict = {}
 
 
 def run_ranks(world_size: int, fn, *args, env=None, timeout_s: float = 300):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, dict(env or {})))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results, failures = {}, []
+    """fn(rank, world_size, *args) on every rank of the session's pool of `world_size` ranks."""
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = RankPool(world_size)
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout_s)
-            (results.__setitem__(rank, payload) if ok else failures.append(f"rank {rank}:\n{payload}"))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if failures:
-        raise RankFailed("\n".join(failures))
-    return [results[r] for r in range(world_size)]
+        return pool.run(fn, args, dict(env or {}), timeout_s)
+    except BaseException:
+        _pools.pop(world_size, None)
+        pool.close(graceful=False)
+        raise
+
+
+def close_pools() -> None:
+    """End every pool's ranks (conftest calls this when the session ends)."""
+    while _pools:
+        _pools.popitem()[1].close()

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import model_adaptor
-from adaptor_patches.parallel import ParallelSettings
 
 ROOT = model_adaptor.Path(model_adaptor.__file__).resolve().parent
 
@@ -26,7 +25,7 @@ def _clean():
 
 def test_apply_remove_restores_every_original():
     before = _current(model_adaptor.PATCHES)
-    model_adaptor.apply(ParallelSettings(device="cpu"))
+    model_adaptor.apply("cpu")
     during = _current(model_adaptor.PATCHES)
     assert all(during[k] is not before[k] for k in before), "every row must rebind something"
     model_adaptor.remove()
@@ -36,11 +35,11 @@ def test_apply_remove_restores_every_original():
 
 
 def test_apply_is_idempotent_and_reapplies_on_new_settings():
-    model_adaptor.apply(ParallelSettings(device="cpu"))
+    model_adaptor.apply("cpu")
     first = _current(model_adaptor.PATCHES)
-    model_adaptor.apply(ParallelSettings(device="cpu"))
+    model_adaptor.apply("cpu")
     assert _current(model_adaptor.PATCHES) == first
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    model_adaptor.apply("cpu", shims_only=True)
     shims = _current(model_adaptor.selected(shims_only=True))
     assert all(shims[k] is not first[k] for k in shims), "new settings must rebuild the patches"
     full_only = [p for p in model_adaptor.PATCHES if not p.shim]
@@ -49,6 +48,7 @@ def test_apply_is_idempotent_and_reapplies_on_new_settings():
     assert _current(full_only) == originals, "shims_only must leave non-shim attributes alone"
 
 
+@pytest.mark.slow
 def test_no_side_effects_at_import():
     code = ("import sys; sys.path.insert(0, '.'); import model_adaptor; "
             "import hunyuan_image_3.hunyuan as h; import torch; "
@@ -58,7 +58,7 @@ def test_no_side_effects_at_import():
 
 
 def test_cpu_shims_neutralise_cuda_calls():
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    model_adaptor.apply("cpu", shims_only=True)
     import hunyuan_image_3.hunyuan as h
     h.torch.cuda.set_device(None)          # upstream's HunyuanMoE.forward does this with a CPU tensor
     with h.torch.autocast(device_type="cuda", dtype=torch.bfloat16):
@@ -79,6 +79,7 @@ def _staged_copy_with_edit(tmp_path):
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("allow", [False, True])
 def test_sha_mismatch_is_refused_unless_overridden(tmp_path, allow):
     proj = _staged_copy_with_edit(tmp_path)
@@ -86,8 +87,7 @@ def test_sha_mismatch_is_refused_unless_overridden(tmp_path, allow):
     if allow:
         env[model_adaptor.ALLOW_MISMATCH_ENV] = "1"
     code = ("import sys; sys.path.insert(0, '.'); import model_adaptor as m\n"
-            "from adaptor_patches.parallel import ParallelSettings\n"
-            "try:\n    m.apply(ParallelSettings(device='cpu')); print('applied')\n"
+            "try:\n    m.apply('cpu'); print('applied')\n"
             "except m.UpstreamMismatchError as e:\n    print('refused:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=proj, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

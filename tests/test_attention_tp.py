@@ -1,7 +1,8 @@
-"""Attention tensor parallel (adaptor_patches/attention.py) and ops.attention.
+"""Attention tensor parallel (adaptor_patches/hunyuan.py, layout.HeadShard) and the attention kernels.
 
 Layer level: upstream's HunyuanImage3SDPAAttention (compat shims only) and the patched layer on
-every rank of a real gloo "tp" group load the same full state_dict and run the same two steps of
+every rank of a real gloo "tp" group load the same full state_dict (each rank's share cut by the
+one weight path, weights/rank_slices.py) and run the same two steps of
 the image path: a prefill writing a static KV cache through the 2-D cache_position, then a step
 on a subset of positions reading that cache, both with upstream's 4-D bool mask. fp32, so the
 only difference is the summation order of o_proj (one partial product per rank, then an
@@ -13,8 +14,8 @@ Loading: a real transformers 5 `from_pretrained` of the tiny checkpoint under TP
 missing, unexpected or mismatched key, and every rank's qkv_proj / o_proj equal to the slice of
 the checkpoint tensor picked here independently (by viewing it as [KV heads, groups + 2, ...]).
 
-ops.attention: the NPU form, run on CPU against the torch_npu test double (npu_double.py),
-and the torch form both match a float64 reference within 2e-2 in bf16 (measured 2.3e-3: bf16
+Kernels: the NPU attention, run on CPU against the torch_npu test double (tests/npu_double.py),
+and the torch one both match a float64 reference within 2e-2 in bf16 (measured 2.3e-3: bf16
 rounding of inputs and outputs), also with an additive float mask.
 """
 import glob
@@ -23,9 +24,11 @@ import pytest
 import torch
 
 import model_adaptor
-from adaptor_patches import npu_double, ops
-from adaptor_patches.attention import HeadShard
-from adaptor_patches.parallel import ParallelSettings, SettingsError
+import npu_double
+from adaptor_patches.kernels import make_kernels
+from adaptor_patches.parallel.context import RankContext, building
+from adaptor_patches.parallel.layout import HeadShard, Layout, LayoutError
+from adaptor_patches.weights.rank_slices import rank_state_dict
 from multirank import run_ranks
 
 HIDDEN, HEAD_DIM, BATCH, SEQ, STEP = 64, 16, 2, 12, 5
@@ -81,7 +84,7 @@ def rel_err(out, ref):
 
 def compare_layer_with_upstream(rank, world_size, cases):
     """Runs on every rank: per case, (errors of both steps, local KV-cache shape, local heads)."""
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    model_adaptor.apply("cpu", shims_only=True)
     upstream = _upstream()
     references = []
     for i, (heads, kv_heads, bias) in enumerate(cases):
@@ -92,12 +95,15 @@ def compare_layer_with_upstream(rank, world_size, cases):
             p.data.normal_(0, 0.3)
         prefill, step = image_path_inputs(i)
         references.append((config, layer.state_dict(), prefill, step, run_two_steps(layer, config, prefill, step)))
-    model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, local_rank=rank))
+    context = RankContext(Layout(world_size), rank, model_adaptor.apply("cpu"))
+    prefix = "model.layers.0.self_attn."
     results = []
     try:
         for config, state, prefill, step, (ref1, ref2, _) in references:
-            layer = upstream.HunyuanImage3SDPAAttention(config, layer_idx=0)
-            layer.load_state_dict(state, strict=True)
+            with building(context):
+                layer = upstream.HunyuanImage3SDPAAttention(config, layer_idx=0)
+            local = rank_state_dict({prefix + k: v for k, v in state.items()}, config, context.layout, context.tp_rank)
+            layer.load_state_dict({k[len(prefix):]: v for k, v in local.items()}, strict=True)
             out1, out2, cache_shape = run_two_steps(layer, config, prefill, step)
             results.append(((rel_err(out1, ref1), rel_err(out2, ref2)), cache_shape, layer.head_shard.heads))
     finally:
@@ -122,6 +128,7 @@ def ranks(tiny_model):
     return {world_size: run_ranks(world_size, on_each_rank, tiny_model) for world_size in CASES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", list(CASES))
 def test_tp_attention_layer_matches_upstream_fp32(ranks, world_size):
     for rank, (results, _) in enumerate(ranks[world_size]):
@@ -163,33 +170,38 @@ def test_head_shards_partition_the_heads(heads, kv_heads, degree):
     for rank in range(degree):
         shard = HeadShard(heads, kv_heads, HEAD_DIM, rank, degree)
         rows, cols = expected_slices(full_qkv, full_o, heads, kv_heads, degree, rank)
-        assert torch.equal(shard.shard("qkv_proj.weight", full_qkv), rows)
-        assert torch.equal(shard.shard("o_proj.weight", full_o), cols)
+        assert torch.equal(full_qkv[shard.qkv_rows()], rows)
+        assert torch.equal(full_o[:, shard.o_columns()], cols)
         assert shard.heads == heads // degree and shard.kv_heads == max(kv_heads // degree, 1)
         query_columns.append(cols)
     assert torch.equal(torch.cat(query_columns, 1).sort(1).values, full_o), "every query head exactly once"
 
 
 def test_bad_degrees_are_refused_with_the_ones_that_work():
-    with pytest.raises(SettingsError, match=r"^attention-tp: 4 attention heads .* 3 ranks; use a degree in \[1, 2, 4\]"):
-        ParallelSettings(world_size=3).check_model({"num_attention_heads": 4, "num_key_value_heads": 2})
-    with pytest.raises(SettingsError, match=r"attention-tp: .* 8 ranks per CFG branch; use a degree in \[1, 2, 3, 6, 12, 24\]"):
-        ParallelSettings(world_size=16, cfg_parallel=True).check_model({"num_attention_heads": 24,
-                                                                         "num_key_value_heads": 6})
-    ParallelSettings(world_size=16, cfg_parallel=True).check_model({"num_attention_heads": 32, "num_key_value_heads": 8})
-    with pytest.raises(ValueError, match="attention-tp"):
+    with pytest.raises(LayoutError, match=r"^attention-tp: 4 attention heads .* 3 ranks; use a degree in \[1, 2, 4\]"):
+        Layout(3).check({"num_attention_heads": 4, "num_key_value_heads": 2})
+    with pytest.raises(LayoutError, match=r"attention-tp: .* 8 ranks per CFG branch; use a degree in \[1, 2, 3, 6, 12, 24\]"):
+        Layout(16, cfg=2).check({"num_attention_heads": 24, "num_key_value_heads": 6})
+    Layout(16, cfg=2).check({"num_attention_heads": 32, "num_key_value_heads": 8})
+    with pytest.raises(LayoutError, match="attention-tp"):
         HeadShard(24, 6, HEAD_DIM, 0, 4)
+
+
+def test_attention_tp_without_a_process_group_is_refused_when_built():
+    context = RankContext(Layout(2), 1, model_adaptor.apply("cpu"))
+    with building(context), pytest.raises(LayoutError, match="attention-tp: the layout spans 2 ranks but no process"):
+        _upstream().HunyuanImage3SDPAAttention(attention_config(4, 2, False), layer_idx=0)
 
 
 # ---------------------------------------------------------------- from_pretrained
 
 def load_and_compare(rank, world_size, model_dir):
     from safetensors.torch import load_file
-    model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, local_rank=rank))
+    context = RankContext(Layout(world_size), rank, model_adaptor.apply("cpu"))
     try:
         from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
-        model, info = HunyuanImage3ForCausalMM.from_pretrained(str(model_dir), dtype="auto", attn_implementation="sdpa",
-                                                               output_loading_info=True)
+        model, info = HunyuanImage3ForCausalMM.from_pretrained(str(model_dir), rank_context=context, dtype="auto",
+                                                               attn_implementation="sdpa", output_loading_info=True)
     finally:
         model_adaptor.remove()
     full = {}
@@ -207,6 +219,7 @@ def load_and_compare(rank, world_size, model_dir):
     return {k: sorted(map(str, v)) for k, v in info.items()}, matches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", list(CASES))
 def test_from_pretrained_loads_each_ranks_heads(ranks, world_size):
     for _, (info, matches) in ranks[world_size]:
@@ -214,9 +227,9 @@ def test_from_pretrained_loads_each_ranks_heads(ranks, world_size):
         assert matches and all(matches)
 
 
-# ---------------------------------------------------------------- ops.attention
+# ---------------------------------------------------------------- attention kernels
 
-def test_npu_form_matches_torch_form_through_the_op_double():
+def test_npu_kernel_matches_torch_kernel_through_the_op_double():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 8, 6, HEAD_DIM, generator=g).to(torch.bfloat16)
     k = torch.randn(2, 2, 9, HEAD_DIM, generator=g).to(torch.bfloat16)
@@ -225,11 +238,10 @@ def test_npu_form_matches_torch_form_through_the_op_double():
     mask[..., 0] = True                                              # no fully masked row
     ref = torch.softmax((q.double() @ k.double().repeat_interleave(4, 1).transpose(-1, -2)) * HEAD_DIM ** -0.5
                         + torch.where(mask, 0.0, float("-inf")), -1) @ v.double().repeat_interleave(4, 1)
-    with ops.use_form("grouped_mm"):
-        torch_form = ops.attention(q, k, v, mask)
-    with ops.use_form("npu", npu_ops=npu_double):
-        npu_form = ops.attention(q, k, v, mask)
-        additive = ops.attention(q, k, v, torch.where(mask, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16))
+    torch_form = make_kernels("grouped_mm").attention(q, k, v, mask)
+    npu = make_kernels("npu", npu=npu_double)
+    npu_form = npu.attention(q, k, v, mask)
+    additive = npu.attention(q, k, v, torch.where(mask, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16))
     for out in (torch_form, npu_form, additive):
         assert out.shape == q.shape and out.dtype == q.dtype
         assert rel_err(out, ref) <= BF16_TOL

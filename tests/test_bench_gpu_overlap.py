@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_overlap  # noqa: E402
@@ -24,6 +26,7 @@ def test_overlap_pct_from_a_synthetic_trace(tmp_path):
     assert gpu_overlap.overlap_of(streams[7], streams[13]) == 40
 
 
+@pytest.mark.slow
 def test_cpu_smoke_of_the_prepared_script(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_overlap.py"), "--device", "cpu", "--small",
                            "--repeat", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)

@@ -1,10 +1,11 @@
-"""CFG parallel (adaptor_patches/cfg_parallel.py): which rows each rank runs, the gather, refusals.
+"""CFG parallel (parallel/cfg_split.py, hunyuan.causal_mm_forward): which rows each rank runs, the gather.
 
 The end-to-end equality with a single-process image is in test_layouts.py; here: on two real gloo
 ranks with the tiny checkpoint, every gen_image forward below the patch sees exactly its half of
 the batch (rank 0 the cond rows, rank 1 the uncond rows), the static KV cache holds only that half,
 and both ranks end with bit-identical latents (the guidance step runs on the gathered prediction).
 """
+import functools
 import json
 import shutil
 
@@ -12,9 +13,12 @@ import pytest
 import torch
 
 import model_adaptor
-from adaptor_patches import cfg_parallel
-from adaptor_patches.parallel import ParallelSettings
-from generation import PROMPT, run_cli
+from adaptor_patches import hunyuan
+from adaptor_patches.kernels.device import Device
+from adaptor_patches.parallel import cfg_split
+from adaptor_patches.parallel.context import RankContext
+from adaptor_patches.parallel.layout import Layout
+from generation import PROMPT, run_cli_in_process
 from multirank import run_ranks
 
 
@@ -39,7 +43,7 @@ def batch_inputs(rows=4, seq=6):
 
 @pytest.mark.parametrize("part", [0, 1])
 def test_split_takes_this_branch_rows_of_every_batch_major_input(part):
-    local = cfg_parallel.split_arguments(batch_inputs(), 4, part)
+    local = cfg_split.split_arguments(batch_inputs(), 4, part)
     rows = [2 * part, 2 * part + 1]
     for name in ("input_ids", "attention_mask", "position_ids", "images", "image_mask", "timestep",
                  "gen_timestep_scatter_index"):
@@ -58,21 +62,30 @@ def fake_forward(calls):
     return original
 
 
+class _CfgIndexOne(RankContext):
+    """Rank 1 of a cfg-2 layout (the uncond branch), without a process group."""
+
+    def group(self, dim):
+        return f"{dim} group"
+
+
+class _Model:
+    rank_context = _CfgIndexOne(Layout(2, cfg=2), rank=1, device=Device("cpu"))
+
+
 @pytest.fixture
 def one_branch(monkeypatch):
     """The patched forward as cfg index 1 sees it, with a stand-in gather: [rows of index 0 ; ours]."""
-    monkeypatch.setattr(cfg_parallel, "_cfg_group", lambda: "cfg group")
-    monkeypatch.setattr(cfg_parallel, "_cfg_index", lambda: 1)
-    monkeypatch.setattr(cfg_parallel, "gather_branches", lambda local, group: torch.cat([local - 2, local]))
+    monkeypatch.setattr(cfg_split, "gather_branches", lambda local, group: torch.cat([local - 2, local]))
     calls = []
-    return cfg_parallel.causal_mm_forward(fake_forward(calls), None), calls
+    return functools.partial(hunyuan.causal_mm_forward(fake_forward(calls), None), _Model()), calls
 
 
 @pytest.mark.parametrize("return_dict", [True, False])
 def test_gen_image_runs_half_and_returns_the_full_prediction(one_branch, return_dict):
     forward, calls = one_branch
     ids = torch.arange(4)[:, None].expand(4, 3)
-    out = forward(object(), input_ids=ids, mode="gen_image", return_dict=return_dict)
+    out = forward(input_ids=ids, mode="gen_image", return_dict=return_dict)
     pred = out[-1] if not return_dict else out["diffusion_prediction"]
     assert calls[0][:, 0].tolist() == [2, 3]
     assert pred.flatten().tolist() == [0, 1, 2, 3]
@@ -82,20 +95,19 @@ def test_gen_image_runs_half_and_returns_the_full_prediction(one_branch, return_
 def test_text_mode_and_odd_batches_run_unsplit(one_branch, mode, rows):
     forward, calls = one_branch
     ids = torch.arange(rows)[:, None]
-    out = forward(object(), input_ids=ids, mode=mode)
+    out = forward(input_ids=ids, mode=mode)
     assert calls[0] is ids and out["diffusion_prediction"].shape[0] == rows
 
 
 # ---------------------------------------------------------------- two real ranks, tiny checkpoint
 
 def generate_one_branch(rank, world_size, model_dir):
-    from adaptor_patches.loading import load_model
     from adaptor_patches.metrics import PhaseTimer
-    device = model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, local_rank=rank,
-                                                  cfg_parallel=True))
+    from adaptor_patches.weights.load import load_model
+    device = model_adaptor.apply("cpu")
     seen = {"full": [], "local": [], "cache_rows": None}
     try:
-        model = load_model(model_dir, device)
+        model = load_model(model_dir, RankContext(Layout(world_size, cfg=2), rank, device))
         timer = PhaseTimer(device).attach(model)
 
         def outer(_module, _args, kwargs):
@@ -116,6 +128,7 @@ def generate_one_branch(rank, world_size, model_dir):
         model_adaptor.remove()
 
 
+@pytest.mark.slow
 def test_each_rank_runs_its_branch_and_both_end_with_the_same_latents(tiny_model):
     (seen0, latents0), (seen1, latents1) = run_ranks(2, generate_one_branch, tiny_model)
     for part, seen in enumerate((seen0, seen1)):
@@ -135,8 +148,8 @@ def test_guidance_at_most_one_is_refused_before_any_weight_is_read(tiny_model, t
     shutil.copy(tiny_model / "config.json", model)
     generation = json.loads((tiny_model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**generation, "diff_guidance_scale": 1.0}))
-    proc = run_cli(["--prompt", "x", "--model-id", model, "--device", "cpu", "--cfg-parallel"],
-                   env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    proc = run_cli_in_process(["--prompt", "x", "--model-id", model, "--device", "cpu", "--cfg-parallel"],
+                              env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: cfg-parallel: guidance scale 1.0"), proc.stderr

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = {"tp2": (2, 2, 1), "ep2": (2, 1, 2), "tp4": (4, 4, 1)}
+# tp2_moe_whole: attention TP2 with the MoE kept whole on every rank (the runtime's tp2 / tp4 layouts)
+LAYOUTS = {"tp2": (2, 2, 1), "ep2": (2, 1, 2), "tp4": (4, 4, 1), "tp2_moe_whole": (2, 1, 1)}
 SMALL_SHARDS_GB = "0.002"       # a few MB: several shards per rank on the tiny model
 
 
@@ -188,6 +189,7 @@ def test_output_layout_manifest_and_configs(tiny_model, converted):
         assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= cap
 
 
+@pytest.mark.slow
 def test_verify_passes_then_names_a_flipped_byte(converted, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(converted["tp2"], out)
@@ -246,10 +248,10 @@ def _break_drop_expert(src):
 
 @pytest.mark.parametrize("flags,field", [
     (["--tp-attn", 2, "--tp-moe", 2, "--ep", 2], "tp-moe/ep"),
-    (["--tp-attn", 4, "--ep", 2], "tp-attn"),
-    (["--tp-attn", 8, "--tp-moe", 8], "tp-attn"),          # 4 heads / 2 KV heads do not split over 8
-    (["--tp-attn", 8, "--ep", 8], "ep"),                   # 4 experts
-    (["--tp-attn", 3, "--tp-moe", 3], "tp-moe"),           # intermediate 128
+    (["--tp-attn", 4, "--ep", 2], "ep"),                   # the MoE splits over the attention ranks or none
+    (["--tp-attn", 8, "--tp-moe", 8], "attention-tp"),     # 4 heads / 2 KV heads do not split over 8
+    (["--tp-attn", 8, "--ep", 8], "moe-ep"),               # 4 experts
+    (["--tp-attn", 3, "--tp-moe", 3], "moe-tp"),           # intermediate 128
     (["--tp-attn", 0], "tp-attn"),
     (["--max-shard-size", 0], "max-shard-size"),
     (["--max-workers", 0], "max-workers"),
@@ -276,6 +278,7 @@ def test_inconsistent_checkpoint_is_one_error_line(tiny_model, tmp_path, breaker
     assert needle in proc.stderr
 
 
+@pytest.mark.slow
 def test_existing_output_needs_overwrite_and_overwrite_replaces_only_a_conversion(tiny_model, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -407,6 +410,7 @@ def signal_mid_way(args, partial: Path, signum) -> tuple:
     return proc.returncode, stderr
 
 
+@pytest.mark.slow
 def test_sigkill_mid_way_leaves_no_output_and_a_rerun_finishes(tiny_model, tmp_path):
     out = tmp_path / "out"
     partial = tmp_path / "out.partial"
@@ -421,6 +425,7 @@ def test_sigkill_mid_way_leaves_no_output_and_a_rerun_finishes(tiny_model, tmp_p
     assert_reassembles(tiny_model, out, LAYOUTS["ep2"])
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_way_is_one_error_line_and_leaves_nothing(tiny_model, tmp_path):
     out, partial = tmp_path / "out", tmp_path / "out.partial"
     args = ["--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2, "--max-shard-size", "0.0005"]

@@ -7,7 +7,7 @@ ulps per layer, and that is what the bound leaves room for.
 """
 import pytest
 
-from generation import generate, latent_rel_err, psnr, run_cli
+from generation import generate, generate_args, latent_rel_err, psnr, run_cli_in_process, run_in_pool
 
 PSNR_MIN_DB = 35.0
 LATENT_REL_ERR_MAX = 2e-2
@@ -23,22 +23,26 @@ def reference(tiny_model, out_dir):
     return generate(tiny_model, out_dir, "upstream_eager", "--adaptor", "shims")
 
 
+@pytest.mark.slow
 def test_patched_matches_upstream_eager(tiny_model, out_dir, reference):
     png, latents, _ = generate(tiny_model, out_dir, "patched", "--adaptor", "full")
     assert psnr(png, reference[0]) >= PSNR_MIN_DB
     assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_png(tiny_model, out_dir, reference):
     png, _, _ = generate(tiny_model, out_dir, "eager_again", "--adaptor", "shims")
     assert png.read_bytes() == reference[0].read_bytes()
 
 
+@pytest.mark.slow
 def test_other_seed_differs(tiny_model, out_dir, reference):
     png, _, _ = generate(tiny_model, out_dir, "other_seed", "--adaptor", "shims", seed=8)
     assert psnr(png, reference[0]) < 30, "the seed must reach the latents"
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_match_single_process(tiny_model, out_dir, reference):
     # Two ranks turn on attention TP (and replicated experts): bf16 partial sums differ in order.
     png, latents, proc = generate(tiny_model, out_dir, "two_ranks", nproc=2)
@@ -47,6 +51,7 @@ def test_two_ranks_under_torchrun_match_single_process(tiny_model, out_dir, refe
     assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
 
 
+@pytest.mark.slow
 def test_metrics_json_has_phases(tiny_model, out_dir):
     import json
     metrics = out_dir / "m.json"
@@ -56,6 +61,29 @@ def test_metrics_json_has_phases(tiny_model, out_dir):
     assert len(data["rounds"][0]["denoise_step_s"]) == 2 and data["rounds"][0]["vae_decode_s"] > 0
     assert data["load_s"] > 0 and data["peak_memory_bytes_per_rank"][0] > 0
     assert data["versions"]["torch"] and data["settings"]["parallel"]["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_the_device_is_synchronised_per_forward_only_when_timings_are_asked_for(tiny_model, out_dir, monkeypatch):
+    """Phase timings synchronise the device around every forward: a job without --metrics-json
+    (or --save-latents) must not pay that on NPU / GPU. Counted on CPU, where the call is a no-op."""
+    import model_adaptor
+    from adaptor_patches.kernels.device import Device
+    calls = []
+    monkeypatch.setattr(Device, "synchronize", lambda self: calls.append(1))
+    counts = {}
+    try:
+        for name, extra in (("plain", []), ("timed", ["--metrics-json", out_dir / "timed.json"])):
+            calls.clear()
+            png = out_dir / f"sync_{name}.png"
+            proc = run_cli_in_process(["--prompt", "x", "--model-id", tiny_model, "--device", "cpu", "--seed", 1,
+                                       "--diff-infer-steps", 2, "--image-size", "64x64", "--save", png, *extra])
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            counts[name] = len(calls)
+    finally:
+        model_adaptor.remove()
+    assert counts["plain"] == 1, counts           # the one after the round, for its wall time
+    assert counts["timed"] > 4, counts
 
 
 @pytest.mark.parametrize("args,field", [
@@ -69,21 +97,34 @@ def test_bad_input_is_one_error_line(tiny_model, tmp_path, args, field):
     base = {"--model-id": str(tiny_model), "--diff-infer-steps": "2", "--image-size": "64x64", "--rounds": "1"}
     base.update(dict(zip(args[::2], args[1::2])))
     flat = [x for kv in base.items() for x in kv]
-    proc = run_cli(["--prompt", "x", "--device", "cpu", "--save", save, *flat])
+    proc = run_cli_in_process(["--prompt", "x", "--device", "cpu", "--save", save, *flat])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}"), proc.stderr
     assert not save.exists()
 
 
-@pytest.mark.parametrize("moe_flag", ["--moe-tp", "--moe-ep"])
-def test_two_rank_moe_parallel_matches_single_process(tiny_model, out_dir, reference, moe_flag):
-    png, latents, proc = generate(tiny_model, out_dir, f"two_ranks{moe_flag}", moe_flag, nproc=2)
+MOE_FLAGS = ("--moe-tp", "--moe-ep")
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tiny_model, out_dir):
+    """Both MoE-parallel 2-rank runs on one pool of ranks: {flag: (png, latents, console)}."""
+    files = {flag: generate_args(tiny_model, out_dir, f"two_ranks{flag}", flag) for flag in MOE_FLAGS}
+    procs = run_in_pool(2, [args for _, _, args in files.values()])
+    return {flag: (png, latents, proc) for (flag, (png, latents, _)), proc in zip(files.items(), procs)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe_flag", MOE_FLAGS)
+def test_two_rank_moe_parallel_matches_single_process(moe_runs, reference, moe_flag):
+    png, latents, proc = moe_runs[moe_flag]
     assert f"world_size=2 adaptor=full cfg=1 tp=2 moe={moe_flag[-2:]}" in proc.stdout
     assert psnr(png, reference[0]) >= PSNR_MIN_DB
     assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
 
 
+@pytest.mark.slow
 def test_think_and_auto_size_match_upstream_eager(text_model, out_dir):
     # The shims-only reference runs the text phase too (same seeded sampler): the adaptor's think
     # text and ratio equal upstream eager's; the image gets the bounds above.

@@ -37,8 +37,32 @@ def launcher_env() -> dict:
 
 
 def run_launcher(*args, timeout=60) -> subprocess.CompletedProcess:
+    """`bash run.sh ARGS`. A --dry-run only validates and prints, so it runs in this process (the
+    launcher's own main(), same environment); a real launch runs through run.sh."""
+    if "--dry-run" in args:
+        return run_launcher_in_process(*args)
     return subprocess.run(["bash", str(RUN_SH), *map(str, args)], cwd=ROOT, env=launcher_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_launcher_in_process(*args) -> subprocess.CompletedProcess:
+    import contextlib
+    import io
+    from unittest import mock
+    from utils import launch
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, launcher_env(), clear=True), contextlib.chdir(ROOT), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = launch.main([str(a) for a in args])
+    return subprocess.CompletedProcess(["run.sh", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.slow
+def test_run_sh_dry_run_through_bash(tmp_path, base):
+    """The bash wrapper itself (PYTHON, exec, exit code) on one dry run."""
+    res = subprocess.run(["bash", str(RUN_SH), str(write_yaml(tmp_path, base)), "--dry-run"], cwd=ROOT,
+                         env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "torch.distributed.run" in res.stdout, res.stderr
 
 
 def free_port() -> int:
@@ -253,6 +277,7 @@ def test_default_config_validates(tmp_path, model_dir):
     assert "--nproc_per_node=1 " in res.stdout and "--device cpu" in res.stdout
 
 
+@pytest.mark.slow
 def test_default_config_used_without_arguments():
     res = subprocess.run(["bash", str(RUN_SH), "--dry-run"], cwd=ROOT, env=launcher_env(),
                          capture_output=True, text=True, timeout=60)
@@ -282,6 +307,7 @@ def remove_log(log: Path) -> None:
             parent.rmdir()
 
 
+@pytest.mark.slow
 def test_real_launch_two_cpu_ranks_returns_job_exit_code(tmp_path, base):
     base.update(world_size=2, master_port=free_port())
     base["model_args"]["flag"] = True
@@ -302,6 +328,7 @@ def test_real_launch_two_cpu_ranks_returns_job_exit_code(tmp_path, base):
         remove_log(log)
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_forwarded_to_the_job(tmp_path, base):
     base.update(world_size=2, master_port=free_port())
     base["model_args"]["sleep"] = True

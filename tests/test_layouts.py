@@ -1,7 +1,8 @@
 """The multi-device layout matrix on the tiny checkpoint, the launch configs, and bad layouts.
 
-Every layout runs the CLI under torchrun (gloo, CPU) and must reproduce the single-process image
-of the same checkpoint, seed and steps: PSNR >= 40 dB and final-latent relative error <= 3e-2.
+Every layout runs the CLI (run_image_gen.main, as torchrun starts it) on a pool of gloo ranks,
+one pool per world size, and must reproduce the single-process CLI image of the same checkpoint,
+seed and steps: PSNR >= 40 dB and final-latent relative error <= 3e-2.
 Everything computes in bf16. Attention TP sums per-rank o_proj partial products, each rounded to
 bf16, in an all-reduce; MoE TP does the same for the experts. That is a few bf16 ulps (2^-8
 relative) per layer, and three denoising steps at guidance 5 carry them into the latents.
@@ -11,9 +12,10 @@ branch's rows compute the same at batch 1 as at batch 2 here). The bounds leave 
 ~10 dB on PSNR. A broken split fails by far: without the o_proj all-reduce 21 dB / 0.55, a
 replicated-KV rank reading the wrong query heads likewise.
 
-The text phase (think, then the ratio token of --image-size auto) runs on the same layouts plus
-two 8-rank ones shaped like the 16-card configs; its text and ratio must equal the single-process
-run's exactly, its image within the bounds above (text_checkpoint.py says why its LM head is scaled).
+Every layout runs the text phase (think, then the ratio token of --image-size auto), and two
+8-rank ones are shaped like the 16-card configs; the text and ratio must equal the single-process
+run's exactly, the image stay within the bounds above (text_checkpoint.py says why its LM head is
+scaled). The fixed-size path (no text phase) runs on ep2_cfg2_moe_ep, the 16-card shape.
 
 Layouts (tiny model: 4 attention heads, 2 KV heads, 4 experts):
   tp2                  attention TP2 (one KV group per rank), MoE replicated
@@ -31,7 +33,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file, save_file
 
-from generation import generate, latent_rel_err, psnr, run_cli
+from generation import generate, generate_args, latent_rel_err, psnr, run_cli_in_process, run_in_pool
 from test_launcher import assert_one_error, run_launcher, write_yaml
 from text_checkpoint import make_text_checkpoint
 
@@ -81,40 +83,12 @@ def single(checkpoint, out_dir):
     return png, latents
 
 
-@pytest.fixture(scope="module")
-def layout_runs():
-    """Layout name -> generate() result, filled by the matrix test for the tests after it."""
-    return {}
-
-
-def _matrix_run(runs, layout, test="test_layout_matches_single_process"):
-    if layout not in runs:
-        pytest.fail(f"needs {test}[{layout}] to have run first")
-    return runs[layout]
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(checkpoint, out_dir, single, layout_runs, layout):
-    nproc, flags = LAYOUTS[layout]
-    png, latents, proc = layout_runs[layout] = generate(checkpoint, out_dir, layout, *flags, nproc=nproc)
-    assert f"world_size={nproc}" in proc.stdout
-    db, err = psnr(png, single[0]), latent_rel_err(latents, single[1])
-    print(f"{layout}: PSNR {db:.1f} dB, latent rel err {err:.2e}")
-    assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (layout, db, err)
-
-
-def test_same_seed_and_layout_give_byte_identical_png(checkpoint, out_dir, layout_runs):
-    nproc, flags = LAYOUTS["ep2_cfg2_moe_ep"]
-    first = _matrix_run(layout_runs, "ep2_cfg2_moe_ep")[0]
-    second, _, _ = generate(checkpoint, out_dir, "repeat", *flags, nproc=nproc)
-    assert first.read_bytes() == second.read_bytes()
-
-
 # ---------------------------------------------------------------- the text phase on every layout
 # think (6 tokens) then the ratio token of --image-size auto, then the image at the chosen size.
 # Text and ratio must equal the single-process run's exactly (tokens are chosen on global rank 0
 # and broadcast; the checkpoint's decisive LM head keeps bf16 layout differences from flipping a
-# draw); the image gets the bounds above.
+# draw); the image gets the bounds above. The fixed-size path (no text phase) runs on the
+# 16-card shape; test_generation covers it on 2 ranks.
 
 TEXT_SEED = 1
 # The 16-rank configs' shapes at the tiny model's scale, on 8 ranks: ep8_cfg.yaml is CFG2 x (attention
@@ -123,6 +97,8 @@ TEXT_SEED = 1
 TEXT_LAYOUTS = {**LAYOUTS,
                 "ep4_cfg2_moe_ep": (8, ["--cfg-parallel", "--moe-ep", "--vae-parallel"]),
                 "tp4_cfg2_moe_tp": (8, ["--cfg-parallel", "--moe-tp"])}
+IMAGE_LAYOUT = "ep2_cfg2_moe_ep"
+REPEATED = "ep2_cfg2_moe_ep"
 
 
 @pytest.fixture(scope="module")
@@ -130,19 +106,27 @@ def text_checkpoint(checkpoint, tmp_path_factory):
     return make_text_checkpoint(checkpoint, tmp_path_factory.mktemp("text") / "tiny")
 
 
-def generate_with_text(model_dir, out_dir, name, *flags, nproc=1):
-    """(png, latents, text, metrics, process) of a think + auto-size run, with --verbose 1 (the text
-    streamed to the console)."""
+def text_args(model_dir, out_dir, name, *flags):
+    """(png, latents, text file, metrics file, arguments) of a think + auto-size run, with --verbose 1
+    (the text streamed to the console)."""
     text, metrics = out_dir / f"{name}.txt", out_dir / f"{name}.json"
-    png, latents, proc = generate(model_dir, out_dir, name, "--bot-task", "think", "--max-new-tokens", 6,
-                                  "--save-text", text, "--metrics-json", metrics, "--verbose", 1, *flags, nproc=nproc,
-                                  steps=2, seed=TEXT_SEED, size="auto")
+    png, latents, args = generate_args(model_dir, out_dir, name, "--bot-task", "think", "--max-new-tokens", 6,
+                                       "--save-text", text, "--metrics-json", metrics, "--verbose", 1, *flags,
+                                       steps=2, seed=TEXT_SEED, size="auto")
+    return png, latents, text, metrics, args
+
+
+def text_result(files, proc):
+    png, latents, text, metrics, _ = files
     return png, latents, text.read_bytes(), json.loads(metrics.read_text()), proc
 
 
 @pytest.fixture(scope="module")
 def single_text(text_checkpoint, out_dir):
-    png, latents, text, metrics, proc = generate_with_text(text_checkpoint, out_dir, "single_text")
+    files = text_args(text_checkpoint, out_dir, "single_text")
+    proc = run_cli_in_process(files[-1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    png, latents, text, metrics, proc = text_result(files, proc)
     phase = metrics["rounds"][0]["text_phase"]
     assert phase["ratio"]["valid"] and metrics["image_size"] != [64, 64], (phase["ratio"], metrics["image_size"])
     assert len(text.strip()) > 0 and phase["tokens_generated"] == 7      # 6 think tokens + 1 ratio
@@ -150,40 +134,59 @@ def single_text(text_checkpoint, out_dir):
 
 
 @pytest.fixture(scope="module")
-def layout_text_runs():
-    """Layout name -> generate_with_text result, filled by the matrix test for the tests after it."""
-    return {}
+def pools(checkpoint, text_checkpoint, out_dir):
+    """Every multi-rank run of this module, on one pool of ranks per world size (2, 4, 8): each
+    text layout, the fixed-size image on IMAGE_LAYOUT, and REPEATED's text run once more.
+    Returns {name: (png, latents, text bytes | None, metrics | None, console of all ranks)}."""
+    jobs = {}       # nproc -> [(name, files, args)]
+    for layout, (nproc, flags) in TEXT_LAYOUTS.items():
+        files = text_args(text_checkpoint, out_dir, f"{layout}_text", *flags)
+        jobs.setdefault(nproc, []).append((f"{layout}_text", files, files[-1]))
+    repeat = text_args(text_checkpoint, out_dir, "text_repeat", *TEXT_LAYOUTS[REPEATED][1])
+    jobs[TEXT_LAYOUTS[REPEATED][0]].append(("text_repeat", repeat, repeat[-1]))
+    nproc, flags = LAYOUTS[IMAGE_LAYOUT]
+    png, latents, args = generate_args(checkpoint, out_dir, IMAGE_LAYOUT, *flags)
+    jobs[nproc].append((IMAGE_LAYOUT, (png, latents), args))
+    results = {}
+    for nproc, pool in sorted(jobs.items()):
+        for (name, files, _), proc in zip(pool, run_in_pool(nproc, [args for _, _, args in pool])):
+            assert f"world_size={nproc}" in proc.stdout, (name, proc.stdout[-2000:])
+            results[name] = text_result(files, proc) if len(files) == 5 else (*files, None, None, proc)
+    return results
 
 
-TEXT_MATRIX = "test_layout_text_phase_matches_single_process"
+@pytest.mark.slow
+def test_fixed_size_image_on_the_16_card_shape_matches_single_process(single, pools):
+    png, latents, _, _, _ = pools[IMAGE_LAYOUT]
+    db, err = psnr(png, single[0]), latent_rel_err(latents, single[1])
+    print(f"{IMAGE_LAYOUT}: PSNR {db:.1f} dB, latent rel err {err:.2e}")
+    assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (db, err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(TEXT_LAYOUTS))
-def test_layout_text_phase_matches_single_process(text_checkpoint, out_dir, single_text, layout_text_runs, layout):
-    nproc, flags = TEXT_LAYOUTS[layout]
-    run = layout_text_runs[layout] = generate_with_text(text_checkpoint, out_dir, f"{layout}_text", *flags,
-                                                        nproc=nproc)
-    png, latents, text, metrics, _ = run
+def test_layout_text_phase_matches_single_process(single_text, pools, layout):
+    png, latents, text, metrics, _ = pools[f"{layout}_text"]
     phase = metrics["rounds"][0]["text_phase"]
     assert text == single_text[2], (layout, text, single_text[2])
     assert phase["ratio"] == single_text[3]["ratio"] and phase["text"] == single_text[3]["text"]
     assert metrics["image_size"] == single_text[4]
     db, err = psnr(png, single_text[0]), latent_rel_err(latents, single_text[1])
+    print(f"{layout} (text): PSNR {db:.1f} dB, latent rel err {err:.2e}")
     assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (layout, db, err)
 
 
-def test_text_mode_same_seed_and_layout_give_identical_text_and_png_bytes(text_checkpoint, out_dir,
-                                                                          layout_text_runs):
-    nproc, flags = TEXT_LAYOUTS["ep2_cfg2_moe_ep"]
-    first = _matrix_run(layout_text_runs, "ep2_cfg2_moe_ep", TEXT_MATRIX)
-    second = generate_with_text(text_checkpoint, out_dir, "text_repeat", *flags, nproc=nproc)
+@pytest.mark.slow
+def test_same_seed_and_layout_give_identical_text_and_png_bytes(pools):
+    first, second = pools[f"{REPEATED}_text"], pools["text_repeat"]
     assert first[2] == second[2] and first[0].read_bytes() == second[0].read_bytes()
 
 
-def test_text_is_streamed_on_rank_zero_only_with_verbose(single_text, layout_text_runs):
+@pytest.mark.slow
+def test_text_is_streamed_on_rank_zero_only_with_verbose(single_text, pools):
     # Upstream's --verbose prints the context (which holds the text) and streams the text; on two
     # ranks the console must show exactly what one process shows: rank 1 prints none of it.
-    alone, pair = single_text[5], _matrix_run(layout_text_runs, "cfg2", TEXT_MATRIX)[4].stdout
+    alone, pair = single_text[5], pools["cfg2_text"][4].stdout
     streamed = single_text[3]["text"]
     assert alone.count(streamed) >= 1
     assert pair.count(streamed) == alone.count(streamed), pair[-3000:]
@@ -212,7 +215,7 @@ def config_only(tiny_model, tmp_path_factory):
 def test_bad_layout_is_one_error_line(config_only, world_size, flags, message):
     # torchrun's environment for rank 0; the check runs before the process group would be joined
     env = {"WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
-    proc = run_cli(["--prompt", "x", "--model-id", config_only, "--device", "cpu", *flags], env=env)
+    proc = run_cli_in_process(["--prompt", "x", "--model-id", config_only, "--device", "cpu", *flags], env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr[-2000:]

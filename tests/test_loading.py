@@ -1,8 +1,8 @@
-"""Per-rank loading (adaptor_patches/loading.py) of original and converted checkpoints.
+"""Per-rank loading (adaptor_patches/weights/) of original and converted checkpoints.
 
-* The three ways a rank can get its weights give identical tensors: slices read from the original
-  checkpoint (the default), its converted rank-XX directory, and upstream's whole-tensor
-  from_pretrained cut by the adaptor's converters.
+* The one weight path gives identical tensors however a rank gets them: slices read from the
+  original checkpoint (the default), its converted rank-XX directory, and the same plan applied
+  to the whole checkpoint in memory (rank_state_dict).
 * Two ranks (attention TP2 + MoE EP2) from the converted and from the original directory make the
   same image as each other, and the single-process image within tests/test_generation.py's bounds.
 * A converted checkpoint whose layout differs from the run's is refused with one `error:` line
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from generation import generate, latent_rel_err, psnr, run_cli
+from generation import generate, generate_args, latent_rel_err, psnr, run_cli, run_cli_in_process, run_in_pool
 from multirank import run_ranks
 
 PSNR_MIN_DB = 35.0
@@ -38,37 +38,48 @@ def converted(tiny_model, tmp_path_factory):
 
 # ---------------------------------------------------------------- identical weights
 
-def load_and_compare(rank, world_size, original, converted_dir, moe_mode, with_whole):
+def load_and_compare(rank, world_size, original, converted_dir, moe_mode):
+    import glob
     import model_adaptor
-    from adaptor_patches import loading
-    from adaptor_patches.parallel import ParallelSettings
-    device = model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, moe_mode=moe_mode))
-    states = [loading.load_model(original, device).state_dict(), loading.load_model(converted_dir, device).state_dict()]
-    if with_whole:
-        states.append(loading.load_model(original, device, per_rank=False).state_dict())
-    assert all(set(state) == set(states[0]) for state in states)
-    return [key for key in states[0] if not all(torch.equal(states[0][key], state[key]) for state in states[1:])]
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.parallel.layout import Layout
+    from adaptor_patches.weights.load import load_model
+    from adaptor_patches.weights.rank_slices import rank_state_dict
+    context = RankContext(Layout(world_size, 1, moe_mode), rank, model_adaptor.apply("cpu"))
+    states = [load_model(original, context).state_dict(), load_model(converted_dir, context).state_dict()]
+    assert set(states[1]) == set(states[0])
+    full = {}
+    for path in glob.glob(f"{original}/*.safetensors"):
+        full.update(load_file(path))
+    in_memory = rank_state_dict(full, json.loads(open(f"{original}/config.json").read()), context.layout,
+                                context.tp_rank)
+    assert set(in_memory) <= set(states[0])
+    differing = [key for key in states[0] if not torch.equal(states[0][key], states[1][key])]
+    return differing + [key for key in in_memory if not torch.equal(states[0][key], in_memory[key])]
 
 
-# tp2's split is covered by test_convert_model; tp4 (4 processes) skips the third, slowest load.
-@pytest.mark.parametrize("layout,with_whole", [("ep2", True), ("tp4", False)])
-def test_sliced_converted_and_whole_loading_give_identical_weights(tiny_model, converted, layout, with_whole):
+# tp2's split is covered by test_convert_model.
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2", "tp4"])
+def test_sliced_converted_and_in_memory_slicing_give_identical_weights(tiny_model, converted, layout):
     (ranks, _, _), moe_mode = LAYOUTS[layout]
-    differing = run_ranks(ranks, load_and_compare, str(tiny_model), str(converted[layout]), moe_mode, with_whole)
+    differing = run_ranks(ranks, load_and_compare, str(tiny_model), str(converted[layout]), moe_mode)
     assert differing == [[]] * ranks
 
 
 def test_sliced_reader_reads_only_the_ranks_bytes(tiny_model, monkeypatch):
     """EP2 rank 1: exactly the bytes of its tensors (half the experts'), except that o_proj's column
     cut reads whole rows (row-major storage puts every rank's columns on every page)."""
-    from adaptor_patches import loading
+    from adaptor_patches.parallel.layout import Layout
+    from adaptor_patches.weights import safetensors_io
+    from adaptor_patches.weights.rank_slices import rank_tensors
     read = []
-    original_pread = loading._pread_into
-    monkeypatch.setattr(loading, "_pread_into", lambda path, offset, buffer: (read.append(len(buffer)),
-                                                                               original_pread(path, offset, buffer)))
+    original_pread = safetensors_io._pread_into
+    monkeypatch.setattr(safetensors_io, "_pread_into", lambda path, offset, buffer: (
+        read.append(len(buffer)), original_pread(path, offset, buffer)))
     config = json.loads((tiny_model / "config.json").read_text())
-    files = loading.CheckpointFiles(tiny_model)
-    tensors = loading.rank_tensors(files, config, loading.ParallelLayout(2, 1, 2), rank=1)
+    files = safetensors_io.CheckpointFiles(tiny_model)
+    tensors = rank_tensors(files, config, Layout.from_degrees(2, 1, 2), tp_rank=1)
     for tensor in tensors:
         assert tuple(tensor.read(files).shape) == tensor.shape
     expected = sum(files.info(t.name).nbytes if t.name.endswith("o_proj.weight") else t.nbytes for t in tensors)
@@ -76,8 +87,8 @@ def test_sliced_reader_reads_only_the_ranks_bytes(tiny_model, monkeypatch):
 
 
 def test_read_index_matches_slicing(tiny_model):
-    from adaptor_patches import loading
-    files = loading.CheckpointFiles(tiny_model)
+    from adaptor_patches.weights.safetensors_io import CheckpointFiles
+    files = CheckpointFiles(tiny_model)
     key = "model.layers.1.self_attn.qkv_proj.weight"
     whole = load_file(tiny_model / files.weight_map[key])[key]
     index = torch.tensor([3, 4, 5, 9, 10, 40, 0, 1])
@@ -92,10 +103,12 @@ def out_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("loading_gen")
 
 
+@pytest.mark.slow
 def test_two_ranks_from_converted_and_original_match_single_process(tiny_model, converted, out_dir):
     single, single_latents, _ = generate(tiny_model, out_dir, "single")
-    original, original_latents, _ = generate(tiny_model, out_dir, "original_ep2", "--moe-ep", nproc=2)
-    per_rank, _, proc = generate(converted["ep2"], out_dir, "converted_ep2", "--moe-ep", nproc=2)
+    original, original_latents, original_args = generate_args(tiny_model, out_dir, "original_ep2", "--moe-ep")
+    per_rank, _, per_rank_args = generate_args(converted["ep2"], out_dir, "converted_ep2", "--moe-ep")
+    _, proc = run_in_pool(2, [original_args, per_rank_args])
     assert "world_size=2" in proc.stdout
     assert per_rank.read_bytes() == original.read_bytes()
     db, err = psnr(original, single), latent_rel_err(original_latents, single_latents)
@@ -112,6 +125,7 @@ def assert_one_error(proc, start):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_layout_mismatch_is_refused_before_any_collective(converted, tmp_path):
     # Rank 0 of a 2-rank --moe-tp run, alone: reaching init_process_group would wait for rank 1.
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
@@ -124,26 +138,27 @@ def test_layout_mismatch_is_refused_before_any_collective(converted, tmp_path):
 
 
 def test_single_process_run_of_a_two_rank_conversion_is_refused(converted, tmp_path):
-    proc = run_cli(["--prompt", "x", "--device", "cpu", "--model-id", converted["tp2"], "--save", tmp_path / "n.png"])
+    proc = run_cli_in_process(["--prompt", "x", "--device", "cpu", "--model-id", converted["tp2"],
+                               "--save", tmp_path / "n.png"])
     assert_one_error(proc, f"error: model-id: {converted['tp2']} is converted for tp_attn=2 tp_moe=2 ep=1 "
                            f"but this run is tp_attn=1 tp_moe=1 ep=1")
 
 
 def test_shims_reference_refuses_a_converted_checkpoint(converted, tmp_path):
-    proc = run_cli(["--prompt", "x", "--device", "cpu", "--model-id", converted["tp2"], "--adaptor", "shims",
+    proc = run_cli_in_process(["--prompt", "x", "--device", "cpu", "--model-id", converted["tp2"], "--adaptor", "shims",
                     "--save", tmp_path / "n.png"])
     assert_one_error(proc, "error: model-id: ")
 
 
 def test_check_checkpoint_wants_this_ranks_directory(converted, tmp_path):
     import shutil
-    from adaptor_patches.loading import LoadingError, check_checkpoint
-    from adaptor_patches.parallel import ParallelSettings
+    from adaptor_patches.parallel.layout import Layout
+    from adaptor_patches.weights.load import LoadingError, check_checkpoint
     copy = tmp_path / "tp2"
     shutil.copytree(converted["tp2"], copy)
-    settings = ParallelSettings(device="cpu", world_size=2, rank=1, moe_mode="tp")
-    check_checkpoint(copy, settings)
+    layout = Layout(2, 1, "tp")
+    check_checkpoint(copy, layout, 1)
     shutil.rmtree(copy / "rank-01")
     with pytest.raises(LoadingError, match="rank-01 is missing"):
-        check_checkpoint(copy, settings)
-    check_checkpoint(copy, ParallelSettings(device="cpu", world_size=2, rank=0, moe_mode="tp"))
+        check_checkpoint(copy, layout, 1)
+    check_checkpoint(copy, layout, 0)

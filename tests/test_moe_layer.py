@@ -1,7 +1,8 @@
 """Patched HunyuanMoE == upstream eager HunyuanMoE, alone and over real gloo TP / EP groups.
 
 Every case builds the upstream layer (compat shims only) with random non-zero weights, takes its
-state_dict, loads it into the patched layer on each rank and compares outputs. Cases: fp32 and
+state_dict, cuts this rank's share through the one weight path (weights/rank_slices.py), loads it
+into the patched layer built for the rank's context and compares outputs. Cases: fp32 and
 bf16, experts {4, 8}, top-k {1, 2, 3}, tokens {1, 6, 7, 64}; one spawn per layout runs them all.
 
 Tolerances (max |patched - upstream| / max |upstream|):
@@ -16,8 +17,12 @@ import pytest
 import torch
 
 import model_adaptor
-from adaptor_patches import npu_double, ops
-from adaptor_patches.parallel import ParallelSettings
+import npu_double
+from adaptor_patches.kernels import make_kernels
+from adaptor_patches.kernels.device import Device
+from adaptor_patches.parallel.context import RankContext, building
+from adaptor_patches.parallel.layout import Layout
+from adaptor_patches.weights.rank_slices import rank_state_dict
 from multirank import run_ranks
 
 HIDDEN, INTERMEDIATE, SHARED_EXPERTS = 64, 32, 2
@@ -60,10 +65,27 @@ def upstream_case(index, case):
         return layer.state_dict(), x, layer(x)
 
 
-def patched_output(case, state, x):
+PREFIX = "model.layers.0.mlp."
+
+
+def local_state(state, config, context):
+    """The upstream layer's full state_dict -> this rank's share, as the loader would cut it."""
+    full = {PREFIX + key: value for key, value in state.items()}
+    local = rank_state_dict(full, config, context.layout, context.tp_rank)
+    return {key[len(PREFIX):]: value for key, value in local.items()}
+
+
+def patched_layer(config, context, state=None, dtype=torch.float32):
+    with building(context):
+        layer = _to_dtype(_upstream().HunyuanMoE(config, layer_idx=0), dtype)
+    if state is not None:
+        layer.load_state_dict(local_state(state, config, context), strict=True)
+    return layer
+
+
+def patched_output(case, state, x, context):
     dtype, experts, topk, _ = case
-    layer = _to_dtype(_upstream().HunyuanMoE(moe_config(experts, topk), layer_idx=0), getattr(torch, dtype))
-    layer.load_state_dict(state, strict=True)
+    layer = patched_layer(moe_config(experts, topk), context, state, getattr(torch, dtype))
     with torch.no_grad():
         return layer(x)
 
@@ -72,24 +94,23 @@ def rel_err(out, ref):
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def _form(name):
-    return ops.use_form("npu", npu_ops=npu_double) if name == "npu-double" else ops.use_form(name)
+def _kernels(name):
+    return make_kernels("npu", npu=npu_double) if name == "npu-double" else make_kernels(name)
 
 
 def compare_with_upstream(rank, world_size, moe_mode, forms):
     """Runs on every rank: {(form, case): relative error} of the patched layer vs upstream."""
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    model_adaptor.apply("cpu", shims_only=True)
     references = [upstream_case(i, case) for i, case in enumerate(CASES)]
-    model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, local_rank=rank,
-                                         moe_mode=moe_mode))
+    device = model_adaptor.apply("cpu")
     errors = {}
     try:
         for form in forms:
-            with _form(form):
-                for case, (state, x, ref) in zip(CASES, references):
-                    out = patched_output(case, state, x)
-                    assert out.shape == ref.shape and out.dtype == ref.dtype, (form, case)
-                    errors[(form, case)] = rel_err(out, ref)
+            context = RankContext(Layout(world_size, 1, moe_mode), rank, device, kernels=_kernels(form))
+            for case, (state, x, ref) in zip(CASES, references):
+                out = patched_output(case, state, x, context)
+                assert out.shape == ref.shape and out.dtype == ref.dtype, (form, case)
+                errors[(form, case)] = rel_err(out, ref)
     finally:
         model_adaptor.remove()
     return errors
@@ -111,16 +132,19 @@ def test_single_process_matches_upstream_in_every_ops_form():
     _assert_close(compare_with_upstream(0, 1, "replicated", ("cpu", "grouped_mm", "loop", "npu-double")), "single")
 
 
+@pytest.mark.slow
 def test_moe_tp2_matches_upstream():
     for rank_errors in run_ranks(2, compare_with_upstream, "tp", ("cpu", "grouped_mm")):
         _assert_close(rank_errors, "tp2")
 
 
+@pytest.mark.slow
 def test_moe_ep2_matches_upstream_also_through_the_npu_op_double():
     for rank_errors in run_ranks(2, compare_with_upstream, "ep", ("grouped_mm", "npu-double")):
         _assert_close(rank_errors, "ep2")
 
 
+@pytest.mark.slow
 def test_moe_ep4_matches_upstream_with_empty_ranks():
     # tokens=1 (a text decode step) leaves three of four ranks with no rows: they still join every
     # collective, and no NPU op sees an empty tensor (the double rejects them, as Ascend documents).
@@ -131,38 +155,43 @@ def test_moe_ep4_matches_upstream_with_empty_ranks():
 
 # ---------------------------------------------------------------- loading
 
-def test_unpatched_state_dict_loads_strictly_and_stacks_each_expert():
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
-    upstream_layer = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
-    state = upstream_layer.state_dict()
-    model_adaptor.apply(ParallelSettings(device="cpu"))
-    layer = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
-    result = layer.load_state_dict(state, strict=True)
+def test_upstream_state_dict_cut_by_the_weight_path_loads_strictly_and_stacks_each_expert():
+    model_adaptor.apply("cpu", shims_only=True)
+    config = moe_config(4, 2)
+    state = _upstream().HunyuanMoE(config, layer_idx=0).state_dict()
+    device = model_adaptor.apply("cpu")
+    layer = patched_layer(config, RankContext(device=device))
+    result = layer.load_state_dict(local_state(state, config, RankContext(device=device)), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     for e in range(4):
         x1, x2 = state[f"experts.{e}.gate_and_up_proj.weight"].chunk(2)
         assert torch.equal(layer.experts.w13[e], torch.cat([x2, x1]).t())
         assert torch.equal(layer.experts.w2[e], state[f"experts.{e}.down_proj.weight"].t())
-    again = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
-    again.load_state_dict(layer.state_dict(), strict=True)          # the stacked layout loads as is
-    assert torch.equal(again.experts.w13, layer.experts.w13)
     del state["experts.3.down_proj.weight"]
-    with pytest.raises(KeyError, match="lacks 1 expert"):
-        again.load_state_dict(state)
+    with pytest.raises(KeyError, match="experts.3.down_proj"):
+        local_state(state, config, RankContext(device=device))
 
 
 def test_apply_remove_round_trip_restores_upstream_moe():
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)
+    model_adaptor.apply("cpu", shims_only=True)
     state, x, ref = upstream_case(0, ("float32", 4, 2, 7))
-    model_adaptor.apply(ParallelSettings(device="cpu"))
+    model_adaptor.apply("cpu")
     assert hasattr(_upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0), "shared_mlp_stream")
-    model_adaptor.apply(ParallelSettings(device="cpu"), shims_only=True)      # removes, then shims again
+    model_adaptor.apply("cpu", shims_only=True)      # removes, then shims again
     layer = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
     assert isinstance(layer.experts, torch.nn.ModuleList) and not hasattr(layer, "shared_mlp_stream")
     layer.load_state_dict(state, strict=True)
     with torch.no_grad():
         assert torch.equal(layer(x), ref)
-    assert "from_pretrained" not in vars(_upstream().HunyuanImage3PreTrainedModel)
+    assert "from_pretrained" not in vars(_upstream().HunyuanImage3ForCausalMM)
+
+
+def test_a_split_moe_without_a_process_group_is_refused_when_built():
+    from adaptor_patches.parallel.layout import LayoutError
+    device = model_adaptor.apply("cpu")
+    for moe in ("tp", "ep"):
+        with pytest.raises(LayoutError, match=f"moe-{moe}: the layout spans 2 ranks but no process group"):
+            patched_layer(moe_config(4, 2), RankContext(Layout(2, 1, moe), 1, device))
 
 
 def _expected_share(checkpoint, prefix, mode, rank, degree, experts):
@@ -194,9 +223,9 @@ def load_with_from_pretrained(rank, world_size, model_dir, modes):
         checkpoint.update(load_file(str(Path(model_dir) / shard_file)))
     problems = []
     for mode in modes:
-        model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, local_rank=rank,
-                                             moe_mode=mode))
-        model, info = _upstream().HunyuanImage3ForCausalMM.from_pretrained(model_dir, output_loading_info=True)
+        context = RankContext(Layout(world_size, 1, mode), rank, model_adaptor.apply("cpu"))
+        model, info = _upstream().HunyuanImage3ForCausalMM.from_pretrained(model_dir, rank_context=context,
+                                                                            output_loading_info=True)
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
             if info[kind]:
                 problems.append((mode, kind, sorted(info[kind])[:3]))
@@ -217,6 +246,7 @@ def test_from_pretrained_single_process_loads_every_key_into_the_stacked_layout(
     assert load_with_from_pretrained(0, 1, str(tiny_model), ("replicated",)) == []
 
 
+@pytest.mark.slow
 def test_from_pretrained_tp2_and_ep2_each_rank_holds_its_share(tiny_model):
     for problems in run_ranks(2, load_with_from_pretrained, str(tiny_model), ("tp", "ep")):
         assert problems == []
@@ -224,12 +254,13 @@ def test_from_pretrained_tp2_and_ep2_each_rank_holds_its_share(tiny_model):
 
 # ---------------------------------------------------------------- the shared-MLP side stream
 
-class _StreamDevice:
+class _StreamDevice(Device):
     """Stands in for an accelerator Device at __init__ time only: counts the streams it makes."""
-    kind, has_streams = "cuda", True
+    has_streams = True
 
     def __init__(self):
-        self.streams = []
+        super().__init__("cuda")
+        object.__setattr__(self, "streams", [])
 
     def new_stream(self):
         self.streams.append(object())
@@ -243,17 +274,11 @@ def _tiny_model_config():
     return config
 
 
-def _runtime_with(device, multi_stream):
-    from adaptor_patches.parallel import Runtime
-    return lambda: Runtime(ParallelSettings(device="cpu", multi_stream=multi_stream), device)
-
-
-def test_model_injects_one_side_stream_into_every_moe_layer(monkeypatch):
-    from adaptor_patches import model as model_patches
-    model_adaptor.apply(ParallelSettings(device="cpu"))
+def test_model_injects_one_side_stream_into_every_moe_layer():
+    model_adaptor.apply("cpu")
     device = _StreamDevice()
-    monkeypatch.setattr(model_patches, "runtime", _runtime_with(device, None))
-    model = _upstream().HunyuanImage3Model(_tiny_model_config())
+    with building(RankContext(device=device, kernels=make_kernels("loop"))):
+        model = _upstream().HunyuanImage3Model(_tiny_model_config())
     streams = [layer.mlp.shared_mlp_stream for layer in model.layers]
     assert len(device.streams) == 1 and all(s is device.streams[0] for s in streams)
     w13 = model.layers[0].mlp.experts.w13        # upstream's post_init left our parameters initialised
@@ -262,10 +287,10 @@ def test_model_injects_one_side_stream_into_every_moe_layer(monkeypatch):
 
 
 @pytest.mark.parametrize("multi_stream", [False, None, True])
-def test_no_side_stream_when_switched_off_or_on_cpu(monkeypatch, multi_stream):
-    from adaptor_patches import model as model_patches
-    model_adaptor.apply(ParallelSettings(device="cpu", multi_stream=multi_stream))
+def test_no_side_stream_when_switched_off_or_on_cpu(multi_stream):
+    device = model_adaptor.apply("cpu")
     if multi_stream is False:
-        monkeypatch.setattr(model_patches, "runtime", _runtime_with(_StreamDevice(), False))
-    model = _upstream().HunyuanImage3Model(_tiny_model_config())
+        device = _StreamDevice()
+    with building(RankContext(device=device, multi_stream=multi_stream, kernels=make_kernels("loop"))):
+        model = _upstream().HunyuanImage3Model(_tiny_model_config())
     assert all(layer.mlp.shared_mlp_stream is None for layer in model.layers)

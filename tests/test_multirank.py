@@ -23,6 +23,7 @@ def _fails_on_rank1(rank, world_size):
     return rank
 
 
+@pytest.mark.slow
 def test_two_rank_collectives():
     results = run_ranks(2, _collectives)
     assert [r[0] for r in results] == [3.0, 3.0]
@@ -30,6 +31,7 @@ def test_two_rank_collectives():
     assert results[1][1] == [0.0]
 
 
+@pytest.mark.slow
 def test_rank_exception_is_reported():
     with pytest.raises(RankFailed, match="boom on rank 1"):
         run_ranks(2, _fails_on_rank1)

@@ -1,16 +1,23 @@
-"""adaptor_patches/ops.py: every form of every MoE kernel against a plain reference.
+"""adaptor_patches/kernels/: every kernel set against a plain reference and against each other.
 
-The "npu" form runs here against adaptor_patches/npu_double.py, a TEST DOUBLE implementing the
-documented torch_npu semantics in plain torch: it checks that ops.py calls the NPU ops with the
-arguments and index conventions the docs describe, not that the NPU kernels behave so.
+A kernel set is an object (kernels.make_kernels): "loop" (the per-expert reference), "grouped_mm"
+(torch._grouped_mm where it applies), "cpu" (padded bmm, kernels/cpu.py) and "npu", which runs
+here against tests/npu_double.py, a TEST DOUBLE implementing the documented torch_npu semantics in
+plain torch: it checks that kernels/npu.py calls the NPU ops with the arguments and index
+conventions the docs describe, not that the NPU kernels behave so.
 """
-import contextlib
+import sys
 
 import pytest
 import torch
 
-from adaptor_patches import moe_cpu, moe_cpu_native, moe_weights, npu_double, ops
-from adaptor_patches.moe_weights import MoeShard
+import npu_double
+from adaptor_patches.kernels import FORMS, cpu as cpu_kernels, kernels_for, make_kernels
+from adaptor_patches.kernels.device import Device
+from adaptor_patches.kernels.torch_kernels import expert_counts, grouped_mm_applies
+from adaptor_patches.parallel.context import RankContext
+from adaptor_patches.parallel.layout import Layout
+from adaptor_patches.weights.rank_slices import rank_state_dict
 
 DTYPES = (torch.float32, torch.bfloat16)
 # Per-expert matmul of bf16 inputs: grouped forms may accumulate in another order than the
@@ -23,19 +30,12 @@ def _rel_err(out, ref):
 
 
 def _forms():
-    """(name, context) for every form, the NPU one backed by the test double; the CPU form with its
-    C passes (which run only without autograd, as inference does) and with its eager-op fallback."""
-    def cpu(native):
-        @contextlib.contextmanager
-        def context():
-            with ops.use_form("cpu"), moe_cpu_native.enabled(native), torch.no_grad():
-                yield
-        return context
-    return [("loop", lambda: ops.use_form("loop")),
-            ("grouped_mm", lambda: ops.use_form("grouped_mm")),
-            ("cpu", cpu(True)),
-            ("cpu-eager-ops", cpu(False)),
-            ("npu-double", lambda: ops.use_form("npu", npu_ops=npu_double))]
+    """(name, kernel set) for every form, fresh objects (the CPU set owns scratch buffers), the NPU
+    one backed by the test double."""
+    return [("loop", make_kernels("loop")),
+            ("grouped_mm", make_kernels("grouped_mm")),
+            ("cpu", make_kernels("cpu")),
+            ("npu-double", make_kernels("npu", npu=npu_double))]
 
 
 def _grouped_problem(dtype, hidden=32, out=48, counts=(3, 0, 5, 1)):
@@ -52,38 +52,35 @@ def _grouped_problem(dtype, hidden=32, out=48, counts=(3, 0, 5, 1)):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_matmul_every_form_matches_per_expert_matmul(dtype):
     x, w, counts, ref = _grouped_problem(dtype)
-    for name, form in _forms():
-        with form():
-            out = ops.grouped_matmul(x, w, counts)
+    for name, k in _forms():
+        out = k.grouped_matmul(x, w, counts)
         assert out.dtype == dtype and out.shape == ref.shape, name
         assert _rel_err(out, ref) < TOL[dtype], name
 
 
+@pytest.mark.parametrize("form", ["grouped_mm", "cpu"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_mm_form_uses_torch_grouped_mm_on_cpu(dtype, monkeypatch):
+def test_grouped_mm_form_uses_torch_grouped_mm_on_cpu(form, dtype, monkeypatch):
     calls = []
     real = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, w, counts, ref = _grouped_problem(dtype)
-    assert ops.grouped_mm_applies(x, w)
-    with ops.use_form("grouped_mm"):
-        out = ops.grouped_matmul(x, w, counts)
+    assert grouped_mm_applies(x, w)
+    out = make_kernels(form).grouped_matmul(x, w, counts)
     assert calls, "aligned fp32/bf16 on CPU must go through torch._grouped_mm"
     assert _rel_err(out, ref) < TOL[dtype]
 
 
 def test_grouped_mm_falls_back_when_strides_are_unaligned():
     x, w, counts, ref = _grouped_problem(torch.float32, hidden=5, out=3)   # 20-byte / 12-byte rows
-    assert not ops.grouped_mm_applies(x, w)
-    with ops.use_form("grouped_mm"):
-        assert _rel_err(ops.grouped_matmul(x, w, counts), ref) < 1e-6
+    assert not grouped_mm_applies(x, w)
+    assert _rel_err(make_kernels("grouped_mm").grouped_matmul(x, w, counts), ref) < 1e-6
 
 
 def test_grouped_matmul_with_no_rows():
     x, w = torch.zeros(0, 32), torch.randn(3, 32, 16)
-    for name, form in _forms():
-        with form():
-            assert ops.grouped_matmul(x, w, torch.zeros(3, dtype=torch.int64)).shape == (0, 16), name
+    for name, k in _forms():
+        assert k.grouped_matmul(x, w, torch.zeros(3, dtype=torch.int64)).shape == (0, 16), name
 
 
 @pytest.mark.parametrize("topk", [1, 2, 3])
@@ -93,12 +90,13 @@ def test_route_equals_upstream_topkgating_dropless(topk, norm, scale):
     logits = torch.randn(37, 8, generator=torch.Generator().manual_seed(topk))
     _, combine, dispatch, counts = topkgating(logits, topk, norm_topk_prob=norm, routed_scaling_factor=scale,
                                               drop_tokens=False)
-    weight, idx = ops.route(logits, topk, norm, scale)
-    dense = torch.zeros(37, 8).scatter(1, idx, weight)
-    assert weight.dtype == torch.float32
-    assert torch.allclose(dense, combine.sum(-1), rtol=1e-6, atol=1e-7)
-    assert torch.equal(dense > 0, dispatch.any(-1)), "same experts chosen, no token dropped"
-    assert torch.equal(ops.expert_counts(idx.reshape(-1), 8), counts.long())
+    for name, k in _forms():
+        weight, idx = k.route(logits, topk, norm, scale)
+        dense = torch.zeros(37, 8).scatter(1, idx, weight)
+        assert weight.dtype == torch.float32, name
+        assert torch.allclose(dense, combine.sum(-1), rtol=1e-6, atol=1e-7), name
+        assert torch.equal(dense > 0, dispatch.any(-1)), f"{name}: same experts chosen, no token dropped"
+        assert torch.equal(expert_counts(idx.reshape(-1), 8), counts.long()), name
 
 
 def _routing_problem(dtype, tokens=11, experts=5, topk=3, hidden=16):
@@ -112,9 +110,8 @@ def _routing_problem(dtype, tokens=11, experts=5, topk=3, hidden=16):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_permute_sorts_token_copies_by_expert_in_every_form(dtype):
     x, idx, _ = _routing_problem(dtype)
-    for name, form in _forms():
-        with form():
-            sorted_x, row_idx, counts = ops.permute(x, idx, 5)
+    for name, k in _forms():
+        sorted_x, row_idx, counts = k.permute(x, idx, 5)
         experts_in_order = idx.reshape(-1)[torch.argsort(idx.reshape(-1), stable=True)]
         assert torch.equal(counts, torch.bincount(idx.reshape(-1), minlength=5)), name
         assert torch.equal(experts_in_order, torch.repeat_interleave(torch.arange(5), counts)), name
@@ -127,12 +124,11 @@ def test_unpermute_is_the_weighted_combine_in_every_form(dtype):
     x, idx, weight = _routing_problem(dtype)
     expert_scale = torch.arange(1, 6, dtype=torch.float32)          # "expert e multiplies by e+1"
     ref = (x.double().unsqueeze(1) * (weight.double() * expert_scale[idx].double()).unsqueeze(-1)).sum(1)
-    for name, form in _forms():
-        with form():
-            sorted_x, row_idx, counts = ops.permute(x, idx, 5)
-            expert_of_row = torch.repeat_interleave(torch.arange(5), counts)
-            y = (sorted_x.float() * expert_scale[expert_of_row, None]).to(dtype)
-            out = ops.unpermute(y, row_idx, weight)
+    for name, k in _forms():
+        sorted_x, row_idx, counts = k.permute(x, idx, 5)
+        expert_of_row = torch.repeat_interleave(torch.arange(5), counts)
+        y = (sorted_x.float() * expert_scale[expert_of_row, None]).to(dtype)
+        out = k.unpermute(y, row_idx, weight)
         assert out.dtype == dtype and _rel_err(out, ref) < TOL[dtype] * 2, name
 
 
@@ -170,31 +166,37 @@ def test_routed_experts_every_form_matches_reference(dtype, routing):
            # 7 tokens top-3 over 5 experts: groups 5,4,4,4,4 -> 4 pad slots, under the 25 % cap
            "uneven": (torch.arange(21) % 5).view(7, 3)}[routing]
     x, weight, w13, w2, ref = _experts_problem(dtype, idx, experts=5 if routing == "uneven" else 6)
-    for name, form in _forms():
-        with form():
-            out = ops.routed_experts(x, weight, idx, w13, w2)
-            shared = torch.ones_like(x)
-            added = ops.routed_experts(x, weight, idx, w13, w2, add_to=shared)
+    for name, k in _forms():
+        out = k.routed_experts(x, weight, idx, w13, w2)
+        shared = torch.ones_like(x)
+        added = k.routed_experts(x, weight, idx, w13, w2, add_to=shared)
         assert out.dtype == dtype and _rel_err(out, ref) < TOL[dtype] * 2, (name, routing)
         assert added is shared and _rel_err(added, ref + 1) < TOL[dtype] * 2, (name, routing)
+        assert out is not added and _rel_err(out, ref) < TOL[dtype] * 2, f"{name}: a later call changed `out`"
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c-passes", "eager-ops"])
-def test_cpu_form_pads_only_when_groups_are_nearly_equal(native):
+def test_cpu_form_pads_only_when_groups_are_nearly_equal():
+    k = make_kernels("cpu")
     for idx, experts, padded in ((_balanced_idx(), 6, True), ((torch.arange(21) % 5).view(7, 3), 5, True),
                                  (_skewed_idx(), 6, False), (_balanced_idx(1, 6, 2), 6, False)):
         x, weight, w13, w2, ref = _experts_problem(torch.float32, idx, experts=experts)
-        with moe_cpu_native.enabled(native), torch.no_grad():
-            out = moe_cpu.routed_experts_padded(x, weight, idx, w13, w2, None, ops.expert_counts)
+        out = k.routed_padded(x, weight, idx, w13, w2, None)
         assert (out is not None) == padded, idx.tolist()
         if padded:
             assert _rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c-passes", "eager-ops"])
-def test_cpu_form_pad_rows_contribute_exactly_nothing(native):
-    """Pad slots point at token 0 (eager ops) or at no token (C passes); either way they must add
-    nothing to token 0, not even 0 * inf.
+def test_cpu_form_padding_cap_is_max_padding(monkeypatch):
+    """The uneven routing pads 4 slots onto 21 rows (19 %): padded under the 25 % cap, not under 10 %."""
+    idx = (torch.arange(21) % 5).view(7, 3)
+    x, weight, w13, w2, _ = _experts_problem(torch.float32, idx, experts=5)
+    assert make_kernels("cpu").routed_padded(x, weight, idx, w13, w2, None) is not None
+    monkeypatch.setattr(cpu_kernels, "MAX_PADDING", 0.1)
+    assert make_kernels("cpu").routed_padded(x, weight, idx, w13, w2, None) is None
+
+
+def test_cpu_form_pad_rows_contribute_exactly_nothing():
+    """Pad slots point at token 0; they must add nothing to token 0, not even 0 * inf.
 
     Token 0 uses experts 0-2 only. Experts 3 and 4 (which have pad slots) are scaled so that token
     0's large input overflows in them: a pad row holding token 0 would add 0 * inf = nan to it.
@@ -204,8 +206,7 @@ def test_cpu_form_pad_rows_contribute_exactly_nothing(native):
     x[0] *= 1e10
     w13[3:] *= 1e15
     ref0 = torch.zeros(x.shape[1], dtype=torch.float64)
-    with moe_cpu_native.enabled(native), torch.no_grad():
-        out = moe_cpu.routed_experts_padded(x, weight, idx, w13, w2, None, ops.expert_counts)
+    out = make_kernels("cpu").routed_padded(x, weight, idx, w13, w2, None)
     assert out is not None, "this routing must take the padded branch"
     import torch.nn.functional as F
     for k, e in enumerate(idx[0].tolist()):
@@ -222,10 +223,9 @@ def test_regroup_orders_rows_by_local_expert_and_ungroup_inverts(dtype):
     x = torch.arange(rows, dtype=torch.float32).unsqueeze(1).repeat(1, 4).to(dtype)
     # rows arrive (rank0: e0 e0 e2)(rank2: e0 e1 e1 e1 e2 e2): expert-major order is
     expected = torch.tensor([0, 1, 3, 4, 5, 6, 2, 7, 8])
-    for name, form in _forms():
-        with form():
-            grouped, order, local_counts = ops.regroup(x, counts)
-            back = ops.ungroup(grouped, order)
+    for name, k in _forms():
+        grouped, order, local_counts = k.regroup(x, counts)
+        back = k.ungroup(grouped, order)
         assert torch.equal(grouped[:, 0].long(), expected), name
         assert torch.equal(local_counts, torch.tensor([3, 3, 3])), name
         assert torch.equal(back, x), name
@@ -233,7 +233,9 @@ def test_regroup_orders_rows_by_local_expert_and_ungroup_inverts(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_on_stacked_weights_equals_upstream_mlp(dtype):
-    """Upstream computes x1 * silu(x2); the stacked w13 puts x2 first for npu_swiglu's convention."""
+    """Upstream computes x1 * silu(x2); the stacked w13 puts x2 first for npu_swiglu's convention.
+
+    The stack is made by the one weight path (weights/rank_slices.py) from upstream-named tensors."""
     import torch.nn.functional as F
     g = torch.Generator().manual_seed(2)
     hidden, inter = 16, 8
@@ -242,18 +244,20 @@ def test_swiglu_on_stacked_weights_equals_upstream_mlp(dtype):
     x = torch.randn(5, hidden, generator=g)
     x1, x2 = (x @ gate_and_up.t()).chunk(2, dim=-1)
     ref = (x1 * F.silu(x2)) @ down.t()                              # upstream HunyuanMLP.forward
-    shard = MoeShard.for_rank("replicated", 1, 1, 0)
-    w13 = moe_weights.expert_w13(gate_and_up, shard).to(dtype)
-    w2 = moe_weights.expert_w2(down, shard).to(dtype)
-    for name, form in _forms():
-        with form():
-            out = ops.swiglu(x.to(dtype) @ w13) @ w2
+    config = {"num_experts": 2, "num_hidden_layers": 1, "moe_intermediate_size": inter, "hidden_size": hidden}
+    upstream = {f"model.layers.0.mlp.experts.{e}.{name}.weight": w * (1 + e)       # expert 1: a different one
+                for e in range(2) for name, w in (("gate_and_up_proj", gate_and_up), ("down_proj", down))}
+    stacked = rank_state_dict(upstream, config, Layout(1), 0)
+    w13 = stacked["model.layers.0.mlp.experts.w13"][0].to(dtype)    # expert 0: [H, 2I], x2 half first
+    w2 = stacked["model.layers.0.mlp.experts.w2"][0].to(dtype)      # [I, H]
+    for name, k in _forms():
+        out = k.swiglu(x.to(dtype) @ w13) @ w2
         assert _rel_err(out, ref) < TOL[dtype] * 3, name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shared_mlp_every_form_equals_upstream_mlp_and_survives_buffer_reuse(dtype):
-    """ops.shared_mlp is upstream's x1 * silu(x2) on the unswapped nn.Linear weights; the CPU form's
+    """shared_mlp is upstream's x1 * silu(x2) on the unswapped nn.Linear weights; the CPU form's
     reused gate/up buffer must not leak into an output already returned."""
     import torch.nn.functional as F
     g = torch.Generator().manual_seed(4)
@@ -265,28 +269,29 @@ def test_shared_mlp_every_form_equals_upstream_mlp_and_survives_buffer_reuse(dty
     def upstream(x):                                                # HunyuanMLP.forward, silu
         x1, x2 = F.linear(x.double(), gate_and_up.double()).chunk(2, dim=-1)
         return F.linear(x1 * F.silu(x2), down.double())
-    for name, form in _forms():
-        with form(), torch.no_grad():
-            outs = [ops.shared_mlp(x.clone(), gate_and_up, down) for x in xs]
+    for name, k in _forms():
+        outs = [k.shared_mlp(x.clone(), gate_and_up, down) for x in xs]
         for x, out in zip(xs, outs):
             assert out.dtype == dtype and out.shape == x.shape, name
             assert _rel_err(out, upstream(x)) < TOL[dtype] * 3, name
 
 
-def test_form_is_chosen_per_device_kind_and_can_be_forced():
-    assert ops.form_for_kind("npu") == "npu"
-    assert ops.form_for_kind("cpu") == "cpu"
-    assert ops.form_for_kind("cuda") == "grouped_mm"
-    assert ops.active_form() == "cpu"                 # no runtime applied: the CPU default
-    with ops.use_form("loop"):
-        assert ops.active_form() == "loop"
-        with ops.use_form("npu", npu_ops=npu_double):
-            assert ops.active_form() == "npu"
-        assert ops.active_form() == "loop"
-    assert ops.active_form() == "cpu"
+def test_form_is_chosen_per_device_kind_and_can_be_forced(monkeypatch):
+    assert FORMS == ("npu", "grouped_mm", "cpu", "loop")
+    assert kernels_for("cpu").name == "cpu"
+    assert kernels_for("cuda").name == "grouped_mm"
+    monkeypatch.setitem(sys.modules, "torch_npu", npu_double)      # kernels_for imports torch_npu itself
+    npu = kernels_for("npu")
+    assert npu.name == "npu" and npu.npu is npu_double
+    for form in FORMS:
+        assert make_kernels(form, npu=npu_double).name == form
+    # A model's set is chosen once, in its RankContext, from the device (or given): nothing global.
+    assert RankContext(device=Device("cpu")).kernels.name == "cpu"
+    forced = make_kernels("loop")
+    assert RankContext(device=Device("cpu"), kernels=forced).kernels is forced
+    assert make_kernels("cpu") is not make_kernels("cpu"), "each model owns its set (and the CPU set's buffers)"
     with pytest.raises(ValueError, match="not one of"):
-        with ops.use_form("cublas"):
-            pass
+        make_kernels("cublas")
 
 
 def test_npu_double_rejects_calls_outside_the_documented_contract():
@@ -309,24 +314,24 @@ def test_every_kernel_returns_empty_results_for_zero_rows_without_calling_an_op(
     w2 = torch.randn(experts, inter, hidden).to(torch.bfloat16)
     topk_idx, topk_weight = torch.zeros(0, topk, dtype=torch.int64), torch.zeros(0, topk)
     counts = torch.zeros(experts, dtype=torch.int64)
-    for name, form in _forms():
-        with form():
-            assert ops.routed_experts(x, topk_weight, topk_idx, w13, w2).shape == (0, hidden), name
-            assert ops.expert_mlp(x, w13, w2, counts).shape == (0, hidden), name
-            assert ops.shared_mlp(x, torch.randn(2 * inter, hidden).to(x.dtype),
-                                  torch.randn(hidden, inter).to(x.dtype)).shape == (0, hidden), name
-            sorted_x, row_idx, got_counts = ops.permute(x, topk_idx, experts)
-            assert sorted_x.shape == (0, hidden) and row_idx.numel() == 0 and got_counts.tolist() == [0] * 4, name
-            assert ops.unpermute(x, row_idx, topk_weight).shape == (0, hidden), name
-            grouped, order, local = ops.regroup(x, torch.zeros(2, 2, dtype=torch.int64))
-            assert grouped.shape == (0, hidden) and order.numel() == 0 and local.tolist() == [0, 0], name
-            assert ops.swiglu(torch.zeros(0, 2 * inter, dtype=x.dtype)).shape == (0, inter), name
+    for name, k in _forms():
+        assert k.routed_experts(x, topk_weight, topk_idx, w13, w2).shape == (0, hidden), name
+        shared = torch.zeros(0, hidden, dtype=x.dtype)
+        assert k.routed_experts(x, topk_weight, topk_idx, w13, w2, add_to=shared) is shared, name
+        assert k.expert_mlp(x, w13, w2, counts).shape == (0, hidden), name
+        assert k.shared_mlp(x, torch.randn(2 * inter, hidden).to(x.dtype),
+                            torch.randn(hidden, inter).to(x.dtype)).shape == (0, hidden), name
+        sorted_x, row_idx, got_counts = k.permute(x, topk_idx, experts)
+        assert sorted_x.shape == (0, hidden) and row_idx.numel() == 0 and got_counts.tolist() == [0] * 4, name
+        assert k.unpermute(x, row_idx, topk_weight).shape == (0, hidden), name
+        grouped, order, local = k.regroup(x, torch.zeros(2, 2, dtype=torch.int64))
+        assert grouped.shape == (0, hidden) and order.numel() == 0 and local.tolist() == [0, 0], name
+        assert k.swiglu(torch.zeros(0, 2 * inter, dtype=x.dtype)).shape == (0, inter), name
 
 
 def test_npu_form_with_one_local_expert_passes_no_length_one_group_list():
     x, w, counts, ref = _grouped_problem(torch.bfloat16, counts=(5,))
-    with ops.use_form("npu", npu_ops=npu_double):
-        assert _rel_err(ops.grouped_matmul(x, w, counts), ref) <= TOL[torch.bfloat16]
+    assert _rel_err(make_kernels("npu", npu=npu_double).grouped_matmul(x, w, counts), ref) <= TOL[torch.bfloat16]
 
 
 def test_npu_double_rejects_empty_tensors_and_a_length_one_group_list():

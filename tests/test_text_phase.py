@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import model_adaptor
-from adaptor_patches.parallel import ParallelSettings
+from adaptor_patches.parallel.context import RankContext
+from adaptor_patches.parallel.layout import Layout
 from adaptor_patches.text_phase import SharedTokenSampler, TextPhase
-from generation import PROMPT, run_cli
+from generation import PROMPT, run_cli_in_process
 from multirank import run_ranks
 
 VOCAB = 50
@@ -40,6 +41,7 @@ def sample_on_ranks(rank, world_size, job_seed):
     return chosen
 
 
+@pytest.mark.slow
 def test_every_rank_takes_rank_zero_token_whatever_its_own_logits():
     ranks = run_ranks(2, sample_on_ranks, 77)
     alone = SharedTokenSampler(77, do_sample=True)
@@ -76,10 +78,10 @@ def generate_on_ranks(rank, world_size, model_dir):
     """TP2, each rank with another global RNG state: returns (text, ratio, image hash, kv heads, sampler last)."""
     from transformers.generation.logits_process import TopKLogitsWarper
 
-    from adaptor_patches.loading import load_model
-    device = model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, local_rank=rank))
+    from adaptor_patches.weights.load import load_model
+    device = model_adaptor.apply("cpu")
     try:
-        model = load_model(model_dir, device)
+        model = load_model(model_dir, RankContext(Layout(world_size), rank, device))
         caches = []
         generate = model._generate
 
@@ -106,6 +108,7 @@ def generate_on_ranks(rank, world_size, model_dir):
         model_adaptor.remove()
 
 
+@pytest.mark.slow
 def test_tp2_ranks_with_different_rng_states_write_one_text_and_keep_local_kv_heads(text_model):
     results = run_ranks(2, generate_on_ranks, str(text_model))
     (text, ratio, image, kv_heads, order_ok), other = results
@@ -125,13 +128,14 @@ def test_tp2_ranks_with_different_rng_states_write_one_text_and_keep_local_kv_he
 ])
 def test_text_mode_misuse_is_one_error_line_before_loading(tiny_model, tmp_path, args, message):
     save = tmp_path / "never.png"
-    proc = run_cli(["--prompt", "x", "--model-id", tiny_model, "--device", "cpu", "--save", save, *args])
+    proc = run_cli_in_process(["--prompt", "x", "--model-id", tiny_model, "--device", "cpu", "--save", save, *args])
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr[-2000:]
     assert not save.exists()
 
 
+@pytest.mark.slow
 def test_prompt_beyond_the_context_is_refused_with_the_limit(text_model, tmp_path):
     import json
     import shutil
@@ -141,7 +145,7 @@ def test_prompt_beyond_the_context_is_refused_with_the_limit(text_model, tmp_pat
     # The prompt alone fits (the up-front check passes: test_reliability.py); with the think system
     # prompt and the template (~160 tokens) it does not, which the text phase finds.
     (short / "generation_config.json").write_text(json.dumps({**config, "max_length": 100}))
-    proc = run_cli(["--prompt", "a fox", "--model-id", short, "--device", "cpu", "--bot-task", "think",
+    proc = run_cli_in_process(["--prompt", "a fox", "--model-id", short, "--device", "cpu", "--bot-task", "think",
                     "--image-size", "64x64", "--save", tmp_path / "never.png"])
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -1,4 +1,4 @@
-"""VAE-parallel decode (adaptor_patches/vae_parallel.py) equals single-device decode.
+"""VAE-parallel decode (parallel/vae_bands.py, autoencoder_kl_3d.py) equals single-device decode.
 
 The VAE is upstream's own AutoencoderKLConv3D built from the tiny model's `vae` config, in fp32,
 with every constant parameter (zero biases, unit GroupNorm weights) re-randomised under a fixed
@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import model_adaptor
-from adaptor_patches import vae_parallel
-from adaptor_patches.parallel import ParallelSettings
+from adaptor_patches.parallel import vae_bands
+from adaptor_patches.parallel.context import RankContext, building
+from adaptor_patches.parallel.layout import Layout
 from multirank import run_ranks
 
 REL_TOL = 1e-4
@@ -55,20 +56,25 @@ def group_norm_check(rank, rows):
         norm.weight.add_(0.5 * torch.randn(64))
         norm.bias.add_(torch.randn(64))
     x = torch.randn(2, 64, 2, sum(rows), 5) * 3 + torch.arange(sum(rows)).view(1, 1, 1, -1, 1)
-    bands = vae_parallel.Bands(rows, rank)
+    bands = vae_bands.Bands(rows, rank)
     got = bands.group_norm(norm, bands.take(x))
     want = bands.take(norm(x))
     return got.shape == want.shape, (got - want).abs().max().item() if got.numel() else 0.0
 
 
+def vae_for(world_size, rank, vae_parallel):
+    """The same VAE (seeded), built under the adaptor for one rank of a layout."""
+    device = model_adaptor.apply("cpu")
+    with building(RankContext(Layout(world_size, vae_parallel=vae_parallel), rank, device)):
+        return build_vae()
+
+
 def _rank_job(rank, world_size):
-    vae = build_vae()
-    model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, vae_parallel=True))
+    vae = vae_for(world_size, rank, vae_parallel=True)
     decoded = {name: decode(vae, latent(*size, seed=i)) for i, (name, size) in enumerate(CASES[world_size].items())}
     group_norm = group_norm_check(rank, GROUP_NORM_ROWS[world_size])
     # vae_parallel off: each rank decodes its own latent alone; a split decode would mix them.
-    model_adaptor.apply(ParallelSettings(device="cpu", world_size=world_size, rank=rank, vae_parallel=False))
-    alone = decode(vae, latent(1, 4, 3, seed=100 + rank))
+    alone = decode(vae_for(world_size, rank, vae_parallel=False), latent(1, 4, 3, seed=100 + rank))
     model_adaptor.remove()
     # numpy, not tensors: torch's queue would share tensor memory with a rank that is exiting.
     return {name: out.numpy() for name, out in decoded.items()}, group_norm, alone.numpy()
@@ -106,26 +112,31 @@ def check_cases(results, world_size, vae, names):
                 assert_close(decoded[name], want, f"{world_size} ranks, {name}, rank {rank}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parallel_decode_equals_single_device(jobs, vae, world_size):
     check_cases(jobs(world_size), world_size, vae, {"even_batch2", "uneven_6x5"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_odd_latent_sizes_equal_single_device(jobs, vae, world_size):
     check_cases(jobs(world_size), world_size, vae, {"odd_5x7"})
 
 
+@pytest.mark.slow
 def test_latent_smaller_than_rank_grid_equals_single_device(jobs, vae):
     check_cases(jobs(4), 4, vae, {"two_rows", "one_row"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_group_norm_stats_equal_single_device_on_uneven_bands(jobs, world_size):
     for rank, (_, (same_shape, err), _) in enumerate(jobs(world_size)):
         assert same_shape and err <= 1e-4, f"rank {rank}: GroupNorm max abs error {err:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_noop_when_vae_parallel_off(jobs, vae, world_size):
     for rank, (_, _, alone) in enumerate(jobs(world_size)):
@@ -138,9 +149,9 @@ def test_single_process_runs_upstream_forward(vae):
     z = latent(1, 3, 2, seed=7)
     want = decode(vae, z)
     try:
-        model_adaptor.apply(ParallelSettings(device="cpu", vae_parallel=True))
+        patched = vae_for(1, 0, vae_parallel=True)
         assert Decoder.forward is not original, "the PATCHES row must rebind Decoder.forward"
-        assert torch.equal(decode(vae, z), want)
+        assert torch.equal(decode(patched, z), want)
     finally:
         model_adaptor.remove()
     assert Decoder.forward is original

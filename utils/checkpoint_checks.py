@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from adaptor_patches.loading import (EXPERT_KEY, INDEX_FILE, LAYER_KEY, SINGLE_FILE,  # noqa: E402
-                                     attention_sizes, moe_layers, read_header)
+from adaptor_patches.parallel.layout import attention_sizes, moe_layers  # noqa: E402
+from adaptor_patches.weights.rank_slices import EXPERT_KEY, LAYER_KEY  # noqa: E402
+from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, read_header  # noqa: E402
 
 FIELD = "model-path"
 REDOWNLOAD = "download or copy the checkpoint again"

@@ -50,8 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from adaptor_patches.loading import (INDEX_FILE, LAYOUT_KEY, MANIFEST_FILE, SINGLE_FILE,  # noqa: E402
-                                     CheckpointFiles, ParallelLayout, rank_dir_name, rank_tensors)
+from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402
+from adaptor_patches.weights.load import LAYOUT_KEY, MANIFEST_FILE, rank_dir_name  # noqa: E402
+from adaptor_patches.weights.rank_slices import rank_tensors  # noqa: E402
+from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles  # noqa: E402
 from utils.checkpoint_checks import source_problem  # noqa: E402
 from utils.safetensors_stream import StreamingWriter, copy_file, copy_with_sha256, file_sha256  # noqa: E402
 
@@ -105,12 +107,12 @@ def rank_shards(tensors: list, max_bytes: int) -> list:
     return split_into_shards(unchanged, max_bytes) + split_into_shards(made, max_bytes)
 
 
-def plan_jobs(files: CheckpointFiles, config: dict, layout: ParallelLayout, max_bytes: int) -> list:
+def plan_jobs(files: CheckpointFiles, config: dict, layout: Layout, max_bytes: int) -> list:
     """Every shard of every rank, ordered shard-major so the ranks read the same source bytes together.
     Ranks > 0 copy rank 0's shards of unchanged tensors instead of making them again; those copies
     come last, so that no worker waits for the shard it copies while others could be made."""
     jobs, rank0 = [], []
-    for rank in range(layout.ranks):
+    for rank in range(layout.tp):
         shards = rank_shards(rank_tensors(files, config, layout, rank), max_bytes)
         for k, shard in enumerate(shards, 1):
             unchanged = all(t.stored is not None for t in shard)
@@ -347,7 +349,10 @@ def validate(args) -> tuple:
         raise ConvertError(f"output-path: {args.output_path} is a symbolic link; pass the directory it should be "
                            f"(the converter replaces OUT by renaming, which would not follow the link)")
     source, out = Path(args.model_path).resolve(), Path(args.output_path).resolve()
-    layout = ParallelLayout(args.tp_attn, args.tp_moe, args.ep)
+    try:
+        layout = Layout.from_degrees(args.tp_attn, args.tp_moe, args.ep)
+    except LayoutError as exc:
+        raise ConvertError(str(exc)) from None
     _check_numbers(args)
     _check_paths(source, out, args.overwrite)
     try:
@@ -394,7 +399,7 @@ def convert(args) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     total = sum(size for size, _ in written.values())
-    return f"wrote {out}: {layout.ranks} rank dirs ({layout}), {len(jobs)} shards, {len(written)} files, {human(total)}"
+    return f"wrote {out}: {layout.tp} rank dirs ({layout}), {len(jobs)} shards, {len(written)} files, {human(total)}"
 
 
 # ---------------------------------------------------------------- verify
@@ -426,7 +431,7 @@ def verify(out: Path, workers: int = 1) -> str:
             raise ConvertError(f"verify: {rel} has sha256 {digests[rel][:16]}…, the manifest says "
                                f"{record['sha256'][:16]}…; the file is damaged, convert again", exit_code=1)
     total = sum(r["size"] for r in records.values())
-    layout = ParallelLayout.from_json(manifest[LAYOUT_KEY])
+    layout = Layout.from_json(manifest[LAYOUT_KEY])
     return f"verified {out}: {len(records)} files, {human(total)}, {layout}: all match {MANIFEST_FILE}"
 
 

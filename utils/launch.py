@@ -261,25 +261,22 @@ def model_config(model_id, build_tiny: bool) -> dict | None:
 
 
 def check_parallel(job: dict, config: dict | None, env: dict) -> None:
-    """The layout rules of adaptor_patches.parallel, applied to the whole job (all nodes)."""
+    """The layout rules of adaptor_patches/parallel/layout.py, applied to the whole job (all nodes)."""
     sys.path.insert(0, str(ROOT))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from adaptor_patches.parallel import ParallelSettings, SettingsError, env_flag
+        from adaptor_patches.parallel.layout import Layout, LayoutError, env_flag
     margs = job["model_args"]
-    multi = margs.get("multi-stream")
     try:
-        settings = ParallelSettings(
-            device=margs.get("device") or "auto",
-            world_size=job["world_size"] * job["nnodes"],
+        layout = Layout.from_flags(
+            job["world_size"] * job["nnodes"],
             cfg_parallel=bool(margs.get("cfg-parallel")) or env_flag("CFG_PARALLEL", env),
-            moe_mode="tp" if margs.get("moe-tp") else "ep" if margs.get("moe-ep") else "replicated",
-            multi_stream=None if multi is None else multi in (True, "on"),
+            moe_tp=bool(margs.get("moe-tp")), moe_ep=bool(margs.get("moe-ep")),
             vae_parallel=bool(margs.get("vae-parallel")) or env_flag("USE_VAE_PARALLEL", env),
         )
         if config is not None:
-            settings.check_model(config)
-    except SettingsError as e:
+            layout.check(config)
+    except LayoutError as e:
         field, _, rest = str(e).partition(": ")
         problem, _, fix = rest.partition("; ")
         raise ConfigError(field, problem, fix or "see config/README.md") from None
@@ -308,7 +305,7 @@ def exports(job: dict) -> dict:
     env = dict(job["env_vars"])
     device = job["model_args"].get("device") or "auto"
     if device == "npu" or (device == "auto" and importlib.util.find_spec("torch_npu") is not None):
-        from adaptor_patches.device import platform_env_defaults
+        from adaptor_patches.kernels.device import platform_env_defaults
         for name, val in platform_env_defaults("npu").items():
             if name not in env and name not in os.environ:
                 env[name] = val

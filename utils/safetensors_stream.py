@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from adaptor_patches.loading import DTYPES, tensor_bytes  # noqa: E402
+from adaptor_patches.weights.safetensors_io import DTYPES, tensor_bytes  # noqa: E402
 
 HASH_CHUNK = 16 << 20
 WRITE_CHUNK = 64 << 20
@@ -136,7 +136,7 @@ class StreamingWriter:
                         on_written, nbytes)
 
     def copy(self, name: str, stored, on_written=None) -> None:
-        """`stored` (loading.StoredTensor) byte for byte: read and hashed, copied by the kernel."""
+        """`stored` (safetensors_io.StoredTensor) byte for byte: read and hashed, copied by the kernel."""
         nbytes = self._next_entry(name, stored.shape, stored.dtype)
         self.size += nbytes
         self._hand_over(functools.partial(copy_range, stored.file, stored.offset, nbytes, self._file),

@@ -20,12 +20,4 @@ fi
 if [ ! -f hunyuan_image_3/hunyuan.py ]; then
   bash utils/stage_upstream.sh
 fi
-# The CPU expert kernel's C passes (adaptor_patches/csrc): built now so that a missing compiler
-# shows here; without one the kernel runs eager torch ops (slower, same results).
-check='import sys; from adaptor_patches import moe_cpu_native as m; sys.exit(m.library() is None)'
-if .venv/bin/python -W ignore -c "$check" 2>/dev/null; then
-  echo "setup: ready (.venv, upstream staged, C passes built)" >&2
-else
-  echo "setup: warning: the C passes of the CPU MoE kernel did not build (no C compiler?); CPU runs use eager ops" >&2
-  echo "setup: ready (.venv, upstream staged)" >&2
-fi
+echo "setup: ready (.venv, upstream staged)" >&2

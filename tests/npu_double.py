@@ -1,12 +1,12 @@
-"""TEST DOUBLE of the torch_npu ops that ops.py calls -- plain torch, never used in production.
+"""TEST DOUBLE of the torch_npu ops that adaptor_patches/kernels/npu.py calls -- plain torch, tests only.
 
 Each function implements the op's documented semantics (Ascend Extension for PyTorch docs and
 the torch_npu 2.13 schemas, see ../shared/reference/npu_ops.md) and checks the documented
-argument constraints ops.py relies on (dtypes, modes), so a wrong call in the NPU form fails on
-CPU. It is written independently of ops.py's torch forms so the two can be compared. Where the
+argument constraints the NPU kernel set relies on (dtypes, modes), so a wrong call in the NPU form fails on
+CPU. It is written independently of the torch kernel sets so the two can be compared. Where the
 docs were ambiguous the chosen reading is stated; none of it was checked on Ascend hardware.
 
-    with ops.use_form("npu", npu_ops=npu_double): ...
+    make_kernels("npu", npu=npu_double)      # adaptor_patches.kernels
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """CFG parallel: the conditional and the unconditional branch of every denoising step on two rank groups.
 
+(The patched `HunyuanImage3ForCausalMM.forward` in hunyuan.py calls this.)
+
 Upstream's pipeline builds each step's batch as [cond rows (B) ; uncond rows (B)] and, after the
 model call, splits `diffusion_prediction` with `.chunk(2)` to apply guidance. The patched
 `HunyuanImage3ForCausalMM.forward`, in `gen_image` mode with cfg-parallel on, hands the original
@@ -17,13 +19,9 @@ unsplit on every rank.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
-import torch.distributed as dist
 
-from .parallel import runtime
+from .collectives import all_gather_dim0
 
 # forward arguments whose leading axis (tensor) or length (list) is the batch
 BATCH_MAJOR = ("input_ids", "attention_mask", "position_ids", "images", "image_mask", "timestep",
@@ -58,39 +56,4 @@ def split_arguments(arguments: dict, rows: int, part: int) -> dict:
 
 def gather_branches(local: torch.Tensor, group) -> torch.Tensor:
     """[cond ; uncond] from each rank's half, concatenated on the batch axis in cfg-index order."""
-    local = local.contiguous()
-    full = local.new_empty((2 * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(full, local, group=group)
-    return full
-
-
-def _cfg_group():
-    rt = runtime()
-    return rt.group("cfg") if rt.settings.cfg_parallel else None
-
-
-def _cfg_index() -> int:
-    return runtime().group_rank("cfg")
-
-
-def causal_mm_forward(original, _device):
-    """Patch for HunyuanImage3ForCausalMM.forward."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
-        group = _cfg_group()
-        if group is None:
-            return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        arguments = bound.arguments
-        rows = arguments["input_ids"].shape[0] if arguments.get("input_ids") is not None else 0
-        if arguments.get("mode", "gen_text") != "gen_image" or rows % 2:
-            return original(self, *args, **kwargs)
-        output = original(**split_arguments(arguments, rows, _cfg_index()))
-        if isinstance(output, tuple):
-            return output[:-1] + (gather_branches(output[-1], group),)
-        output["diffusion_prediction"] = gather_branches(output["diffusion_prediction"], group)
-        return output
-
-    return forward
+    return all_gather_dim0(local, group)

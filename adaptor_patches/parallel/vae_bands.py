@@ -1,8 +1,8 @@
 """VAE-parallel decode: the VAE decoder runs on horizontal bands of the latent, one per rank.
 
-Patched onto `Decoder.forward`, so compat's `AutoencoderKLConv3D.decode` shim (dtype, autocast)
-still wraps the call from above. Active when `settings.vae_parallel` is set and the world group has
-more than one rank; otherwise upstream's forward runs untouched.
+Called by the patched `Decoder.forward` (adaptor_patches/autoencoder_kl_3d.py), under compat's
+`AutoencoderKLConv3D.decode` shim (dtype, autocast), when the layout has vae_parallel and the
+world group more than one rank; otherwise upstream's forward runs untouched.
 
 Split: the latent's rows are dealt out in contiguous bands over every rank of the world group, the
 first `rows % world` ranks one row more. With fewer rows than ranks the last ranks hold empty bands:
@@ -21,7 +21,6 @@ The walk below follows upstream's `Decoder` module tree and calls its weights fu
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -29,22 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 
-from .parallel import runtime
+from .collectives import all_gather_dim0
+from .layout import split_evenly
 
 log = logging.getLogger(__name__)
-_logged: set = set()
-
-
-def _log_once(level: int, message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.log(level, message)
-
-
-def split_rows(total: int, parts: int) -> list:
-    """Contiguous band heights: the first `total % parts` bands one row taller; trailing ones may be 0."""
-    base, extra = divmod(total, parts)
-    return [base + (part < extra) for part in range(parts)]
 
 
 def swish(x):
@@ -74,9 +61,8 @@ class Bands:
     def gather(self, band):
         """The whole map from every rank's band (each padded to the tallest band for the collective)."""
         tallest = max(self.rows)
-        padded = F.pad(band, (0, 0, 0, tallest - band.shape[-2])).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(parts, padded)
+        padded = F.pad(band, (0, 0, 0, tallest - band.shape[-2]))
+        parts = all_gather_dim0(padded.unsqueeze(0), None)
         return torch.cat([part[..., :rows, :] for part, rows in zip(parts, self.rows)], dim=-2)
 
     def conv(self, conv, band):
@@ -114,9 +100,7 @@ class Bands:
             stats = groups.new_zeros(2, batch, norm.num_groups)
         else:
             stats = torch.stack([groups.mean(-1), groups.var(-1, unbiased=False)])
-        parts = [torch.empty_like(stats) for _ in range(self.world)]
-        dist.all_gather(parts, stats)
-        band_means, band_vars = torch.stack(parts).unbind(1)  # [world, batch, groups] each
+        band_means, band_vars = all_gather_dim0(stats.unsqueeze(0), None).unbind(1)  # [world, batch, groups] each
         # Every element count is rows x (channels per group x frames x width): weight bands by rows.
         weights = stats.new_tensor([rows / sum(self.rows) for rows in self.rows]).view(-1, 1, 1)
         mean = (weights * band_means).sum(0)
@@ -202,10 +186,9 @@ def unsupported(decoder):
 def check_same_latent_shape(z) -> None:
     """Every rank must hold a latent of one shape, or the band exchanges would mismatch."""
     shape = torch.tensor(z.shape, device=z.device)
-    shapes = [torch.empty_like(shape) for _ in range(dist.get_world_size())]
-    dist.all_gather(shapes, shape)
-    if any(not torch.equal(s, shape) for s in shapes):
-        raise ValueError(f"vae-parallel: ranks hold latents of different shapes {[s.tolist() for s in shapes]}")
+    shapes = all_gather_dim0(shape.unsqueeze(0), None)
+    if not bool((shapes == shape).all()):
+        raise ValueError(f"vae-parallel: ranks hold latents of different shapes {shapes.tolist()}")
 
 
 def parallel_decode(decoder, z):
@@ -213,22 +196,8 @@ def parallel_decode(decoder, z):
     # A collective first: it checks the shapes and means no rank's first call is point-to-point.
     check_same_latent_shape(z)
     world = dist.get_world_size()
-    bands = Bands(split_rows(z.shape[-2], world), dist.get_rank())
+    bands = Bands(split_evenly(z.shape[-2], world), dist.get_rank())
     if z.shape[-2] < world:
-        _log_once(logging.INFO, f"vae-parallel: {z.shape[-2]} latent rows over {world} ranks; "
-                                f"ranks {z.shape[-2]}..{world - 1} hold empty bands")
+        log.info(f"vae-parallel: {z.shape[-2]} latent rows over {world} ranks; ranks {z.shape[-2]}..{world - 1} "
+                 f"hold empty bands")
     return bands.gather(decode_band(decoder, bands.take(z), bands))
-
-
-def decoder_forward(original, _device):
-    """Patch for `Decoder.forward`: band-parallel over the world group when vae_parallel is on."""
-    @functools.wraps(original)
-    def forward(self, z):
-        if not (runtime().settings.vae_parallel and dist.is_initialized() and dist.get_world_size() > 1):
-            return original(self, z)
-        reason = unsupported(self)
-        if reason is not None:
-            _log_once(logging.WARNING, f"vae-parallel: single-device decode on every rank: {reason}")
-            return original(self, z)
-        return parallel_decode(self, z)
-    return forward

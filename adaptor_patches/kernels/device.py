@@ -1,6 +1,6 @@
 """The backend we run on (npu | cuda | cpu) and its primitives.
 
-Everything that differs between Ascend NPU, NVIDIA CUDA and CPU lives here (and in ops.py):
+Everything that differs between Ascend NPU, NVIDIA CUDA and CPU lives here (and in the kernel sets):
 the distributed backend, streams and events (none on CPU: the same code runs sequentially),
 synchronisation, peak-memory readings and the autocast device type.
 
@@ -147,10 +147,6 @@ def resolve(requested: str = "auto", local_rank: int = 0) -> Device:
         return Device("cpu")
     count = _accelerator_module(kind).device_count()
     return Device(kind, local_rank % max(count, 1))
-
-
-def autocast(device: Device, dtype: torch.dtype, enabled: bool = True):
-    return torch.autocast(device_type=device.autocast_type, dtype=dtype, enabled=enabled)
 
 
 def platform_env_defaults(kind: str) -> dict:

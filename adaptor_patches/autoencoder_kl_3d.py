@@ -1,0 +1,45 @@
+"""Replacements for upstream `hunyuan_image_3/autoencoder_kl_3d.py` (rows of model_adaptor.PATCHES).
+
+  Decoder.__init__   remembers the RankContext it is built for (the VAE is built inside the
+                     patched HunyuanImage3ForCausalMM.__init__, so it is the model's)
+  Decoder.forward    VAE-parallel decode (parallel/vae_bands.py) when the layout asks for it
+                     and the world has several ranks; otherwise upstream's forward
+
+(compat.py's `AutoencoderKLConv3D.decode` shim, dtype and autocast off CUDA, wraps the call from above.)
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch.distributed as dist
+
+from .parallel import vae_bands
+from .parallel.context import context_being_built
+
+log = logging.getLogger(__name__)
+
+
+def decoder_init(original, device):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        context = context_being_built(device)
+        self.rank_context = context
+        self.band_split_problem = vae_bands.unsupported(self) if context.layout.vae_parallel else None
+        if self.band_split_problem:
+            log.warning(f"vae-parallel: single-device decode on every rank: {self.band_split_problem}")
+
+    return __init__
+
+
+def decoder_forward(original, _device):
+    @functools.wraps(original)
+    def forward(self, z):
+        context = getattr(self, "rank_context", None)
+        if (context is None or not context.layout.vae_parallel or self.band_split_problem
+                or not (dist.is_initialized() and dist.get_world_size() > 1)):
+            return original(self, z)
+        return vae_bands.parallel_decode(self, z)
+
+    return forward

@@ -1,0 +1,233 @@
+"""Replacements for classes of upstream `hunyuan_image_3/hunyuan.py` (rows of model_adaptor.PATCHES).
+
+Thin: each reads the RankContext of the model being built (parallel/context.py) once in its
+`__init__`, keeps what it needs, and calls the machinery named for what it is:
+parallel/ (layout, groups, CFG split), moe/ (experts, dispatchers, shared-MLP stream), kernels/
+(per device), weights/ (the one weight path).
+
+  HunyuanImage3ForCausalMM.__init__        builds the whole model for one RankContext
+  HunyuanImage3ForCausalMM.from_pretrained reads this rank's slices (weights/load.py)
+  HunyuanImage3ForCausalMM.forward         CFG parallel: this rank's branch, prediction gathered
+  HunyuanImage3Model.__init__              one shared-MLP side stream for every MoE layer
+  HunyuanImage3SDPAAttention.__init__/forward  attention TP: local heads, row-parallel o_proj
+  HunyuanMoE.__init__/forward              stacked experts + dispatcher + shared MLP
+
+Every `make(original, device)` gets the device the adaptor was applied for: a model built outside
+`building(...)` is built for one process on it.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .moe.dispatch import dispatcher_for
+from .moe.experts import GroupedExperts
+from .parallel import cfg_split
+from .parallel.context import building, context_being_built
+from .parallel.layout import per_layer
+from .weights.load import from_pretrained_by_slices
+
+
+# ---------------------------------------------------------------- HunyuanImage3ForCausalMM
+
+def causal_mm_init(original, device):
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        context = context_being_built(device)
+        with building(context):         # its text model, layers and VAE all built for one context
+            original(self, config, *args, **kwargs)
+        self.rank_context = context
+
+    return __init__
+
+
+def causal_mm_from_pretrained(original, device):
+    """`from_pretrained(dir)` on the patched model: this rank's tensors through weights/load.py.
+    Calls that bring their own state dict (the loader's own inner call) go straight through."""
+    function = original.__func__
+
+    @functools.wraps(function)
+    def from_pretrained(cls, pretrained_model_name_or_path=None, *args, rank_context=None, **kwargs):
+        if pretrained_model_name_or_path is None or args or kwargs.get("state_dict") is not None:
+            return function(cls, pretrained_model_name_or_path, *args, **kwargs)
+        context = rank_context or context_being_built(device)
+        return from_pretrained_by_slices(cls, functools.partial(function, cls), pretrained_model_name_or_path,
+                                         context, **kwargs)
+
+    return classmethod(from_pretrained)
+
+
+def causal_mm_forward(original, _device):
+    """CFG parallel (parallel/cfg_split.py) in gen_image mode; otherwise upstream's forward."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        context = getattr(self, "rank_context", None)
+        if context is None or context.layout.cfg == 1:
+            return original(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        rows = arguments["input_ids"].shape[0] if arguments.get("input_ids") is not None else 0
+        if arguments.get("mode", "gen_text") != "gen_image" or rows % 2:
+            return original(self, *args, **kwargs)
+        group = context.group("cfg")
+        output = original(**cfg_split.split_arguments(arguments, rows, context.cfg_rank))
+        if isinstance(output, tuple):
+            return output[:-1] + (cfg_split.gather_branches(output[-1], group),)
+        output["diffusion_prediction"] = cfg_split.gather_branches(output["diffusion_prediction"], group)
+        return output
+
+    return forward
+
+
+# ---------------------------------------------------------------- HunyuanImage3Model
+
+def model_init(original, device):
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        context = context_being_built(device)
+        with building(context):
+            original(self, config, *args, **kwargs)
+        stream = context.shared_mlp_stream()
+        for layer in self.layers:
+            if hasattr(layer.mlp, "shared_mlp_stream"):
+                layer.mlp.shared_mlp_stream = stream
+
+    return __init__
+
+
+# ---------------------------------------------------------------- HunyuanImage3SDPAAttention
+
+def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
+    w = old.weight
+    return nn.Linear(in_features, out_features, bias=old.bias is not None, device=w.device, dtype=w.dtype)
+
+
+def attention_init(original, device):
+    """Upstream's layer, then shrunk to this rank's heads (layout.HeadShard)."""
+
+    @functools.wraps(original)
+    def __init__(self, config, layer_idx):
+        original(self, config, layer_idx)
+        context = context_being_built(device)
+        self.rank_context, self.kernels = context, context.kernels
+        self.head_shard = context.layout.heads(config, context.tp_rank)
+        if self.head_shard.degree == 1:
+            return
+        context.require_process_group("attention-tp")
+        if config._attn_implementation == "flash_attention_2":     # its forward has no all-reduce
+            raise NotImplementedError("attention-tp: flash_attention_2 is not supported under tensor parallel; "
+                                      "use --attn-impl sdpa")
+        shard = self.head_shard
+        self.num_heads, self.num_key_value_heads = shard.heads, shard.kv_heads
+        self.num_key_value_groups = shard.groups_local
+        self.hidden_size_q = shard.heads * self.head_dim
+        self.hidden_size_kv = shard.kv_heads * self.head_dim
+        self.qkv_proj = _linear_like(self.qkv_proj, self.hidden_size, self.hidden_size_q + 2 * self.hidden_size_kv)
+        self.o_proj = _linear_like(self.o_proj, self.hidden_size_q, self.hidden_size)
+
+    return __init__
+
+
+def attention_forward(_original, _device):
+    """Upstream's steps on the local heads; one all-reduce after the row-parallel o_proj."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
+                output_attentions=False, use_cache=False, custom_pos_emb=None, **kwargs):
+        if output_attentions:
+            raise NotImplementedError("attention: output_attentions=True is not supported (as upstream's SDPA path)")
+        upstream = sys.modules[type(self).__module__]
+        bsz, q_len, _ = hidden_states.size()
+        qkv = self.qkv_proj(hidden_states).reshape(bsz, q_len, self.num_key_value_heads,
+                                                   self.num_key_value_groups + 2, self.head_dim)
+        query, key, value = torch.split(qkv, [self.num_key_value_groups, 1, 1], dim=3)
+        query = query.reshape(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        key = key.reshape(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        value = value.reshape(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        if self.use_rotary_pos_emb:
+            cos, sin = custom_pos_emb
+            query, key = upstream.apply_rotary_pos_emb(query, key, cos, sin)
+        if self.use_qk_norm:
+            query, key = self.query_layernorm(query), self.key_layernorm(key)
+        query, key = query.to(value.dtype), key.to(value.dtype)
+        if past_key_value is not None:
+            key, value = past_key_value.update(key, value, self.layer_idx, {"cache_position": position_ids})
+            query = query.to(key.dtype)
+        attn_output = self.kernels.attention(query, key, value, attention_mask)
+        attn_output = attn_output.transpose(1, 2).reshape(bsz, q_len, -1)
+        if self.head_shard.degree == 1:
+            return self.o_proj(attn_output), None, past_key_value
+        partial = F.linear(attn_output, self.o_proj.weight)
+        dist.all_reduce(partial, group=self.rank_context.group("tp"))
+        output = partial if self.o_proj.bias is None else partial + self.o_proj.bias
+        return output, None, past_key_value
+
+    return forward
+
+
+# ---------------------------------------------------------------- HunyuanMoE
+
+def _check_supported(config) -> None:
+    if config.hidden_act != "silu":
+        raise NotImplementedError(f"moe: hidden_act '{config.hidden_act}' is not supported by the patched MoE "
+                                  f"(silu only)")
+    if config.mlp_bias:
+        raise NotImplementedError("moe: mlp_bias=True is not supported by the patched MoE")
+    if config.group_limited_greedy:
+        raise NotImplementedError("moe: group_limited_greedy routing is not supported by the patched MoE")
+    if config.moe_drop_tokens:
+        warnings.warn("moe: config.moe_drop_tokens=True, but the patched MoE is dropless (no token is dropped)")
+
+
+def _shrink_shared_mlp(mlp: nn.Module, shard) -> None:
+    """Upstream's shared HunyuanMLP cut to this rank's intermediate slice (MoE TP only)."""
+    if shard.tp_degree == 1:
+        return
+    local = shard.local_size(mlp.intermediate_size // 2)
+    like = mlp.gate_and_up_proj.weight
+    mlp.gate_and_up_proj = nn.Linear(mlp.hidden_size, 2 * local, bias=False, device=like.device, dtype=like.dtype)
+    mlp.down_proj = nn.Linear(local, mlp.hidden_size, bias=False, device=like.device, dtype=like.dtype)
+    mlp.intermediate_size = 2 * local
+
+
+def moe_init(_original, device):
+    """The original is not called: it would build E full experts. Upstream's `moe_impl` is ignored:
+    routing always follows its topkgating (moe/dispatch.py)."""
+
+    def __init__(self, config, layer_idx=None):
+        nn.Module.__init__(self)
+        upstream = sys.modules[type(self).__module__]
+        _check_supported(config)
+        context = context_being_built(device)
+        self.config, self.layer_idx, self.moe_topk = config, layer_idx, config.moe_topk
+        self.num_experts = per_layer(config.num_experts, layer_idx)
+        shard = context.layout.moe_shard(self.num_experts, context.tp_rank)
+        if shard.mode != "replicated":
+            context.require_process_group(f"moe-{shard.mode}")
+        self.rank_context, self.kernels = context, context.kernels
+        if config.use_mixed_mlp_moe:
+            self.shared_mlp = upstream.HunyuanMLP(config, layer_idx=layer_idx, is_shared_mlp=True)
+            _shrink_shared_mlp(self.shared_mlp, shard)
+        self.gate = upstream.HunyuanTopKGate(config, layer_idx=layer_idx)
+        intermediate = per_layer(config.moe_intermediate_size or config.intermediate_size, layer_idx)
+        self.experts = GroupedExperts(config.hidden_size, intermediate, shard, context.kernels, config.initializer_range)
+        self.dispatch = dispatcher_for(shard)
+        self.shared_mlp_stream = None           # set by the patched HunyuanImage3Model.__init__
+
+    return __init__
+
+
+def moe_forward(_original, _device):
+    def forward(self, hidden_states):
+        bsz, seq_len, hidden_size = hidden_states.shape
+        output = self.dispatch(self, hidden_states.reshape(-1, hidden_size))
+        return output.view(bsz, seq_len, hidden_size)
+
+    return forward

@@ -1,0 +1,108 @@
+"""The CPU kernel set: the routed experts as a padded bmm when many tokens are routed, and a
+shared MLP that reuses its intermediate. Plain torch ops; CPU serves tests and the demo.
+
+On CPU a grouped matmul is a loop of one GEMM per expert (that is what torch._grouped_mm does
+there). In bench/moe_layer.py those per-expert GEMMs run measurably slower than one `bmm` over
+equal-size groups. So when the largest expert group is close to the mean (many tokens, balanced
+routing: diffusion steps, prefill), every expert's rows are padded to the largest group and run as
+one bmm per projection: argsort slot tables, index_select into the padded rows (pad rows zeroed,
+so they add exactly nothing), SwiGLU and routing weights in place, one index_add_ into an fp32
+accumulator (upstream's combine einsum also sums in fp32 inside its GEMM) rounded once. When
+padding would add more than MAX_PADDING rows (decode, skewed routing) the grouped path runs
+(torch._grouped_mm), which measures faster there.
+
+The two large intermediates (the padded rows, later overwritten by the down output, and the
+gate/up output, which the shared MLP borrows first) live in scratch buffers this kernel set owns
+and reuses from call to call: on CPU a fresh tensor over glibc's mmap threshold is a new mapping
+whose every 4 KiB page faults on first touch, which at these sizes costs as much as the
+activation and combine passes. The buffers only grow, to the largest layer call seen, like an
+accelerator's caching allocator; nothing in them outlives a call. One kernel set belongs to one
+model (kernels_for), so two models never share them; one model runs one forward at a time.
+
+One host sync per layer (the counts), free on CPU where there is no device queue.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .torch_kernels import GroupedMmKernels, expert_counts
+
+MAX_PADDING = 0.25       # padded bmm only while E * largest_group <= (1 + MAX_PADDING) * T * K
+
+
+class CpuKernels(GroupedMmKernels):
+    name = "cpu"
+
+    def __init__(self):
+        self._scratch_buffers: dict = {}
+
+    def _scratch(self, name: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised [shape] tensor in `like`'s dtype/device, reused across calls."""
+        numel = math.prod(shape)
+        key = (name, like.dtype, like.device)
+        buffer = self._scratch_buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._scratch_buffers[key] = like.new_empty(numel)
+        return buffer[:numel].view(shape)
+
+    def routed_experts(self, x, topk_weight, topk_idx, w13, w2, add_to=None):
+        if x.shape[0] == 0:
+            return super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to)
+        out = self.routed_padded(x, topk_weight, topk_idx, w13, w2, add_to)
+        return out if out is not None else super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to)
+
+    def routed_padded(self, x, topk_weight, topk_idx, w13, w2, add_to=None):
+        """routed_experts as padded bmm, or None when padding would cost too much."""
+        num_experts, rows = w13.shape[0], topk_idx.numel()
+        flat = topk_idx.reshape(-1)
+        counts = expert_counts(flat, num_experts)
+        largest = max(counts.tolist())
+        if not rows or num_experts * largest > (1 + MAX_PADDING) * rows:
+            return None
+        slots = num_experts * largest
+        order = torch.argsort(flat, stable=True)
+        expert_of_row = flat.index_select(0, order)                 # rows in expert-sorted order
+        first_row = torch.cumsum(counts, 0) - counts
+        slot = expert_of_row * largest + torch.arange(rows, device=x.device) - first_row.index_select(0, expert_of_row)
+        token_of_slot = torch.zeros(slots, dtype=torch.int64, device=x.device)
+        token_of_slot[slot] = order // topk_idx.shape[1]
+        weight_of_slot = torch.zeros(slots, dtype=x.dtype, device=x.device)
+        weight_of_slot[slot] = topk_weight.reshape(-1).index_select(0, order).to(x.dtype)
+        is_pad = torch.ones(slots, dtype=torch.bool, device=x.device)
+        is_pad[slot] = False
+        # Zero pad rows give exactly zero outputs, whatever the expert computes for real rows.
+        padded = torch.index_select(x, 0, token_of_slot, out=self._scratch("rows", (slots, x.shape[1]), x))
+        padded.index_fill_(0, is_pad.nonzero().squeeze(1), 0)
+        gate_up = torch.bmm(padded.view(num_experts, largest, -1), w13,
+                            out=self._scratch("gate_up", (num_experts, largest, w13.shape[2]), x))
+        hidden = _swiglu_(gate_up).mul_(weight_of_slot.view(num_experts, largest, 1))
+        out = torch.bmm(hidden, w2, out=padded.view(num_experts, largest, -1)).view(slots, -1)    # rows are spent
+        acc = _accumulator(x, w2.shape[-1], add_to)
+        acc.index_add_(0, token_of_slot, out if out.dtype == acc.dtype else out.float())
+        if add_to is None:
+            return acc.to(x.dtype)
+        return add_to if acc is add_to else add_to.copy_(acc)
+
+    def shared_mlp(self, x, gate_and_up, down):
+        """down(x1 * silu(x2)), [x1 | x2] = x @ gate_and_up^T (upstream's halves), gate/up in scratch."""
+        if x.shape[0] == 0:
+            return super().shared_mlp(x, gate_and_up, down)
+        rows, inter = x.shape[0], gate_and_up.shape[0] // 2
+        both = torch.mm(x, gate_and_up.t(), out=self._scratch("gate_up", (rows, 2 * inter), x))   # free on return
+        x1, x2 = both.chunk(2, dim=-1)
+        return torch.mm(F.silu(x2, inplace=True).mul_(x1), down.t())
+
+
+def _swiglu_(x: torch.Tensor) -> torch.Tensor:
+    """silu(first half) * second half, computed inside x's first half, which is returned (a view)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
+def _accumulator(x, hidden, add_to):
+    if add_to is None:
+        return torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
+    return add_to if add_to.dtype == torch.float32 else add_to.float()

@@ -1,0 +1,208 @@
+"""The kernels of the MoE and attention in plain torch: the reference every other set is tested against.
+
+    routed_experts(x, topk_weight, topk_idx, w13, w2)   the whole routed path of one MoE layer
+    expert_mlp(sorted_x, w13, w2, counts)  down(SwiGLU(gate/up(rows))) per expert group
+    shared_mlp(x, gate_and_up, down)       upstream HunyuanMLP's math on its nn.Linear weights
+    grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
+    route(logits, topk, norm, scale)       upstream topkgating's combine weights, dropless
+    permute(x, topk_idx, num_experts)      token copies sorted by expert (+ per-expert counts)
+    unpermute(y, row_idx, topk_weight)     weighted sum of each token's K expert rows
+    regroup(x, counts_per_rank)            EP: rows grouped (source rank, expert) -> by expert
+    ungroup(y, order)                      inverse of regroup
+    swiglu(x)                              silu(first half) * second half
+    attention(q, k, v, mask, scale)        GQA attention, upstream's bool mask (True = attend)
+
+`LoopKernels` runs one matmul per expert; `GroupedMmKernels` uses torch._grouped_mm where its
+dtype and alignment rules allow (CPU: fp32/bf16/fp16; CUDA: bf16, not run on CUDA here). cpu.py
+and npu.py subclass these. A kernel set is an object chosen once per model (kernels.kernels_for)
+and held by the modules that call it: nothing here is global.
+
+Empty input (an EP rank whose token chunk or received rows are empty: decode steps have one token
+per CFG branch) never reaches a kernel: every method returns its empty result from the host-known
+shape first. Ascend documents empty tensors as unsupported for npu_swiglu and leaves them
+undocumented for grouped matmul and the routing ops, so no set calls them with zero rows.
+
+SwiGLU convention: silu is applied to the FIRST half, as npu_swiglu does. Upstream's HunyuanMLP
+computes x1 * silu(x2) (second half activated); the expert weights are stored with the halves
+swapped (moe/experts.py), so stacked experts produce [x2 | x1] and equal upstream's.
+Host syncs: one `.tolist()` of the counts per grouped matmul in the loop, none with grouped_mm.
+Inference only: outputs are written with out= and in place; nothing keeps an autograd graph.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+_ALIGN_BYTES = 16
+_GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+
+
+class LoopKernels:
+    name = "loop"
+
+    # ------------------------------------------------------------ expert MLPs
+
+    def routed_experts(self, x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """sum_k topk_weight[t, k] * MLP_{topk_idx[t, k]}(x[t]) for every token t of x [T, H].
+
+        Returned in x's dtype; with `add_to` ([T, H], x's dtype) the sum is added into it in place
+        and add_to is returned (the MoE passes its finished shared-MLP output).
+        """
+        if x.shape[0] == 0:
+            return add_to if add_to is not None else x.new_empty(0, w2.shape[-1])
+        sorted_x, row_idx, counts = self.permute(x, topk_idx, w13.shape[0])
+        routed = self.unpermute(self.expert_mlp(sorted_x, w13, w2, counts), row_idx, topk_weight)
+        return routed if add_to is None else add_to.add_(routed)
+
+    def expert_mlp(self, sorted_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   counts: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert (counts [E]) -> down(swiglu(rows @ w13[e])) per group, same row order."""
+        if sorted_x.shape[0] == 0:
+            return sorted_x.new_empty(0, w2.shape[-1])
+        return self.grouped_matmul(self.swiglu(self.grouped_matmul(sorted_x, w13, counts)), w2, counts)
+
+    def shared_mlp(self, x: torch.Tensor, gate_and_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """down(x1 * silu(x2)) with [x1 | x2] = x @ gate_and_up^T: upstream HunyuanMLP (silu), x [T, H].
+
+        Weights as nn.Linear stores them ([out, in]), halves in upstream's order (the shared MLP keeps
+        upstream's module and weights). Returns a fresh [T, H] tensor.
+        """
+        if x.shape[0] == 0:
+            return x.new_empty(0, down.shape[0])
+        x1, x2 = F.linear(x, gate_and_up).chunk(2, dim=-1)
+        return F.linear(x1 * F.silu(x2), down)
+
+    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """y[rows of group e] = x[rows of group e] @ w[e]; x [N, in], w [E, in, out], counts [E] (sum N)."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, w.shape[-1])
+        out, start = x.new_empty(x.shape[0], w.shape[-1]), 0
+        for expert, count in enumerate(counts.tolist()):            # the loop's one host sync
+            if count:
+                torch.matmul(x[start:start + count], w[expert], out=out[start:start + count])
+            start += count
+        return out
+
+    # ------------------------------------------------------------ routing
+
+    def route(self, logits: torch.Tensor, topk: int, norm_topk_prob: bool, routed_scaling_factor: float):
+        """(topk_weight fp32 [T, K], topk_idx [T, K]): upstream topkgating's combine weights, dropless.
+
+        Same operations in the same order as upstream: fp32 softmax over experts, top-k, then either
+        normalise by the (eps-clamped) sum of the top-k or multiply by routed_scaling_factor.
+        """
+        gates = F.softmax(logits.float(), dim=1)
+        topk_weight, topk_idx = torch.topk(gates, topk)
+        if norm_topk_prob and topk > 1:
+            total = topk_weight.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+            topk_weight = topk_weight / total
+        else:
+            topk_weight = topk_weight * routed_scaling_factor
+        return topk_weight, topk_idx
+
+    def permute(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
+        """Sort the T*K token copies by expert (stable).
+
+        Returns (sorted_x [T*K, H], row_idx [T*K], counts [E] int64) where row_idx[t*K + k] is the
+        sorted row holding token t's k-th expert choice.
+        """
+        if x.shape[0] == 0:
+            return (x.new_empty(0, x.shape[1]), topk_idx.new_empty(0, dtype=torch.int64),
+                    torch.zeros(num_experts, dtype=torch.int64, device=x.device))
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sorted_x = x.index_select(0, order // topk_idx.shape[1])     # index_select: ~6x faster than x[idx] on CPU
+        row_idx = torch.empty_like(order)
+        row_idx[order] = torch.arange(order.numel(), device=order.device)
+        return sorted_x, row_idx, expert_counts(flat, num_experts)
+
+    def unpermute(self, y: torch.Tensor, row_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """out[t] = sum_k topk_weight[t, k] * y[row_idx[t*K + k]], in y's dtype."""
+        if topk_weight.shape[0] == 0:
+            return y.new_empty(0, y.shape[-1])
+        tokens, topk = topk_weight.shape
+        rows = y.index_select(0, row_idx.long()).view(tokens, topk, y.shape[-1])
+        # In y's dtype, like upstream's combine einsum (combine_weights.type_as(hidden_states)).
+        return torch.bmm(topk_weight.to(y.dtype).unsqueeze(1), rows).squeeze(1)
+
+    # ------------------------------------------------------------ EP regrouping
+
+    def regroup(self, x: torch.Tensor, counts_per_rank: torch.Tensor):
+        """Rows arrive grouped (source rank, local expert); return them grouped by local expert.
+
+        counts_per_rank [R, E_local]. Returns (grouped_x, order, local_counts [E_local] int64) with
+        grouped_x = x[order].
+        """
+        if x.shape[0] == 0:
+            return x, torch.zeros(0, dtype=torch.int64, device=x.device), counts_per_rank.sum(0).to(torch.int64)
+        local_experts = counts_per_rank.shape[1]
+        expert_of_slot = torch.arange(counts_per_rank.numel(), device=x.device) % local_experts
+        expert_of_row = torch.repeat_interleave(expert_of_slot, counts_per_rank.reshape(-1), output_size=x.shape[0])
+        order = torch.argsort(expert_of_row, stable=True)
+        return x[order], order, counts_per_rank.sum(0).to(torch.int64)
+
+    def ungroup(self, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(y)
+        out[order.long()] = y
+        return out
+
+    # ------------------------------------------------------------ activation and attention
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(first half) * second half (npu_swiglu's convention; see the module docstring)."""
+        if x.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                  scale: Optional[float] = None) -> torch.Tensor:
+        """softmax(q k^T * scale [masked]) v per head, GQA-aware: upstream's repeat_kv + SDPA.
+
+        q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D] with Hq % Hkv == 0 (query head h reads KV head h // (Hq/Hkv)).
+        mask: None, bool [B|1, 1, Sq, Sk] with True = attend (SDPA's and upstream's convention), or an
+        additive float mask (0 / large negative). scale: None = 1/sqrt(D). Returns [B, Hq, Sq, D].
+        """
+        groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        if q.device.type == "cuda" and mask is not None:
+            # upstream's workaround: the memory-efficient SDPA backend mishandles strided inputs with a mask
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
+
+
+class GroupedMmKernels(LoopKernels):
+    """torch._grouped_mm for the grouped matmuls it takes; the loop otherwise."""
+    name = "grouped_mm"
+
+    def grouped_matmul(self, x, w, counts):
+        if x.shape[0] == 0 or not grouped_mm_applies(x, w):
+            return super().grouped_matmul(x, w, counts)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
+
+
+def grouped_mm_applies(x, w) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.dtype != w.dtype or x.dtype not in _GROUPED_MM_DTYPES.get(x.device.type, ()):
+        return False
+    size = x.element_size()
+    return (x.shape[-1] * size) % _ALIGN_BYTES == 0 and (w.shape[-1] * size) % _ALIGN_BYTES == 0
+
+
+def expert_counts(flat_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    # scatter_add, not bincount: bincount syncs with the host on accelerators to size its output.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_idx.device)
+    return counts.scatter_add_(0, flat_idx.long(), torch.ones_like(flat_idx, dtype=torch.int64))
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv*groups, S, D], each KV head repeated for its query heads (upstream's repeat_kv)."""
+    if groups == 1:
+        return x
+    batch, kv_heads, seq, dim = x.shape
+    return x[:, :, None].expand(batch, kv_heads, groups, seq, dim).reshape(batch, kv_heads * groups, seq, dim)

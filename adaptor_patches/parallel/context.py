@@ -1,0 +1,90 @@
+"""One rank's place in a job: its layout, global rank, device, kernel set and process groups.
+
+A model is built for one RankContext: `with building(context): ...from_pretrained(...)` (the
+loader, weights/load.py, does this). The patched `__init__`s read the context being built once
+and keep what they need (their shard, their kernel set, the context for its groups), so nothing
+is read from process-global state afterwards, and two models in one process do not interfere.
+Outside `building` the patched classes build for a single process on the device the adaptor was
+applied for.
+
+Process groups come from a ("cfg", "tp") DeviceMesh, built at the first collective a module needs;
+a layout that needs them without an initialised process group is refused when the model is built,
+not discovered as a wrong result later.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..kernels import kernels_for
+from ..kernels.device import Device
+from .layout import Layout, LayoutError
+
+_building: contextvars.ContextVar = contextvars.ContextVar("adaptor_rank_context", default=None)
+
+
+@dataclass(eq=False)
+class RankContext:
+    layout: Layout = field(default_factory=Layout)
+    rank: int = 0
+    device: Device = field(default_factory=lambda: Device("cpu"))
+    multi_stream: Optional[bool] = None      # None: on wherever the device has streams
+    kernels: object = None                   # the kernel set; default: the device's (kernels.kernels_for)
+    _mesh: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.layout.world_size:
+            raise LayoutError(f"rank: {self.rank} is outside world size {self.layout.world_size}")
+        if self.kernels is None:
+            self.kernels = kernels_for(self.device.kind)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank(self.rank)
+
+    @property
+    def cfg_rank(self) -> int:
+        return self.layout.cfg_rank(self.rank)
+
+    def require_process_group(self, feature: str) -> None:
+        """Refuse to build `feature` split over ranks that cannot talk to each other."""
+        import torch.distributed as dist
+        if self.layout.is_distributed and not dist.is_initialized():
+            raise LayoutError(f"{feature}: the layout spans {self.layout.world_size} ranks but no process group is "
+                              f"initialised; call torch.distributed.init_process_group before building the model "
+                              f"(run_image_gen.py and run.sh do)")
+
+    def group(self, dim: str):
+        """The process group of mesh dim "cfg" or "tp" (None when the layout is one process)."""
+        if not self.layout.is_distributed:
+            return None
+        if self._mesh is None:
+            self.require_process_group(f"{dim} group")
+            from torch.distributed.device_mesh import init_device_mesh
+            self._mesh = init_device_mesh(self.device.kind, (self.layout.cfg, self.layout.tp),
+                                          mesh_dim_names=("cfg", "tp"))
+        return self._mesh.get_group(dim)
+
+    def shared_mlp_stream(self):
+        """A side stream for the shared MLP, or None (multi-stream off, or a device without streams)."""
+        if self.multi_stream is False or not self.device.has_streams:
+            return None
+        return self.device.new_stream()
+
+
+@contextlib.contextmanager
+def building(context: RankContext):
+    """Build models inside this block for `context`."""
+    token = _building.set(context)
+    try:
+        yield context
+    finally:
+        _building.reset(token)
+
+
+def context_being_built(device: Device) -> RankContext:
+    """The context of the model being built, or a single process on `device` outside `building`."""
+    context = _building.get()
+    return context if context is not None else RankContext(device=device)

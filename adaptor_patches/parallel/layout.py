@@ -1,0 +1,365 @@
+"""The one description of how a job splits HunyuanImage-3.0, and what each rank holds under it.
+
+    Layout(world_size, cfg, moe, vae_parallel)
+        the (cfg x tp) mesh: cfg = 2 runs the conditional and unconditional branch of every
+        denoise step on two halves of the world; the tp = world_size / cfg ranks of a branch split
+        attention by heads and the MoE by expert intermediate ("tp") or by whole experts ("ep"),
+        or keep the MoE whole ("replicated"); vae_parallel splits the VAE decode by rows over all.
+    layout.heads(config, tp_rank)     -> HeadShard: which attention heads a rank keeps
+    layout.moe_shard(experts, tp_rank) -> MoeShard: which experts, or which intermediate slice
+    layout.token_chunks(rows)         -> the contiguous per-rank token chunks of an EP layer
+    layout.weights                    -> the part of the layout a checkpoint's split depends on
+                                         (tp, MoE mode): what utils/convert_model.py writes and a
+                                         converted checkpoint records
+    layout.check(config)              -> LayoutError, before any weight is read
+
+The runtime, the loader, the converter, the launcher and the checks all ask this object; every
+layout the runtime can run the converter can write. Errors are one line: `field: problem; fix`.
+Model sizes come from config.json (a dict) or the transformers config object alike.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+MOE_MODES = ("replicated", "tp", "ep")
+
+
+class LayoutError(ValueError):
+    """A layout or flag this job cannot run; str() is a one-line `field: problem; fix` message."""
+
+
+def split_evenly(total: int, parts: int) -> list:
+    """Contiguous sizes of `total` over `parts`, the first `total % parts` one larger (like
+    torch.tensor_split); trailing ones may be 0. EP token chunks and VAE row bands."""
+    base, extra = divmod(total, parts)
+    return [base + (part < extra) for part in range(parts)]
+
+
+def env_flag(name: str, env=None) -> bool:
+    """An on/off environment variable (CFG_PARALLEL, USE_VAE_PARALLEL: the cann-recipes names)."""
+    return (os.environ if env is None else env).get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def per_layer(value, layer: int):
+    """A config value that is either one number or one per layer."""
+    return value[layer] if isinstance(value, list) else value
+
+
+def _get(config, key, default=None):
+    return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
+
+# ---------------------------------------------------------------- model sizes
+
+@dataclass(frozen=True)
+class AttentionSizes:
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class MoeLayerSizes:
+    experts: int
+    intermediate: int
+    shared_intermediate: int         # 0: no shared MLP
+
+
+def attention_sizes(config) -> AttentionSizes:
+    heads, hidden = _get(config, "num_attention_heads"), _get(config, "hidden_size")
+    head_dim = _get(config, "attention_head_dim") or (hidden // heads if hidden else 0)
+    return AttentionSizes(heads, _get(config, "num_key_value_heads") or heads, head_dim)
+
+
+def moe_layers(config) -> dict:
+    """{layer index: MoeLayerSizes} of the decoder layers upstream builds as HunyuanMoE."""
+    experts = _get(config, "num_experts", 1)
+    if (max(experts) if isinstance(experts, list) else experts) <= 1:
+        return {}
+    layers = {}
+    # A config that names no layer count (a partial one, e.g. the launcher's fit check) is one layer.
+    for layer in range(_get(config, "moe_layer_num_skipped", 0) or 0, _get(config, "num_hidden_layers") or 1):
+        inter = per_layer(_get(config, "moe_intermediate_size") or _get(config, "intermediate_size"), layer)
+        shared = inter * per_layer(_get(config, "num_shared_expert", 1), layer) if _get(config, "use_mixed_mlp_moe") else 0
+        layers[layer] = MoeLayerSizes(per_layer(experts, layer), inter, shared)
+    return layers
+
+
+def attention_tp_degrees(heads: int, kv_heads: int) -> list:
+    """Degrees attention TP can use: whole KV groups per rank (degree divides the KV heads), or
+    each KV head replicated on degree/kv_heads ranks that split its query heads evenly."""
+    return [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+
+
+# ---------------------------------------------------------------- what one rank holds
+
+@dataclass(frozen=True)
+class HeadShard:
+    """Which attention heads one rank of the "tp" group holds.
+
+    Upstream's qkv_proj output is interleaved per KV group: for each of the K KV heads, its
+    g = H/K query heads, then its key head, then its value head. t <= K (t | K): rank r keeps KV
+    groups [r*K/t, (r+1)*K/t) whole. t > K (K | t, t/K | g): each KV head is replicated on t/K
+    ranks, which split its query heads. Every rank keeps H/t query heads and max(K/t, 1) KV heads.
+    """
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rank: int = 0
+    degree: int = 1
+
+    def __post_init__(self):
+        good = attention_tp_degrees(self.num_heads, self.num_kv_heads)
+        if self.degree not in good:
+            raise LayoutError(f"attention-tp: {self.num_heads} heads / {self.num_kv_heads} KV heads do not split "
+                              f"over {self.degree} ranks; use one of {good}")
+
+    @property
+    def groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def ranks_per_kv_head(self) -> int:
+        return max(self.degree // self.num_kv_heads, 1)
+
+    @property
+    def kv_heads(self) -> int:
+        return max(self.num_kv_heads // self.degree, 1)
+
+    @property
+    def groups_local(self) -> int:
+        return self.groups // self.ranks_per_kv_head
+
+    @property
+    def heads(self) -> int:
+        return self.kv_heads * self.groups_local
+
+    @property
+    def first_kv_head(self) -> int:
+        return self.rank // self.ranks_per_kv_head * self.kv_heads
+
+    @property
+    def first_query_in_group(self) -> int:
+        return self.rank % self.ranks_per_kv_head * self.groups_local
+
+    def _rows(self, slots) -> torch.Tensor:
+        slots = torch.tensor(slots, dtype=torch.long)
+        return (slots[:, None] * self.head_dim + torch.arange(self.head_dim)).reshape(-1)
+
+    def qkv_rows(self) -> torch.Tensor:
+        """Rows of the full qkv_proj this rank keeps, in the local interleaved order."""
+        slots = []
+        for kv in range(self.first_kv_head, self.first_kv_head + self.kv_heads):
+            base, start = kv * (self.groups + 2), self.first_query_in_group
+            slots += [*range(base + start, base + start + self.groups_local), base + self.groups, base + self.groups + 1]
+        return self._rows(slots)
+
+    def o_columns(self) -> torch.Tensor:
+        """Input columns of the full o_proj that this rank's heads feed."""
+        start = self.first_query_in_group
+        heads = [kv * self.groups + start + j for kv in range(self.first_kv_head, self.first_kv_head + self.kv_heads)
+                 for j in range(self.groups_local)]
+        return self._rows(heads)
+
+
+@dataclass(frozen=True)
+class MoeShard:
+    """What one rank holds of one MoE layer: experts [first, first + local) whole (EP, replicated),
+    or every expert's intermediate slice [tp_rank*I/tp, (tp_rank+1)*I/tp) (TP)."""
+    mode: str                  # replicated | tp | ep
+    num_experts: int
+    first_expert: int
+    local_experts: int
+    tp_rank: int = 0
+    tp_degree: int = 1
+
+    @property
+    def local_expert_ids(self) -> range:
+        return range(self.first_expert, self.first_expert + self.local_experts)
+
+    @property
+    def ep_degree(self) -> int:
+        return self.num_experts // self.local_experts
+
+    @property
+    def ep_rank(self) -> int:
+        return self.first_expert // self.local_experts
+
+    def local_size(self, intermediate: int) -> int:
+        if intermediate % self.tp_degree:
+            raise LayoutError(f"moe-tp: intermediate size {intermediate} does not split over {self.tp_degree} "
+                              f"ranks; use a degree dividing {intermediate}")
+        return intermediate // self.tp_degree
+
+    def columns(self, intermediate: int) -> slice:
+        size = self.local_size(intermediate)
+        return slice(self.tp_rank * size, (self.tp_rank + 1) * size)
+
+
+# ---------------------------------------------------------------- the layout
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int = 1
+    cfg: int = 1                      # 2: the two CFG branches on two halves of the world
+    moe: str = "replicated"           # replicated | tp | ep, over the tp ranks of a branch
+    vae_parallel: bool = False
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise LayoutError(f"world_size: must be >= 1, got {self.world_size}")
+        if self.moe not in MOE_MODES:
+            raise LayoutError(f"moe: '{self.moe}' is not one of {', '.join(MOE_MODES)}")
+        if self.cfg not in (1, 2):
+            raise LayoutError(f"cfg: degree {self.cfg}; CFG parallel splits two branches, use 1 or 2")
+        if self.world_size % self.cfg:
+            options = sorted({self.world_size + 1, max(self.world_size - 1, 2)})
+            raise LayoutError(f"cfg-parallel: needs an even world size, got {self.world_size}; "
+                              f"use {' or '.join(map(str, options))} ranks, or turn it off")
+
+    @classmethod
+    def from_flags(cls, world_size: int, cfg_parallel=False, moe_tp=False, moe_ep=False, vae_parallel=False):
+        if moe_tp and moe_ep:
+            raise LayoutError("moe-tp/moe-ep: both set; they are exclusive, keep one")
+        moe = "tp" if moe_tp else "ep" if moe_ep else "replicated"
+        return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel))
+
+    @classmethod
+    def from_args(cls, args, env=None) -> "Layout":
+        """run_image_gen.py's flags (and CFG_PARALLEL / USE_VAE_PARALLEL) over torchrun's WORLD_SIZE."""
+        env = os.environ if env is None else env
+        return cls.from_flags(int(env.get("WORLD_SIZE", 1)),
+                              cfg_parallel=bool(getattr(args, "cfg_parallel", False)) or env_flag("CFG_PARALLEL", env),
+                              moe_tp=getattr(args, "moe_tp", False), moe_ep=getattr(args, "moe_ep", False),
+                              vae_parallel=bool(getattr(args, "vae_parallel", False)) or env_flag("USE_VAE_PARALLEL", env))
+
+    @classmethod
+    def from_degrees(cls, tp_attn: int, tp_moe: int = 1, ep: int = 1) -> "Layout":
+        """The weight split utils/convert_model.py is asked for (its --tp-attn/--tp-moe/--ep)."""
+        for field, value in (("tp-attn", tp_attn), ("tp-moe", tp_moe), ("ep", ep)):
+            if value < 1:
+                raise LayoutError(f"{field}: must be >= 1, got {value}; use 1 for no split")
+        if tp_moe > 1 and ep > 1:
+            raise LayoutError(f"tp-moe/ep: both > 1 ({tp_moe} and {ep}); the MoE runs either tensor- or "
+                              f"expert-parallel, set the other to 1")
+        moe_degree = max(tp_moe, ep)
+        if moe_degree not in (1, tp_attn):
+            field = "ep" if ep > 1 else "tp-moe"
+            raise LayoutError(f"{field}: {moe_degree} differs from --tp-attn {tp_attn}; the MoE splits over the "
+                              f"attention ranks (pass {tp_attn}) or stays whole on each (pass 1)")
+        return cls(tp_attn, 1, "tp" if tp_moe > 1 else "ep" if ep > 1 else "replicated")
+
+    @classmethod
+    def from_json(cls, block: dict) -> "Layout":
+        return cls.from_degrees(int(block["tp_attn"]), int(block["tp_moe"]), int(block["ep"]))
+
+    # ------------------------------------------------------------ degrees
+
+    @property
+    def tp(self) -> int:
+        """Ranks that share one CFG branch: the attention-TP and MoE TP/EP group size."""
+        return self.world_size // self.cfg
+
+    @property
+    def moe_mode(self) -> str:
+        return self.moe if self.tp > 1 else "replicated"
+
+    @property
+    def moe_degree(self) -> int:
+        return 1 if self.moe_mode == "replicated" else self.tp
+
+    @property
+    def tp_moe(self) -> int:
+        return self.moe_degree if self.moe_mode == "tp" else 1
+
+    @property
+    def ep(self) -> int:
+        return self.moe_degree if self.moe_mode == "ep" else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def weights(self) -> "Layout":
+        """The split of the weights alone: one CFG branch's tp ranks and the MoE mode."""
+        return Layout(self.tp, 1, self.moe_mode)
+
+    # ------------------------------------------------------------ per rank
+
+    def cfg_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def heads(self, config, tp_rank: int) -> HeadShard:
+        sizes = attention_sizes(config)
+        return HeadShard(sizes.heads, sizes.kv_heads, sizes.head_dim, tp_rank, self.tp)
+
+    def moe_shard(self, num_experts: int, tp_rank: int) -> MoeShard:
+        if self.moe_mode == "ep":
+            if num_experts % self.tp:
+                raise LayoutError(f"moe-ep: {num_experts} experts do not split over {self.tp} ranks; use an EP "
+                                  f"degree in {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
+            local = num_experts // self.tp
+            return MoeShard("ep", num_experts, tp_rank * local, local)
+        if self.moe_mode == "tp":
+            return MoeShard("tp", num_experts, 0, num_experts, tp_rank=tp_rank, tp_degree=self.tp)
+        return MoeShard("replicated", num_experts, 0, num_experts)
+
+    def token_chunks(self, rows: int) -> list:
+        """The contiguous token chunk of each EP rank (the rows are replicated before the layer)."""
+        return split_evenly(rows, self.moe_degree)
+
+    # ------------------------------------------------------------ checks
+
+    def problem(self, config) -> Optional[str]:
+        """The first reason this layout cannot split `config`'s model, as `field: problem; fix`."""
+        flag = {"tp": "moe-tp", "ep": "moe-ep"}.get(self.moe_mode)
+        for layer, sizes in moe_layers(config).items():
+            if self.moe_mode == "ep" and sizes.experts % self.tp:
+                good = [d for d in range(1, sizes.experts + 1) if sizes.experts % d == 0]
+                return (f"{flag}: {sizes.experts} experts (layer {layer}) do not split over {self.tp} ranks; "
+                        f"use an EP degree in {good}")
+            for what, size in (("expert", sizes.intermediate), ("shared-MLP", sizes.shared_intermediate)):
+                if self.moe_mode == "tp" and size % self.tp:
+                    return (f"{flag}: {what} intermediate size {size} (layer {layer}) does not split over "
+                            f"{self.tp} ranks; choose a degree dividing it")
+        if _get(config, "num_attention_heads") and self.tp > 1:
+            heads = attention_sizes(config)
+            good = attention_tp_degrees(heads.heads, heads.kv_heads)
+            if self.tp not in good:
+                per = " per CFG branch" if self.cfg > 1 else ""
+                world = "world size = degree x 2 with cfg-parallel" if self.cfg > 1 else "world size = degree"
+                return (f"attention-tp: {heads.heads} attention heads with {heads.kv_heads} KV heads do not split "
+                        f"over {self.tp} ranks{per}; use a degree in {good} ({world})")
+        return None
+
+    def check(self, config) -> None:
+        problem = self.problem(config)
+        if problem:
+            raise LayoutError(problem)
+
+    # ------------------------------------------------------------ words
+
+    def as_json(self) -> dict:
+        return {"tp_attn": self.tp, "tp_moe": self.tp_moe, "ep": self.ep}
+
+    def convert_flags(self) -> str:
+        return f"--tp-attn {self.tp} --tp-moe {self.tp_moe} --ep {self.ep}"
+
+    def run_flags(self) -> str:
+        moe = {"tp": " with --moe-tp", "ep": " with --moe-ep", "replicated": ""}[self.moe_mode]
+        return f"{self.tp} ranks per CFG branch{moe}"
+
+    def __str__(self) -> str:
+        return f"tp_attn={self.tp} tp_moe={self.tp_moe} ep={self.ep}"
+
+    def describe(self) -> dict:
+        return {"world_size": self.world_size, "cfg_degree": self.cfg, "tp_degree": self.tp,
+                "moe_mode": self.moe_mode, "moe_degree": self.moe_degree, "vae_parallel": self.vae_parallel}

@@ -1,0 +1,155 @@
+"""Loading a rank's model: this rank's weights, from an original or a converted checkpoint.
+
+`--model-id` is one of two kinds:
+
+* an original (upstream) checkpoint. rank_slices.rank_tensors plans this rank's tensors in the
+  runtime layout and `CheckpointFiles` reads only the bytes each needs: row ranges by positioned
+  reads, columns block by block, only this rank's experts. transformers 5 receives them as a lazy
+  state dict whose values it materialises one at a time, so no full checkpoint tensor is held.
+* a converted checkpoint (utils/convert_model.py writes it from the same plans): OUT/manifest.json,
+  OUT/config.json with a `parallel_layout` block, and one ordinary checkpoint per "tp" rank in
+  OUT/rank-XX. Rank r of the "tp" group reads OUT/rank-{r:02d} (the CFG branches share it) whole;
+  its layout must equal the run's, which `check_checkpoint` verifies before any collective.
+
+Both are the same path (rank_tensors over a source; a converted folder is planned with the
+single-process layout, i.e. every tensor whole) and give bit-identical weights.
+
+Why not upstream's `from_pretrained(dir)` with weight converters: transformers 5 materialises every
+checkpoint tensor whole (`get_slice(k)[...]`, 4 reader threads, all reads queued at once) before a
+converter cuts it, and an expert converter first gathers all E experts of a layer. Every rank then
+reads the whole checkpoint (~170 GB) and holds one layer's full experts at a time (64 x 75.5 MB =
+4.8 GB on the real model); the sliced route reads ~1/degree of the experts and holds only its share.
+The shims-only reference (`per_rank=False`) does use upstream's own from_pretrained, unpatched.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..parallel.context import RankContext, building
+from ..parallel.layout import Layout, LayoutError
+from .rank_slices import RankTensor, rank_tensors
+from .safetensors_io import CheckpointFiles
+
+MANIFEST_FILE = "manifest.json"
+LAYOUT_KEY = "parallel_layout"
+
+
+class LoadingError(LayoutError):
+    """A checkpoint this run cannot load; str() is one `model-id: problem; fix` line."""
+
+
+def rank_dir_name(tp_rank: int) -> str:
+    return f"rank-{tp_rank:02d}"
+
+
+# ---------------------------------------------------------------- converted checkpoints
+
+def is_converted(model_dir) -> bool:
+    return (Path(model_dir) / MANIFEST_FILE).is_file()
+
+
+def converted_layout(model_dir) -> Layout:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if LAYOUT_KEY not in config:
+        raise LoadingError(f"model-id: {model_dir} has a {MANIFEST_FILE} but its config.json lacks "
+                           f"'{LAYOUT_KEY}'; convert it again with utils/convert_model.py")
+    return Layout.from_json(config[LAYOUT_KEY])
+
+
+def check_checkpoint(model_dir, layout: Layout, rank: int, per_rank: bool = True) -> None:
+    """Refuse, from JSON files alone (before any collective), a converted checkpoint this run cannot load."""
+    model_dir = Path(model_dir)
+    if not is_converted(model_dir):
+        return
+    if not per_rank:
+        raise LoadingError(f"model-id: {model_dir} is converted per rank, which only the full adaptor loads; "
+                           f"drop --adaptor shims or pass the original checkpoint")
+    converted, wanted = converted_layout(model_dir), layout.weights
+    if converted != wanted:
+        raise LoadingError(f"model-id: {model_dir} is converted for {converted} but this run is {wanted}; "
+                           f"run it with {converted.run_flags()}, or convert the original with {wanted.convert_flags()}")
+    rank_dir = model_dir / rank_dir_name(layout.tp_rank(rank))
+    if not (rank_dir / "config.json").is_file():
+        raise LoadingError(f"model-id: {rank_dir} is missing; convert again (utils/convert_model.py --verify "
+                           f"{model_dir} lists what is damaged)")
+
+
+# ---------------------------------------------------------------- loading
+
+def load_tokenizer(model_dir):
+    """The checkpoint's fast tokenizer, read directly from tokenizer.json.
+
+    Upstream calls `AutoTokenizer.from_pretrained(dir)`, which under transformers 5 sees the
+    checkpoint's `auto_map` and stops to ask whether to run remote code; the tokenizer itself is
+    a plain fast tokenizer, so we load that class and hand the object to upstream.
+    """
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+
+
+class _LazyTensor:
+    """A state-dict value that transformers materialises with `value[...]`: the read happens then."""
+
+    def __init__(self, tensor: RankTensor, files: CheckpointFiles):
+        self.tensor, self.files = tensor, files
+
+    def __getitem__(self, item):
+        return self.tensor.read(self.files)[item]
+
+
+def weights_source(model_dir, context: RankContext):
+    """(directory to read, weight layout to plan it with, tp rank) for this rank of `context`."""
+    model_dir = Path(model_dir)
+    if is_converted(model_dir):
+        check_checkpoint(model_dir, context.layout, context.rank)
+        return model_dir / rank_dir_name(context.tp_rank), Layout(), 0
+    return model_dir, context.layout, context.tp_rank
+
+
+def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankContext, **kwargs):
+    """`from_pretrained` (transformers', bound to model class `cls`) fed this rank's tensors lazily."""
+    from transformers import GenerationConfig
+    weights_dir, layout, tp_rank = weights_source(model_dir, context)
+    files = CheckpointFiles(weights_dir)
+    tensors = rank_tensors(files, json.loads((weights_dir / "config.json").read_text()), layout, tp_rank)
+    lazy = {t.name: _LazyTensor(t, files) for t in tensors}
+    config = kwargs.pop("config", None)
+    if config is None:
+        config_kwargs = {"moe_impl": kwargs.pop("moe_impl")} if "moe_impl" in kwargs else {}
+        config = cls.config_class.from_pretrained(str(weights_dir), **config_kwargs)
+    with building(context):
+        result = from_pretrained(None, config=config, state_dict=lazy, **kwargs)
+    model = result[0] if isinstance(result, tuple) else result
+    if (weights_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(weights_dir))
+    return result
+
+
+def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_impl: str = "eager",
+               per_rank: bool = True):
+    """Upstream's model with this rank's weights (the context's layout and rank decide which).
+    per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole."""
+    from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM as cls
+    model_dir = Path(model_dir)
+    check_checkpoint(model_dir, context.layout, context.rank, per_rank)
+    kwargs = dict(attn_implementation=attn_impl, dtype="auto", moe_impl=moe_impl, output_loading_info=True)
+    if context.device.is_accelerator:
+        kwargs["device_map"] = {"": context.device.torch_device}
+    if per_rank:
+        model, info = cls.from_pretrained(str(model_dir), rank_context=context, **kwargs)
+    else:
+        model, info = cls.from_pretrained(str(model_dir), **kwargs)
+    weights_dir = weights_source(model_dir, context)[0] if per_rank else model_dir
+    _check_loaded(weights_dir, info)
+    model.load_tokenizer(load_tokenizer(weights_dir))
+    return model.eval()
+
+
+def _check_loaded(model_dir: Path, info: dict) -> None:
+    """transformers fills missing weights with random ones and only logs it; we refuse instead."""
+    for what in ("missing_keys", "mismatched_keys", "unexpected_keys"):
+        keys = sorted(map(str, info.get(what) or ()))
+        if keys:
+            raise LoadingError(f"model-id: loading {model_dir} left {len(keys)} {what.replace('_', ' ')}, e.g. "
+                               f"{keys[0]}; is it a HunyuanImage-3 checkpoint (and converted for this layout)?")

@@ -1,0 +1,143 @@
+"""The one weight path: checkpoint name -> this rank's slice, in the layout the patched modules hold.
+
+`rank_tensors(source, config, layout, tp_rank)` plans every tensor of one rank under a weight
+layout (parallel/layout.py): which bytes of the original checkpoint it reads and how they become
+the local tensor. The loader (load.py) hands the plan to transformers as a lazy state dict when
+loading an original checkpoint; utils/convert_model.py writes the same plan to per-rank folders;
+`rank_state_dict` applies it to tensors in memory (a module's state_dict). Whatever the runtime
+can run, the converter writes, and both hold bit-identical weights.
+
+    self_attn.qkv_proj.{weight,bias}   rows of this rank's heads (HeadShard.qkv_rows), under TP
+    self_attn.o_proj.weight            input columns of those heads (row-parallel)
+    mlp.shared_mlp.gate_and_up_proj    the [x1 | x2] row slices of this rank's intermediate (MoE TP)
+    mlp.shared_mlp.down_proj           the matching columns
+    mlp.experts.{e}.* (per expert)     stacked into mlp.experts.w13 / w2 for this rank's experts or
+                                       intermediate slice, the x1/x2 halves swapped (moe/experts.py)
+    everything else                    whole
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..parallel.layout import Layout, moe_layers
+from .safetensors_io import DTYPES, CheckpointFiles, StateDictSource, StoredTensor
+
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate_and_up_proj|down_proj)\.weight$")
+ATTENTION_SPLIT = ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.o_proj.weight")
+SHARED_SPLIT = ("mlp.shared_mlp.gate_and_up_proj.weight", "mlp.shared_mlp.down_proj.weight")
+
+
+@dataclass(frozen=True)
+class RankTensor:
+    """One tensor of a rank's checkpoint in the runtime layout, and how to read it from the original."""
+    name: str
+    shape: tuple
+    dtype: str                              # safetensors dtype name
+    read: Callable                          # read(CheckpointFiles) -> torch.Tensor
+    stored: Optional[StoredTensor] = None   # set when it is a stored tensor unchanged (a byte copy)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def _pair_rows(half: int, cols: slice) -> torch.Tensor:
+    """Rows `cols` of both halves of a [2*half, ...] gate_and_up weight (upstream's x1 then x2)."""
+    part = torch.arange(cols.start, cols.stop)
+    return torch.cat([part, part + half])
+
+
+def expert_w13(x1_then_x2: torch.Tensor) -> torch.Tensor:
+    """[2I, H] rows (upstream's x1 half, then x2) -> [H, 2I] with the activated x2 half first."""
+    x1, x2 = x1_then_x2.chunk(2, dim=0)
+    return torch.cat([x2, x1], dim=0).t()
+
+
+class _RankSplitter:
+    def __init__(self, files: CheckpointFiles, config, layout: Layout, tp_rank: int):
+        self.files, self.layout, self.tp_rank = files, layout, tp_rank
+        self.heads = layout.heads(config, tp_rank) if layout.tp > 1 else None
+        self.moe = moe_layers(config)
+
+    def moe_shard(self, layer: int):
+        return self.layout.moe_shard(self.moe[layer].experts, self.tp_rank)
+
+    def whole(self, key: str) -> RankTensor:
+        info = self.files.info(key)
+        return RankTensor(key, info.shape, info.dtype, lambda files: files.read_rows(key), stored=info)
+
+    def cut(self, key: str, index: torch.Tensor, dim: int) -> RankTensor:
+        info = self.files.info(key)
+        shape = list(info.shape)
+        shape[dim] = len(index)
+        return RankTensor(key, tuple(shape), info.dtype, lambda files: files.read_index(key, index, dim))
+
+    def one(self, key: str) -> RankTensor:
+        match = LAYER_KEY.match(key)
+        layer, rest = (int(match[1]), match[2]) if match else (None, "")
+        if rest in ATTENTION_SPLIT and self.heads is not None:
+            if rest.endswith("o_proj.weight"):
+                return self.cut(key, self.heads.o_columns(), 1)
+            return self.cut(key, self.heads.qkv_rows(), 0)
+        if rest in SHARED_SPLIT and layer in self.moe and self.moe_shard(layer).tp_degree > 1:
+            half = self.moe[layer].shared_intermediate
+            cols = self.moe_shard(layer).columns(half)
+            if rest.endswith("gate_and_up_proj.weight"):
+                return self.cut(key, _pair_rows(half, cols), 0)
+            return self.cut(key, torch.arange(cols.start, cols.stop), 1)
+        return self.whole(key)
+
+    def stacked(self, layer: int, kind: str) -> RankTensor:
+        """experts.w13 (kind gate_and_up_proj) or experts.w2 (down_proj) of this rank, read one local
+        expert at a time into the preallocated stack."""
+        shard, inter = self.moe_shard(layer), self.moe[layer].intermediate
+        cols = shard.columns(inter)
+        source = f"model.layers.{layer}.mlp.experts.{{}}.{kind}.weight"
+        first = self.files.info(source.format(0))
+        if kind == "gate_and_up_proj":                          # [2I, H] per expert
+            name, shape = "w13", (shard.local_experts, first.shape[1], 2 * shard.local_size(inter))
+
+            def piece(files, expert):
+                return expert_w13(files.read_index(source.format(expert), _pair_rows(inter, cols), 0))
+        else:                                                   # [H, I] per expert
+            name, shape = "w2", (shard.local_experts, shard.local_size(inter), first.shape[0])
+
+            def piece(files, expert):
+                return files.read_columns(source.format(expert), cols.start, cols.stop).t()
+
+        def read(files):
+            out = torch.empty(shape, dtype=DTYPES[first.dtype])
+            for i, expert in enumerate(shard.local_expert_ids):
+                out[i] = piece(files, expert)
+            return out
+
+        return RankTensor(f"model.layers.{layer}.mlp.experts.{name}", shape, first.dtype, read)
+
+
+def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -> list:
+    """Every tensor of `tp_rank`'s checkpoint under weight layout `layout`, in the order the original
+    stores them. Per-expert tensors must all be present (checkpoint_checks verifies that first)."""
+    splitter = _RankSplitter(files, config, layout.weights, tp_rank)
+    tensors, stacked = [], set()
+    for key in sorted(files.keys(), key=lambda k: (files.weight_map[k], files.info(k).offset)):
+        match = LAYER_KEY.match(key)
+        expert = EXPERT_KEY.match(match[2]) if match else None
+        if expert is None or int(match[1]) not in splitter.moe:
+            tensors.append(splitter.one(key))
+        elif (int(match[1]), expert[2]) not in stacked:
+            stacked.add((int(match[1]), expert[2]))
+            tensors.append(splitter.stacked(int(match[1]), expert[2]))
+    return tensors
+
+
+def rank_state_dict(full_state_dict: dict, config, layout: Layout, tp_rank: int) -> dict:
+    """`rank_tensors` applied to tensors in memory: full upstream tensors (names as in the model,
+    `model.layers.N....`) -> this rank's tensors under the same names as the patched model's."""
+    source = StateDictSource(full_state_dict)
+    return {t.name: t.read(source) for t in rank_tensors(source, config, layout, tp_rank)}

@@ -10,7 +10,7 @@ patched model: qkv_proj / o_proj cut to the rank's heads, experts stacked as `ex
 shared MLP cut under MoE TP; everything else whole. Each holds size-capped shards, an index, the
 tokenizer and generation files, and a config.json with a `parallel_layout` block; OUT holds the
 same small files and manifest.json (size and sha256 of every file written). The tensors come from
-adaptor_patches/loading.py's `rank_tensors`, which the loader also reads an original checkpoint
+adaptor_patches/weights/rank_slices.py's `rank_tensors`, which the loader also reads an original checkpoint
 with, so both routes give identical weights.
 
 Streaming: a worker makes one output tensor at a time (positioned reads of only the needed bytes)

@@ -41,7 +41,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, group_type=None
     counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
     counts = counts.tolist()
     _require(group_list_type != 1 or len(counts) > 1, "group_list of length 1 is unsupported with group_list_type=1")
-    _require(len(counts) == w.shape[0] and sum(counts) <= rows.shape[0], "group_list does not fit x / weight")
+    _require(len(counts) == w.shape[0], "group_list must have one entry per weight group")
+    # Read strictly: the groups cover x exactly (the docs give no meaning to rows outside every group).
+    _require(sum(counts) == rows.shape[0], f"group_list sums to {sum(counts)}, x has {rows.shape[0]} rows")
     out = rows.new_zeros(rows.shape[0], w.shape[2])
     bounds = [0]
     for c in counts:
@@ -67,7 +69,9 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     _require_rows(x, "x")
     _require(drop_pad_mode == 0 and quant_mode == -1 and scale is None, "only dropless, unquantised is modelled")
     _require(active_num == expert_idx.numel(), "active_num must equal NUM_ROWS * K")
-    _require(expert_tokens_num_flag and expert_tokens_num_type in (0, 1), "counts must be requested (type 0/1)")
+    # expert_tokens_num_type: 0 (cumsum) is documented as unsupported; 1 (counts) is what we use, 2
+    # (key-value pairs) is not modelled.
+    _require(expert_tokens_num_flag and expert_tokens_num_type == 1, "counts must be requested with type 1")
     _require(list(active_expert_range) == [0, expert_num], "active_expert_range must cover all experts")
     _require(row_idx_type == 0, "row_idx_type 0 is the modelled index type")
     topk = expert_idx.shape[1]
@@ -77,8 +81,6 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     expanded_row_idx = torch.zeros_like(sorted_slot, dtype=torch.int32)
     expanded_row_idx[sorted_slot] = torch.arange(flat.numel(), dtype=torch.int32)
     counts = torch.bincount(flat, minlength=expert_num).to(torch.int64)
-    if expert_tokens_num_type == 0:
-        counts = counts.cumsum(0)
     return expanded_x, expanded_row_idx, counts, torch.empty(0, dtype=torch.float32)
 
 

@@ -259,13 +259,13 @@ model_args:
 
 def test_npu_platform_defaults_do_not_override_yaml(tmp_path, base):
     base["model_args"]["device"] = "npu"
-    base["env_vars"] = {"TASK_QUEUE_ENABLE": 1}
+    base["env_vars"] = {"TASK_QUEUE_ENABLE": 1, "HCCL_EXEC_TIMEOUT": 600}
     res = run_launcher(write_yaml(tmp_path, base), "--dry-run")
     assert res.returncode == 0, res.stderr
     prefix = res.stdout.split(sys.executable)[0].split()
-    assert prefix[0] == "TASK_QUEUE_ENABLE=1"
-    assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True" in prefix
-    assert "TASK_QUEUE_ENABLE=2" not in prefix
+    assert prefix[:2] == ["TASK_QUEUE_ENABLE=1", "HCCL_EXEC_TIMEOUT=600"]
+    assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True" in prefix and "HCCL_CONNECT_TIMEOUT=1200" in prefix
+    assert "TASK_QUEUE_ENABLE=2" not in prefix and "HCCL_EXEC_TIMEOUT=1200" not in prefix
 
 
 def test_default_config_validates(tmp_path, model_dir):

@@ -301,6 +301,13 @@ def test_npu_double_rejects_calls_outside_the_documented_contract():
                                            expert_tokens_num_flag=True, active_expert_range=[0, 5], quant_mode=-1)
     with pytest.raises(ValueError, match="fp16/bf16"):
         npu_double.npu_moe_re_routing(torch.zeros(2, 4), torch.tensor([[1, 1]]))
+    with pytest.raises(ValueError, match="type 1"):        # type 0 (cumsum) is documented as unsupported
+        npu_double.npu_moe_init_routing_v2(x, idx.to(torch.int32), active_num=idx.numel(), expert_num=5,
+                                           expert_tokens_num_type=0, expert_tokens_num_flag=True,
+                                           active_expert_range=[0, 5], quant_mode=-1)
+    with pytest.raises(ValueError, match="sums to 2, x has 3 rows"):
+        npu_double.npu_grouped_matmul([torch.ones(3, 4)], [torch.ones(2, 4, 4)], group_list=torch.tensor([1, 1]),
+                                      group_type=0, group_list_type=1, split_item=2)
     assert npu_double.IS_TEST_DOUBLE
 
 

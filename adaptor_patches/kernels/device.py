@@ -157,5 +157,9 @@ def platform_env_defaults(kind: str) -> dict:
             "TASK_QUEUE_ENABLE": "2",
             "CPU_AFFINITY_CONF": "1",
             "HCCL_OP_EXPANSION_MODE": "AIV",
+            # HCCL builds a sub-group's links at its first collective, after an 80B load: ranks that
+            # finish loading minutes apart would fail there with HCCL's short defaults (cann-recipes: 1200).
+            "HCCL_CONNECT_TIMEOUT": "1200",
+            "HCCL_EXEC_TIMEOUT": "1200",
         }
     return {}

@@ -245,3 +245,28 @@ def test_npu_kernel_matches_torch_kernel_through_the_op_double():
     for out in (torch_form, npu_form, additive):
         assert out.shape == q.shape and out.dtype == q.dtype
         assert rel_err(out, ref) <= BF16_TOL
+
+
+def test_npu_kernel_inverts_a_mask_once_for_every_layer_and_again_after_it_changes():
+    calls = []
+
+    class CountingDouble:
+        def __getattr__(self, name):
+            return getattr(npu_double, name)
+
+        def npu_fused_infer_attention_score(self, *args, atten_mask=None, **kwargs):
+            calls.append(atten_mask)
+            return npu_double.npu_fused_infer_attention_score(*args, atten_mask=atten_mask, **kwargs)
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 4, HEAD_DIM, generator=g).to(torch.bfloat16) for _ in range(3))
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    npu = make_kernels("npu", npu=CountingDouble())
+    first, second = npu.attention(q, k, v, mask), npu.attention(q, k, v, mask)     # two layers, one forward
+    assert calls[0] is calls[1] and torch.equal(calls[0], ~mask) and torch.equal(first, second)
+    mask[..., 0, 1] = True                                                          # written in place
+    npu.attention(q, k, v, mask)
+    assert torch.equal(calls[2], ~mask) and calls[2] is not calls[0]
+    fresh = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    npu.attention(q, k, v, fresh)
+    assert torch.equal(calls[3], ~fresh)

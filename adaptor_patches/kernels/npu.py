@@ -26,6 +26,7 @@ class NpuKernels(LoopKernels):
 
     def __init__(self, npu=None):
         self.npu = npu if npu is not None else importlib.import_module("torch_npu")
+        self._mask_in, self._mask_out = None, None      # (mask, its version), inverted: _masked_positions
 
     def grouped_matmul(self, x, w, counts):
         if x.shape[0] == 0:
@@ -67,11 +68,20 @@ class NpuKernels(LoopKernels):
             return super().swiglu(x)
         return self.npu.npu_swiglu(x, dim=-1)
 
+    def _masked_positions(self, mask):
+        """The fused op masks where atten_mask is True (the opposite of SDPA). Every layer of one
+        forward gets the same mask tensor: it is inverted once (a B x S x S pass) and reused by the
+        other layers, instead of once per layer."""
+        if mask is None:
+            return None
+        if self._mask_in is None or self._mask_in[0] is not mask or self._mask_in[1] != mask._version:
+            inverted = ~mask if mask.dtype == torch.bool else mask <= torch.finfo(mask.dtype).min / 2
+            self._mask_in, self._mask_out = (mask, mask._version), inverted     # _version: written in place since
+        return self._mask_out
+
     def attention(self, q, k, v, mask=None, scale=None):
-        # The fused op masks where atten_mask is True (the opposite of SDPA) and takes KV heads unrepeated.
-        masked = None
-        if mask is not None:
-            masked = ~mask if mask.dtype == torch.bool else mask <= torch.finfo(mask.dtype).min / 2
+        # The fused op takes KV heads unrepeated.
+        masked = self._masked_positions(mask)
         out, _ = self.npu.npu_fused_infer_attention_score(
             q.contiguous(), k.contiguous(), v.contiguous(), atten_mask=masked, num_heads=q.shape[1],
             num_key_value_heads=k.shape[1], input_layout="BNSD", scale=scale or q.shape[-1] ** -0.5, sparse_mode=0)

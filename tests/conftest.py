@@ -17,6 +17,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: spawns ranks or a fresh interpreter (seconds each); "
                                        "`pytest -m 'not slow'` is the fast tier")
+    config.addinivalue_line("markers", "compat: also run on the oldest supported stack (torch 2.7.1, "
+                                       "transformers 5.2.0): `pytest -m 'not slow or compat'` there")
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ def reference(tiny_model, out_dir):
     return generate(tiny_model, out_dir, "upstream_eager", "--adaptor", "shims")
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_patched_matches_upstream_eager(tiny_model, out_dir, reference):
     png, latents, _ = generate(tiny_model, out_dir, "patched", "--adaptor", "full")
@@ -115,6 +116,7 @@ def moe_runs(tiny_model, out_dir):
     return {flag: (png, latents, proc) for (flag, (png, latents, _)), proc in zip(files.items(), procs)}
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.parametrize("moe_flag", MOE_FLAGS)
 def test_two_rank_moe_parallel_matches_single_process(moe_runs, reference, moe_flag):
@@ -124,6 +126,7 @@ def test_two_rank_moe_parallel_matches_single_process(moe_runs, reference, moe_f
     assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_think_and_auto_size_match_upstream_eager(text_model, out_dir):
     # The shims-only reference runs the text phase too (same seeded sampler): the adaptor's think

@@ -155,6 +155,7 @@ def pools(checkpoint, text_checkpoint, out_dir):
     return results
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_fixed_size_image_on_the_16_card_shape_matches_single_process(single, pools):
     png, latents, _, _, _ = pools[IMAGE_LAYOUT]
@@ -163,6 +164,7 @@ def test_fixed_size_image_on_the_16_card_shape_matches_single_process(single, po
     assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (db, err)
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(TEXT_LAYOUTS))
 def test_layout_text_phase_matches_single_process(single_text, pools, layout):

@@ -103,6 +103,7 @@ def out_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("loading_gen")
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_two_ranks_from_converted_and_original_match_single_process(tiny_model, converted, out_dir):
     single, single_latents, _ = generate(tiny_model, out_dir, "single")

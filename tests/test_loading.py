@@ -163,3 +163,24 @@ def test_check_checkpoint_wants_this_ranks_directory(converted, tmp_path):
     with pytest.raises(LoadingError, match="rank-01 is missing"):
         check_checkpoint(copy, layout, 1)
     check_checkpoint(copy, layout, 0)
+
+
+def test_a_loaded_weight_that_differs_from_the_checkpoint_is_refused(tiny_model):
+    """transformers 5.3.0 changes loaded weights without reporting a key; load_model's spot check
+    compares a few small tensors with the checkpoint bytes (here one is changed after loading)."""
+    import model_adaptor
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.parallel.layout import Layout
+    from adaptor_patches.weights.load import LoadingError, load_model, spot_check_plan, spot_check_values
+    from adaptor_patches.weights.safetensors_io import CheckpointFiles
+    try:
+        model = load_model(tiny_model, RankContext(device=model_adaptor.apply("cpu")))    # passes the check
+        plan = [t.name for t in spot_check_plan(CheckpointFiles(tiny_model), tiny_model, Layout(), 0, model.state_dict())]
+        gate = next(name for name in plan if name.endswith("mlp.gate.wg.weight"))
+        assert len(plan) == 8 and any("final_layer" in name for name in plan), plan
+        with torch.no_grad():
+            model.get_parameter(gate).add_(1e-3)
+        with pytest.raises(LoadingError, match=f"{gate} differs from"):
+            spot_check_values(model, tiny_model, Layout(), 0)
+    finally:
+        model_adaptor.remove()

@@ -140,10 +140,45 @@ def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_imp
         model, info = cls.from_pretrained(str(model_dir), rank_context=context, **kwargs)
     else:
         model, info = cls.from_pretrained(str(model_dir), **kwargs)
-    weights_dir = weights_source(model_dir, context)[0] if per_rank else model_dir
+    weights_dir, layout, tp_rank = weights_source(model_dir, context) if per_rank else (model_dir, Layout(), 0)
     _check_loaded(weights_dir, info)
+    spot_check_values(model, weights_dir, layout, tp_rank)
     model.load_tokenizer(load_tokenizer(weights_dir))
     return model.eval()
+
+
+SPOT_CHECK_BYTES = 4 << 20          # only small tensors are read a second time
+SPOT_CHECK_COUNT = 8
+SPOT_CHECK_FIRST = ("mlp.gate.wg.weight", "final_layer", "norm")     # what transformers 5.3.0 was seen to change
+
+
+def spot_check_plan(files, weights_dir: Path, layout: Layout, tp_rank: int, state: dict) -> list:
+    """The tensors spot_check_values reads again: the first of each kind in SPOT_CHECK_FIRST, then
+    others spread evenly over the checkpoint, SPOT_CHECK_COUNT in all, each at most SPOT_CHECK_BYTES."""
+    planned = [t for t in rank_tensors(files, json.loads((weights_dir / "config.json").read_text()), layout, tp_rank)
+               if t.name in state and t.nbytes <= SPOT_CHECK_BYTES]
+    first = [next(t for t in planned if part in t.name) for part in SPOT_CHECK_FIRST
+             if any(part in t.name for t in planned)]
+    rest = [t for t in planned if t not in first]
+    step = max(1, len(rest) // max(1, SPOT_CHECK_COUNT - len(first)))
+    return first + rest[::step][:SPOT_CHECK_COUNT - len(first)]
+
+
+def spot_check_values(model, weights_dir: Path, layout: Layout, tp_rank: int) -> None:
+    """A few small loaded tensors against the checkpoint's bytes. transformers 5.3.0's from_pretrained
+    leaves dozens of loaded tensors (LM head, MoE gates, shared MLP, experts) different from the
+    checkpoint without reporting a missing key: a silent change must be an error, not a wrong image."""
+    import torch
+    import transformers
+    files = CheckpointFiles(weights_dir)
+    state = model.state_dict()
+    for tensor in spot_check_plan(files, weights_dir, layout, tp_rank, state):
+        loaded = state[tensor.name].detach().to("cpu")
+        expected = tensor.read(files)
+        if loaded.shape != expected.shape or not torch.equal(loaded.to(expected.dtype), expected):
+            raise LoadingError(f"model-id: after loading, {tensor.name} differs from {weights_dir}; transformers "
+                               f"{transformers.__version__} changed weights after loading them (5.3.0 is known to); use transformers "
+                               f"5.2.0 or 5.23.0")
 
 
 def _check_loaded(model_dir: Path, info: dict) -> None:

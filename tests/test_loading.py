@@ -171,16 +171,16 @@ def test_a_loaded_weight_that_differs_from_the_checkpoint_is_refused(tiny_model)
     import model_adaptor
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import LoadingError, load_model, spot_check_plan, spot_check_values
-    from adaptor_patches.weights.safetensors_io import CheckpointFiles
+    from adaptor_patches.weights.load import LoadingError, load_model, plan_rank, spot_check_plan, spot_check_values
     try:
         model = load_model(tiny_model, RankContext(device=model_adaptor.apply("cpu")))    # passes the check
-        plan = [t.name for t in spot_check_plan(CheckpointFiles(tiny_model), tiny_model, Layout(), 0, model.state_dict())]
+        files, tensors = plan_rank(tiny_model, Layout(), 0)
+        plan = [t.name for t in spot_check_plan(tensors, model.state_dict())]
         gate = next(name for name in plan if name.endswith("mlp.gate.wg.weight"))
         assert len(plan) == 8 and any("final_layer" in name for name in plan), plan
         with torch.no_grad():
             model.get_parameter(gate).add_(1e-3)
         with pytest.raises(LoadingError, match=f"{gate} differs from"):
-            spot_check_values(model, tiny_model, Layout(), 0)
+            spot_check_values(model, files, tensors)
     finally:
         model_adaptor.remove()

@@ -92,7 +92,11 @@ def moe_layers(config) -> dict:
 def attention_tp_degrees(heads: int, kv_heads: int) -> list:
     """Degrees attention TP can use: whole KV groups per rank (degree divides the KV heads), or
     each KV head replicated on degree/kv_heads ranks that split its query heads evenly."""
-    return [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+    return [d for d in divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]
+
+
+def divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # ---------------------------------------------------------------- what one rank holds
@@ -305,7 +309,7 @@ class Layout:
         if self.moe_mode == "ep":
             if num_experts % self.tp:
                 raise LayoutError(f"moe-ep: {num_experts} experts do not split over {self.tp} ranks; use an EP "
-                                  f"degree in {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
+                                  f"degree in {divisors(num_experts)}")
             local = num_experts // self.tp
             return MoeShard("ep", num_experts, tp_rank * local, local)
         if self.moe_mode == "tp":
@@ -323,9 +327,8 @@ class Layout:
         flag = {"tp": "moe-tp", "ep": "moe-ep"}.get(self.moe_mode)
         for layer, sizes in moe_layers(config).items():
             if self.moe_mode == "ep" and sizes.experts % self.tp:
-                good = [d for d in range(1, sizes.experts + 1) if sizes.experts % d == 0]
                 return (f"{flag}: {sizes.experts} experts (layer {layer}) do not split over {self.tp} ranks; "
-                        f"use an EP degree in {good}")
+                        f"use an EP degree in {divisors(sizes.experts)}")
             for what, size in (("expert", sizes.intermediate), ("shared-MLP", sizes.shared_intermediate)):
                 if self.moe_mode == "tp" and size % self.tp:
                     return (f"{flag}: {what} intermediate size {size} (layer {layer}) does not split over "

@@ -99,20 +99,27 @@ class _LazyTensor:
 
 
 def weights_source(model_dir, context: RankContext):
-    """(directory to read, weight layout to plan it with, tp rank) for this rank of `context`."""
+    """(directory to read, weight layout to plan it with, tp rank) for this rank of `context`
+    (check_checkpoint has accepted a converted folder)."""
     model_dir = Path(model_dir)
     if is_converted(model_dir):
-        check_checkpoint(model_dir, context.layout, context.rank)
         return model_dir / rank_dir_name(context.tp_rank), Layout(), 0
     return model_dir, context.layout, context.tp_rank
 
 
-def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankContext, **kwargs):
-    """`from_pretrained` (transformers', bound to model class `cls`) fed this rank's tensors lazily."""
-    from transformers import GenerationConfig
-    weights_dir, layout, tp_rank = weights_source(model_dir, context)
+def plan_rank(weights_dir: Path, layout: Layout, tp_rank: int):
+    """(CheckpointFiles, this rank's RankTensors) of a weights directory."""
     files = CheckpointFiles(weights_dir)
-    tensors = rank_tensors(files, json.loads((weights_dir / "config.json").read_text()), layout, tp_rank)
+    return files, rank_tensors(files, json.loads((weights_dir / "config.json").read_text()), layout, tp_rank)
+
+
+def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankContext, **kwargs):
+    """`from_pretrained` (transformers', bound to model class `cls`) fed this rank's tensors lazily,
+    then spot-checked against the checkpoint."""
+    from transformers import GenerationConfig
+    check_checkpoint(model_dir, context.layout, context.rank)
+    weights_dir, layout, tp_rank = weights_source(model_dir, context)
+    files, tensors = plan_rank(weights_dir, layout, tp_rank)
     lazy = {t.name: _LazyTensor(t, files) for t in tensors}
     config = kwargs.pop("config", None)
     if config is None:
@@ -121,6 +128,9 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
     with building(context):
         result = from_pretrained(None, config=config, state_dict=lazy, **kwargs)
     model = result[0] if isinstance(result, tuple) else result
+    if isinstance(result, tuple):       # output_loading_info=True: the keys first, then the values
+        _check_loaded(weights_dir, result[1])
+    spot_check_values(model, files, tensors)
     if (weights_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(weights_dir))
     return result
@@ -136,13 +146,14 @@ def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_imp
     kwargs = dict(attn_implementation=attn_impl, dtype="auto", moe_impl=moe_impl, output_loading_info=True)
     if context.device.is_accelerator:
         kwargs["device_map"] = {"": context.device.torch_device}
-    if per_rank:
-        model, info = cls.from_pretrained(str(model_dir), rank_context=context, **kwargs)
+    if per_rank:       # the patched from_pretrained: from_pretrained_by_slices, loaded keys and values checked
+        model, _ = cls.from_pretrained(str(model_dir), rank_context=context, **kwargs)
+        weights_dir = weights_source(model_dir, context)[0]
     else:
         model, info = cls.from_pretrained(str(model_dir), **kwargs)
-    weights_dir, layout, tp_rank = weights_source(model_dir, context) if per_rank else (model_dir, Layout(), 0)
-    _check_loaded(weights_dir, info)
-    spot_check_values(model, weights_dir, layout, tp_rank)
+        weights_dir = model_dir
+        _check_loaded(weights_dir, info)
+        spot_check_values(model, *plan_rank(model_dir, Layout(), 0))
     model.load_tokenizer(load_tokenizer(weights_dir))
     return model.eval()
 
@@ -152,33 +163,31 @@ SPOT_CHECK_COUNT = 8
 SPOT_CHECK_FIRST = ("mlp.gate.wg.weight", "final_layer", "norm")     # what transformers 5.3.0 was seen to change
 
 
-def spot_check_plan(files, weights_dir: Path, layout: Layout, tp_rank: int, state: dict) -> list:
+def spot_check_plan(tensors: list, state: dict) -> list:
     """The tensors spot_check_values reads again: the first of each kind in SPOT_CHECK_FIRST, then
     others spread evenly over the checkpoint, SPOT_CHECK_COUNT in all, each at most SPOT_CHECK_BYTES."""
-    planned = [t for t in rank_tensors(files, json.loads((weights_dir / "config.json").read_text()), layout, tp_rank)
-               if t.name in state and t.nbytes <= SPOT_CHECK_BYTES]
-    first = [next(t for t in planned if part in t.name) for part in SPOT_CHECK_FIRST
-             if any(part in t.name for t in planned)]
+    planned = [t for t in tensors if t.name in state and t.nbytes <= SPOT_CHECK_BYTES]
+    first = [match for part in SPOT_CHECK_FIRST if (match := next((t for t in planned if part in t.name), None))]
     rest = [t for t in planned if t not in first]
     step = max(1, len(rest) // max(1, SPOT_CHECK_COUNT - len(first)))
     return first + rest[::step][:SPOT_CHECK_COUNT - len(first)]
 
 
-def spot_check_values(model, weights_dir: Path, layout: Layout, tp_rank: int) -> None:
-    """A few small loaded tensors against the checkpoint's bytes. transformers 5.3.0's from_pretrained
-    leaves dozens of loaded tensors (LM head, MoE gates, shared MLP, experts) different from the
-    checkpoint without reporting a missing key: a silent change must be an error, not a wrong image."""
+def spot_check_values(model, files: CheckpointFiles, tensors: list) -> None:
+    """A few small loaded tensors against the checkpoint's bytes (`tensors`: the rank's plan of
+    `files`). transformers 5.3.0's from_pretrained leaves dozens of loaded tensors (LM head, MoE
+    gates, shared MLP, experts) different from the checkpoint without reporting a missing key: a
+    silent change must be an error, not a wrong image."""
     import torch
     import transformers
-    files = CheckpointFiles(weights_dir)
     state = model.state_dict()
-    for tensor in spot_check_plan(files, weights_dir, layout, tp_rank, state):
+    for tensor in spot_check_plan(tensors, state):
         loaded = state[tensor.name].detach().to("cpu")
         expected = tensor.read(files)
         if loaded.shape != expected.shape or not torch.equal(loaded.to(expected.dtype), expected):
-            raise LoadingError(f"model-id: after loading, {tensor.name} differs from {weights_dir}; transformers "
-                               f"{transformers.__version__} changed weights after loading them (5.3.0 is known to); use transformers "
-                               f"5.2.0 or 5.23.0")
+            raise LoadingError(f"model-id: after loading, {tensor.name} differs from {files.directory}; transformers "
+                               f"{transformers.__version__} changed weights after loading them (5.3.0 is known to); "
+                               f"use transformers 5.2.0 or 5.23.0")
 
 
 def _check_loaded(model_dir: Path, info: dict) -> None:

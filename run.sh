@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Launch a job from a YAML config: run.sh [CONFIG_YAML] [--dry-run]
+# Check this node first: run.sh --selfcheck [--device npu|cuda|cpu] [--nproc N] (utils/selfcheck.py)
 # Default config: config/tiny_cpu.yaml. Keys: config/README.md. Logic: utils/launch.py.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--save-text", type=str, default=None,
                    help="write the think / recaption text the image is conditioned on (UTF-8) to this path")
     p.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
+    p.add_argument("--noise-on-cpu", action="store_true",
+                   help="draw the initial noise on the CPU (upstream draws it on the model's device): the same "
+                        "seed then starts from the same latents on CPU, CUDA and NPU")
     p.add_argument("--warmup", type=int, default=0, help="untimed generations before the timed ones")
     p.add_argument("--rounds", type=int, default=1, help="timed generations")
     p.add_argument("--metrics-json", type=str, default=None)
@@ -315,8 +318,9 @@ def run(args, phase: "JobPhase | None" = None):
     check_checkpoint_files(Path(args.model_id))      # after the layout: the cheaper, likelier mistake first
     check_prompt_length(args)
     t0 = time.perf_counter()
-    device = model_adaptor.apply(args.device, shims_only=args.adaptor == "shims",
-                                 local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    from adaptor_patches.kernels.device import resolve
+    device = resolve(args.device, int(os.environ.get("LOCAL_RANK", 0)), cpu_noise=args.noise_on_cpu)
+    device = model_adaptor.apply(device, shims_only=args.adaptor == "shims")
     device.make_current()
     multi_stream = {"on": True, "off": False, None: None}[args.multi_stream]
     context = RankContext(layout, rank, device, multi_stream)

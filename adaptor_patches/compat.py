@@ -40,7 +40,8 @@ class _DeviceNeutralCuda:
 
 
 class DeviceNeutralTorch(types.ModuleType):
-    """The `torch` module as upstream should see it on `device`: only `cuda` and `autocast` differ."""
+    """The `torch` module as upstream should see it on `device`: only `cuda`, `autocast` and
+    `Generator` (where the initial noise is drawn: Device.noise_generator) differ."""
 
     def __init__(self, device: Device):
         super().__init__("torch")
@@ -52,6 +53,9 @@ class DeviceNeutralTorch(types.ModuleType):
             device_type = self._device.autocast_type
         return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled,
                               cache_enabled=cache_enabled)
+
+    def Generator(self, device="cpu"):      # noqa: N802 (upstream's only call: the initial noise's generator)
+        return self._device.noise_generator(device)
 
     def __getattr__(self, name):
         return getattr(torch, name)

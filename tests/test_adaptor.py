@@ -94,3 +94,19 @@ def test_sha_mismatch_is_refused_unless_overridden(tmp_path):
     refused, applied = out.stdout.strip().splitlines()
     assert refused.startswith("refused: upstream:") and "hunyuan.py" in refused, out.stdout
     assert applied == "applied", out.stdout
+
+
+@pytest.mark.parametrize("shims_only", [False, True])
+def test_noise_on_cpu_gives_upstream_a_cpu_generator_for_any_model_device(shims_only):
+    """--noise-on-cpu: upstream's `torch.Generator(self.device)` (the initial latents') lands on the CPU
+    whatever device the model is on, so one seed starts alike on CPU, CUDA and NPU."""
+    from adaptor_patches.kernels.device import Device
+    import hunyuan_image_3.hunyuan as upstream
+    model_adaptor.apply(Device("cpu", cpu_noise=True), shims_only=shims_only)
+    for device in ("cuda", torch.device("cuda", 3), "npu:1"):
+        generator = upstream.torch.Generator(device)
+        assert generator.device == torch.device("cpu")
+    same_seed = [upstream.torch.Generator("cuda").manual_seed(5) for _ in range(2)]
+    assert torch.equal(torch.randn(4, generator=same_seed[0]), torch.randn(4, generator=same_seed[1]))
+    model_adaptor.apply(Device("cpu"), shims_only=shims_only)
+    assert upstream.torch.Generator("cpu").device == torch.device("cpu")

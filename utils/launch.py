@@ -1,6 +1,7 @@
 """YAML -> validated -> torchrun launcher behind run.sh. Keys: config/README.md.
 
 Usage: run.sh [CONFIG_YAML] [--dry-run]   (default: config/tiny_cpu.yaml)
+       run.sh --selfcheck [--device D] [--nproc N] ...   (utils/selfcheck.py: is this node ready?)
 
 Any bad input stops it before anything starts: one stderr line `error: <field>: <problem>; <fix>`,
 exit code 2. YAML paths are relative to the project root, where the job runs. The job's output
@@ -26,14 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
 TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
-USAGE = "usage: run.sh [CONFIG_YAML] [--dry-run]"
+USAGE = "usage: run.sh [CONFIG_YAML] [--dry-run] | run.sh --selfcheck [--device D] [--nproc N]"
 
 REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
 DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False,
             "dist_timeout": None}
 TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
 DEVICES = ("auto", "npu", "cuda", "cpu")
-SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce")
+SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce", "noise-on-cpu")
 NUMBERS = {"diff-infer-steps": (1, None), "seed": (0, 2**32 - 1), "warmup": (0, None), "rounds": (1, None),
            "verbose": (0, None), "max-new-tokens": (1, None)}
 SCALARS = (str, int, float, bool)
@@ -459,6 +460,9 @@ def run(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
+    if argv and argv[0] == "--selfcheck":
+        import selfcheck
+        return selfcheck.main(argv[1:])
     path, dry_run = parse_argv(argv)
     job = check_top(load_config(path))
     config = check_model_args(job["model_args"], job["build_tiny_model"])

@@ -45,6 +45,7 @@ def _accelerator_module(kind: str):
 class Device:
     kind: str
     index: Optional[int] = None
+    cpu_noise: bool = False      # draw the initial noise on the CPU: the same seed starts alike on every device
 
     @property
     def torch_device(self) -> torch.device:
@@ -103,6 +104,12 @@ class Device:
     def autocast_type(self) -> str:
         return self.kind
 
+    def noise_generator(self, upstream_device) -> torch.Generator:
+        """Upstream seeds `torch.Generator(model.device)` for the initial latents, so one seed gives
+        different noise on CPU, CUDA and NPU. With cpu_noise the generator lives on the CPU (diffusers
+        then draws there and moves the noise over), which makes runs on different devices comparable."""
+        return torch.Generator("cpu" if self.cpu_noise else upstream_device)
+
     # What upstream's CUDA-only calls mean here (used by compat.py).
     def apply_upstream_set_device(self, index) -> None:
         """Upstream calls torch.cuda.set_device(tensor.device.index): meaningful on CUDA only."""
@@ -125,6 +132,71 @@ class Device:
         return self.kind == "cuda"
 
 
+    # ------------------------------------------------------------ profiling (the self-check)
+
+    def profile_kernels(self, fn, out_dir) -> tuple:
+        """Run fn() under the device's profiler; return (chrome trace path, {stream: [(start_us, end_us)]}
+        of device kernels). CUDA: torch.profiler, kernels are `cat: kernel` events with `args.stream`.
+        NPU: torch_npu.profiler, whose parsed trace_view.json marks device tasks with `args["Stream Id"]`
+        (from the Ascend profiler docs; NOT run on hardware here). CPU: a CPU-only trace, no kernels."""
+        from pathlib import Path
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if self.kind == "npu":
+            import torch_npu
+            activities = [torch_npu.profiler.ProfilerActivity.CPU, torch_npu.profiler.ProfilerActivity.NPU]
+            with torch_npu.profiler.profile(activities=activities,
+                                            on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(str(out_dir))):
+                fn()
+                self.synchronize()
+            traces = sorted(out_dir.glob("*_ascend_pt/ASCEND_PROFILER_OUTPUT/trace_view.json"),
+                            key=lambda p: p.stat().st_mtime)
+            if not traces:
+                raise DeviceError(f"profiler: torch_npu wrote no trace_view.json under {out_dir}")
+            path = traces[-1]
+        else:
+            from torch.profiler import ProfilerActivity, profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.kind == "cuda" else [])
+            with profile(activities=activities) as prof:
+                fn()
+                self.synchronize()
+            path = out_dir / "trace.json"
+            prof.export_chrome_trace(str(path))
+        return path, kernels_by_stream(path)
+
+
+def kernels_by_stream(trace_path) -> dict:
+    """{stream id: merged [(start, end)] busy intervals} of the device kernels in a chrome trace."""
+    import json
+    from pathlib import Path
+    data = json.loads(Path(trace_path).read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    streams: dict = {}
+    for event in events:
+        args = event.get("args") or {}
+        if "dur" not in event:
+            continue
+        if event.get("cat") == "kernel" and "stream" in args:
+            stream = args["stream"]
+        elif "Stream Id" in args and event.get("ph") == "X":
+            stream = args["Stream Id"]
+        else:
+            continue
+        start = float(event["ts"])
+        streams.setdefault(stream, []).append((start, start + float(event["dur"])))
+    return {stream: merge_intervals(spans) for stream, spans in streams.items()}
+
+
+def merge_intervals(spans) -> list:
+    merged: list = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
 def detect_kind() -> str:
     if _npu_module() is not None and torch.npu.is_available():
         return "npu"
@@ -133,7 +205,7 @@ def detect_kind() -> str:
     return "cpu"
 
 
-def resolve(requested: str = "auto", local_rank: int = 0) -> Device:
+def resolve(requested: str = "auto", local_rank: int = 0, cpu_noise: bool = False) -> Device:
     """Turn `--device auto|npu|cuda|cpu` into a Device bound to this process's local rank."""
     if requested not in DEVICE_CHOICES:
         raise DeviceError(f"device: unknown '{requested}'; choose one of {', '.join(DEVICE_CHOICES)}")
@@ -144,9 +216,9 @@ def resolve(requested: str = "auto", local_rank: int = 0) -> Device:
     if kind == "cuda" and not torch.cuda.is_available():
         raise DeviceError("device: cuda requested but no CUDA device is visible; use --device cpu")
     if kind == "cpu":
-        return Device("cpu")
+        return Device("cpu", cpu_noise=cpu_noise)
     count = _accelerator_module(kind).device_count()
-    return Device(kind, local_rank % max(count, 1))
+    return Device(kind, local_rank % max(count, 1), cpu_noise)
 
 
 def platform_env_defaults(kind: str) -> dict:

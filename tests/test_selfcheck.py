@@ -1,0 +1,185 @@
+"""utils/selfcheck.py and utils/checks/: the node self-check runs everything CPU can run, and fails
+when a kernel, a collective or a generation is wrong. The NPU kernel set runs against the torch_npu
+test double (tests/npu_double.py), which implements the documented op semantics."""
+import contextlib
+import io
+import json
+import os
+import stat
+import subprocess
+
+import pytest
+import torch
+
+import npu_double
+from adaptor_patches.kernels import make_kernels
+from adaptor_patches.kernels.device import Device, kernels_by_stream
+from utils import selfcheck
+from utils.checks import SHAPES
+from utils.checks.generation import layout_flags
+from utils.checks.kernels import kernel_checks
+from utils.checks.moe_stream import moe_stream_checks, overlap_share
+
+ROOT = selfcheck.ROOT
+
+
+def run_selfcheck(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = selfcheck.main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("form", ["loop", "grouped_mm", "cpu", "npu"])
+def test_every_kernel_set_passes_against_the_reference(form):
+    kernels = make_kernels(form, npu=npu_double) if form == "npu" else make_kernels(form)
+    results = kernel_checks(kernels, torch.device("cpu"), SHAPES["small"])
+    assert len(results) == 8
+    assert [r.status for r in results] == ["pass"] * 8, [(r.check, r.value, r.detail) for r in results]
+
+
+class SwapsSwigluHalves(type(make_kernels("cpu"))):
+    name = "broken-swiglu"
+
+    def swiglu(self, x):
+        up, gate = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+
+class DropsLastExpertCount(type(make_kernels("loop"))):
+    name = "broken-permute"
+
+    def permute(self, x, topk_idx, num_experts):
+        sorted_x, row_idx, counts = super().permute(x, topk_idx, num_experts)
+        counts = counts.clone()
+        counts[-1] -= 1
+        return sorted_x, row_idx, counts
+
+
+def test_a_wrong_kernel_fails_its_check_and_only_its_own():
+    results = {r.check: r for r in kernel_checks(SwapsSwigluHalves(), torch.device("cpu"), SHAPES["small"])}
+    assert results["swiglu"].status == "fail" and results["swiglu"].value > 0.1
+    assert results["permute (init_routing)"].status == "pass"
+    results = {r.check: r for r in kernel_checks(DropsLastExpertCount(), torch.device("cpu"), SHAPES["small"])}
+    assert results["permute (init_routing)"].status == "fail"
+    assert results["grouped_matmul (gate/up)"].status == "pass"
+
+
+def test_overlap_share_from_cuda_and_npu_style_traces(tmp_path):
+    # main stream busy 0-100, side stream busy 50-80 and 90-120: 40 us of the side's 60 run concurrently.
+    cuda = [{"cat": "kernel", "ts": 0, "dur": 60, "args": {"stream": 7}},
+            {"cat": "kernel", "ts": 60, "dur": 40, "args": {"stream": 7}},
+            {"cat": "kernel", "ts": 50, "dur": 30, "args": {"stream": 13}},
+            {"cat": "kernel", "ts": 90, "dur": 30, "args": {"stream": 13}},
+            {"cat": "cpu_op", "ts": 0, "dur": 500, "args": {}}]
+    npu = [{"ph": "X", "ts": e["ts"], "dur": e["dur"], "args": {"Stream Id": e["args"]["stream"], "Task Type": "AI_CORE"}}
+           for e in cuda[:4]] + [{"ph": "X", "ts": 0, "dur": 500, "name": "aten::mm", "args": {}}]
+    for name, events in (("cuda", {"traceEvents": cuda}), ("npu", npu)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(events))
+        streams = kernels_by_stream(path)
+        assert streams[7] == [[0, 100]], name
+        pct, details = overlap_share(streams)
+        assert pct == pytest.approx(40 / 60) and details["side_busy_us"] == 60, name
+    assert overlap_share({7: [[0, 100]]})[0] is None
+
+
+def test_moe_stream_section_on_cpu_runs_inline_and_equal(tmp_path):
+    import model_adaptor
+    device = model_adaptor.apply("cpu")
+    try:
+        results = {r.check: r for r in moe_stream_checks(device, SHAPES["small"], tmp_path, repeat=1)}
+    finally:
+        model_adaptor.remove()
+    assert results["outputs identical, stream on / off"].status == "pass"
+    assert results["layer time, stream on"].value > 0 and results["layer time, shared only"].value > 0
+    assert results["overlap_pct (profiler)"].status == "skip"
+
+
+def test_profile_kernels_writes_a_trace_on_cpu(tmp_path):
+    trace, streams = Device("cpu").profile_kernels(lambda: torch.ones(64, 64) @ torch.ones(64, 64), tmp_path)
+    assert trace.is_file() and "traceEvents" in json.loads(trace.read_text())
+    assert streams == {}
+
+
+def test_generation_layout_is_the_widest_the_tiny_model_splits_into():
+    config = json.loads((ROOT / "models" / "tiny" / "config.json").read_text()) \
+        if (ROOT / "models" / "tiny" / "config.json").is_file() else \
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_hidden_layers": 2,
+         "intermediate_size": 256, "moe_intermediate_size": 64, "num_shared_expert": 1}
+    assert layout_flags(2, config) == ("--cfg-parallel", "--moe-ep", "--vae-parallel")
+    assert layout_flags(4, config) == ("--cfg-parallel", "--moe-ep", "--vae-parallel")
+    assert layout_flags(3, config) is None          # 3 does not divide 4 heads; CFG needs an even count
+
+
+@pytest.mark.parametrize("argv, field", [(["--device", "cpu", "--nproc", "0"], "nproc"),
+                                         (["--device", "cpu", "--skip", "kernels,bogus"], "skip"),
+                                         (["--device", "cpu", "--collective-mib", "0"], "collective-mib")])
+def test_bad_arguments_are_one_error_line_and_exit_2(argv, field, tmp_path):
+    code, out, err = run_selfcheck(*argv, "--out", tmp_path)
+    assert code == 2 and err.startswith(f"error: {field}:") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "selfcheck.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_that_is_not_there_is_refused(tmp_path):
+    code, _, err = run_selfcheck("--device", "cuda", "--out", tmp_path)
+    assert code == 2 and err.startswith("error: device: cuda requested")
+
+
+def test_a_failing_check_makes_the_exit_code_1(tmp_path, monkeypatch):
+    import adaptor_patches.kernels as kernels
+    monkeypatch.setattr(kernels, "kernels_for", lambda kind: SwapsSwigluHalves())
+    try:
+        code, out, _ = run_selfcheck("--device", "cpu", "--skip", "moe-stream,collectives,generation",
+                                     "--out", tmp_path)
+    finally:
+        import model_adaptor
+        model_adaptor.remove()
+    report = json.loads((tmp_path / "selfcheck.json").read_text())
+    failed = [r["check"] for r in report["results"] if r["status"] == "fail"]
+    assert "swiglu" in failed and "permute (init_routing)" not in failed, failed
+    assert code == 1 and f"{len(failed)} check(s) FAILED" in out and "FAIL" in out
+    assert report["failed"] == len(failed)
+
+
+@pytest.mark.slow
+def test_run_sh_selfcheck_on_cpu_passes_every_section(tmp_path):
+    """What a user runs: every section on CPU with 2 gloo ranks (collectives, a 2-rank generation)."""
+    proc = subprocess.run(["bash", "run.sh", "--selfcheck", "--device", "cpu", "--nproc", "2", "--repeat", "2",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "selfcheck.json").read_text())
+    assert stat.S_IMODE((tmp_path / "selfcheck.json").stat().st_mode) == 0o644
+    by_section = {}
+    for r in report["results"]:
+        by_section.setdefault(r["section"], []).append(r)
+    assert set(by_section) == set(selfcheck.SECTIONS)
+    assert report["failed"] == 0
+    collectives = {r["check"]: r for r in by_section["collectives"]}
+    assert all(collectives[f"{op}, 2 ranks"]["status"] == "pass" for op in ("all_reduce", "all_gather",
+                                                                           "all_to_all (uneven)"))
+    assert collectives["all_to_all bus bandwidth"]["value"] > 0
+    generation = {r["check"]: r for r in by_section["generation"]}
+    assert generation["cpu-2ranks vs cpu-1rank"]["status"] == "pass"
+    assert generation["cpu-2ranks vs cpu-1rank"]["value"] < 0.03
+    assert "section" in proc.stdout.splitlines()[0] and "all checks passed" in proc.stdout
+
+
+def test_collectives_section_catches_a_wrong_all_to_all(monkeypatch, tmp_path):
+    """The exact-value check of the uneven all_to_all fails when the received rows are wrong (one
+    rank, gloo: the same code path as N ranks, with the ranks' splits computed for n = 1)."""
+    import torch.distributed as dist
+    from utils.checks import collectives
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{collectives.free_port()}", rank=0, world_size=1)
+    try:
+        assert all(collectives.correctness(dist, torch.device("cpu"), 0, 1).values())
+        real = dist.all_to_all_single
+        monkeypatch.setattr(dist, "all_to_all_single",
+                            lambda out, inp, **kw: (real(out, inp, **kw), out.add_(1)))
+        assert collectives.correctness(dist, torch.device("cpu"), 0, 1)["all_to_all (uneven)"] is False
+    finally:
+        dist.destroy_process_group()

@@ -27,6 +27,20 @@ def _require_rows(t, name: str) -> None:
     _require(t.numel() > 0, f"{name} is empty (empty tensors are unsupported)")
 
 
+ACL_FORMATS = {2: "ND", 29: "FRACTAL_NZ"}
+format_casts: list = []          # (shape, acl_format) of every npu_format_cast call, for tests to inspect
+
+
+def npu_format_cast(tensor, acl_format, *, customize_dtype=None, input_dtype=None):
+    """A storage-format change: the values (and what every op computes from them) stay the same; the
+    double returns the same values and records the call (the fractal layout itself is not modelled)."""
+    _require(acl_format in ACL_FORMATS, f"acl_format {acl_format} is not one of {ACL_FORMATS}")
+    _require(customize_dtype is None and input_dtype is None, "dtype customisation is not modelled")
+    _require(tensor.dim() >= 2, "NZ needs at least a 2-D tensor")
+    format_casts.append((tuple(tensor.shape), acl_format))
+    return tensor.clone()
+
+
 def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, group_type=None, group_list_type=0,
                        split_item=0, **unsupported):
     """One matmul per contiguous row group of x[0] against weight[0][g] ([G, in, out])."""

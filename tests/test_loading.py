@@ -184,3 +184,23 @@ def test_a_loaded_weight_that_differs_from_the_checkpoint_is_refused(tiny_model)
             spot_check_values(model, files, tensors)
     finally:
         model_adaptor.remove()
+
+
+def test_npu_experts_are_stored_nz_after_loading_with_the_same_values(tiny_model):
+    """The NPU kernel set stores stacked expert weights in FRACTAL_NZ (npu_format_cast(w, 29), via the
+    torch_npu test double) once loading and its checks are done; every value stays the checkpoint's."""
+    import model_adaptor
+    import npu_double
+    from adaptor_patches.kernels import make_kernels
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.weights.load import load_model
+    device = model_adaptor.apply("cpu")
+    try:
+        plain = load_model(tiny_model, RankContext(device=device)).state_dict()
+        npu_double.format_casts.clear()
+        nz = load_model(tiny_model, RankContext(device=device, kernels=make_kernels("npu", npu=npu_double))).state_dict()
+    finally:
+        model_adaptor.remove()
+    experts = sorted((tuple(v.shape), 29) for k, v in plain.items() if k.endswith(("experts.w13", "experts.w2")))
+    assert experts and sorted(npu_double.format_casts) == experts
+    assert set(nz) == set(plain) and all(torch.equal(nz[k], plain[k]) for k in plain)

@@ -1,11 +1,19 @@
 """The Ascend kernel set: torch_npu's fused ops where one exists, the torch set's steps elsewhere.
 
     grouped_matmul   torch_npu.npu_grouped_matmul (group_list_type=1: per-group counts)
+    expert weights   npu_format_cast(w, 29): stored in the FRACTAL_NZ format the cube unit reads
+                     (same values; done once after loading, as the cann-recipes recipe does)
     permute          npu_moe_init_routing_v2 (dropless, token-major row index)
     unpermute        npu_moe_finalize_routing (drop_pad_mode=2)
     regroup          npu_moe_re_routing (fp16/bf16 rows)
     swiglu           npu_swiglu (silu of the first half)
     attention        npu_fused_infer_attention_score (BNSD, mask inverted: the op masks where True)
+
+Considered and not adopted (issue 13): fusing the shared-MLP add into finalize_routing (skip1)
+rounds once where upstream rounds twice (routed sum, then + shared), so it is not the same math,
+and saves one [T, H] elementwise pass per layer (~0.5 % of a step by bandwidth); splitting the
+attention into a causal text part (sparse_mode) and an unmasked image part is the same math but
+needs the mask's structure recognised per forward, and its gain has to be measured on an NPU first.
 
 Written from the torch_npu 2.13 schemas and the Ascend docs (../shared/reference); NOT run on
 Ascend hardware in this project. Tested on CPU against tests/npu_double.py, a test double that
@@ -21,12 +29,18 @@ import torch
 from .torch_kernels import LoopKernels
 
 
+ACL_FORMAT_FRACTAL_NZ = 29
+
+
 class NpuKernels(LoopKernels):
     name = "npu"
 
     def __init__(self, npu=None):
         self.npu = npu if npu is not None else importlib.import_module("torch_npu")
         self._mask_in, self._mask_out = None, None      # (mask, its version), inverted: _masked_positions
+
+    def expert_weight_storage(self, w):
+        return self.npu.npu_format_cast(w, ACL_FORMAT_FRACTAL_NZ)
 
     def grouped_matmul(self, x, w, counts):
         if x.shape[0] == 0:

@@ -1,6 +1,7 @@
 """The kernels of the MoE and attention in plain torch: the reference every other set is tested against.
 
     routed_experts(x, topk_weight, topk_idx, w13, w2)   the whole routed path of one MoE layer
+    expert_weight_storage(w)               how stacked expert weights are stored (once, after loading)
     expert_mlp(sorted_x, w13, w2, counts)  down(SwiGLU(gate/up(rows))) per expert group
     shared_mlp(x, gate_and_up, down)       upstream HunyuanMLP's math on its nn.Linear weights
     grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
@@ -43,6 +44,11 @@ class LoopKernels:
     name = "loop"
 
     # ------------------------------------------------------------ expert MLPs
+
+    def expert_weight_storage(self, w: torch.Tensor) -> torch.Tensor:
+        """The stacked expert weight [E, in, out] stored as this set's grouped matmul reads it best
+        (same values); called once after loading. Plain torch: as it is."""
+        return w
 
     def routed_experts(self, x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:

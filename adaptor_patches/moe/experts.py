@@ -34,6 +34,13 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w13, std=init_std)
         nn.init.normal_(self.w2, std=init_std)
 
+    def adopt_kernel_storage(self) -> None:
+        """Store w13 / w2 as the kernel set's grouped matmul reads them best (NPU: FRACTAL_NZ); the
+        values do not change. After loading: the loader and its spot check see the plain layout."""
+        with torch.no_grad():
+            self.w13.data = self.kernels.expert_weight_storage(self.w13.data)
+            self.w2.data = self.kernels.expert_weight_storage(self.w2.data)
+
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows already grouped by local expert (EP, after the all-to-all)."""
         return self.kernels.expert_mlp(sorted_x, self.w13, self.w2, counts)

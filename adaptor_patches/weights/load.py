@@ -155,7 +155,16 @@ def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_imp
         _check_loaded(weights_dir, info)
         spot_check_values(model, *plan_rank(model_dir, Layout(), 0))
     model.load_tokenizer(load_tokenizer(weights_dir))
+    adopt_kernel_storage(model)
     return model.eval()
+
+
+def adopt_kernel_storage(model) -> None:
+    """Stacked experts take the storage their kernel set prefers (NPU: NZ), once the weights are checked."""
+    from ..moe.experts import GroupedExperts
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.adopt_kernel_storage()
 
 
 SPOT_CHECK_BYTES = 4 << 20          # only small tensors are read a second time

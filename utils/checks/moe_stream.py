@@ -73,7 +73,7 @@ def overlap_share(streams: dict):
     return pct, {"streams": len(streams), "main_busy_us": busy(main), "side_busy_us": side_busy}
 
 
-def moe_stream_checks(device, shape: dict, out_dir: Path, repeat: int = 10, profiles: int = 3) -> list:
+def moe_stream_checks(device, shape: dict, out_dir: Path, repeat: int = 10, profiles: int = 5) -> list:
     from adaptor_patches.parallel.context import RankContext
     context = RankContext(device=device, multi_stream=True)
     layer = build_layer(shape, context)

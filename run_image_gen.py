@@ -1,9 +1,12 @@
-"""Generate an image with HunyuanImage-3.0 through the parallel adaptor.
+"""Generate images with HunyuanImage-3.0 through the parallel adaptor.
 
 Flags are upstream's (`--prompt --model-id --attn-impl --moe-impl --seed --diff-infer-steps
 --image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`) plus
 ours (`--device --warmup --rounds --metrics-json`, parallel switches, `--adaptor`). Works as one
 process or under torchrun. Rank 0 writes the PNG (atomically) and the metrics JSON.
+
+Three modes, one model load each: `--prompt TEXT` (one image), `--prompts FILE` (every line of a
+prompts file: utils/batch_job.py) and `--serve` (an HTTP images API on rank 0: utils/image_server.py).
 """
 from __future__ import annotations
 
@@ -14,16 +17,16 @@ import os
 import platform
 import random
 import sys
-import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-
-class UsageError(Exception):
-    pass
+from utils import many_images  # noqa: E402
+from utils.many_images import default_request  # noqa: E402
+from utils.outputs import UsageError, check_output_path, write_atomically  # noqa: E402
 
 
 DEFAULT_DIST_TIMEOUT_S = 1200.0      # like the HCCL connect/exec timeouts cann-recipes sets
@@ -31,7 +34,17 @@ DEFAULT_DIST_TIMEOUT_S = 1200.0      # like the HCCL connect/exec timeouts cann-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser("run_image_gen.py", description=__doc__.splitlines()[0])
-    p.add_argument("--prompt", type=str, required=True)
+    p.add_argument("--prompt", type=str, default=None, help="one image (or --prompts / --serve)")
+    p.add_argument("--prompts", type=str, default=None,
+                   help="a prompts file: one prompt per line, or .jsonl lines with prompt and optionally seed, "
+                        "image_size, diff_infer_steps, bot_task, save")
+    p.add_argument("--save-dir", type=str, default="outputs/batch", help="where --prompts writes its images")
+    p.add_argument("--skip-existing", action="store_true", help="--prompts: skip lines whose image exists")
+    p.add_argument("--serve", action="store_true", help="serve POST /v1/images/generations until SIGTERM")
+    p.add_argument("--host", type=str, default="127.0.0.1", help="--serve's address (loopback by default)")
+    p.add_argument("--port", type=int, default=8000, help="--serve's port (0: any free one)")
+    p.add_argument("--queue-size", type=int, default=8, help="--serve: requests that may wait; more get 503")
+    p.add_argument("--max-n", type=int, default=4, help="--serve: most images one request may ask for")
     p.add_argument("--model-id", type=str, default="./HunyuanImage-3")
     p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--moe-impl", default="eager", choices=["eager"])
@@ -42,7 +55,7 @@ def parse_args(argv=None):
                    choices=["None", "dynamic", "en_vanilla", "en_recaption", "en_think_recaption", "custom"])
     p.add_argument("--system-prompt", type=str, default=None)
     p.add_argument("--bot-task", type=str, default=None, choices=["image", "auto", "think", "recaption"])
-    p.add_argument("--save", type=str, default="image.png")
+    p.add_argument("--save", type=str, default=None, help="--prompt's image (default image.png)")
     p.add_argument("--verbose", type=int, default=0)
     p.add_argument("--reproduce", action="store_true")
     p.add_argument("--max-new-tokens", type=int, default=None,
@@ -75,9 +88,47 @@ SEED_RANGE = (0, 2**32 - 1)      # the launcher's rule too (utils/launch.py NUMB
 OUTPUT_FLAGS = ("save", "metrics_json", "save_latents", "save_text")
 
 
+SINGLE_ONLY = {"save": None, "save_text": None, "save_latents": None, "metrics_json": None, "warmup": 0, "rounds": 1}
+
+
+def validate_mode(args):
+    modes = [flag for flag, on in (("--prompt", args.prompt is not None), ("--prompts", args.prompts is not None),
+                                   ("--serve", args.serve)) if on]
+    if len(modes) != 1:
+        raise UsageError(f"prompt: pass exactly one of --prompt TEXT, --prompts FILE or --serve (got "
+                         f"{', '.join(modes) or 'none'})")
+    if modes[0] == "--prompt":
+        if args.save is None:
+            args.save = "image.png"
+        if not args.prompt.strip():
+            raise UsageError("prompt: empty; pass --prompt 'a description'")
+        return
+    for name, default in SINGLE_ONLY.items():
+        if getattr(args, name) != default:
+            raise UsageError(f"{name.replace('_', '-')}: only with --prompt; {modes[0]} writes "
+                             f"{'one file per image into --save-dir' if args.prompts else 'nothing'}, drop it")
+    if args.serve:
+        if not 0 <= args.port <= 65535:
+            raise UsageError(f"port: {args.port} is not in 0..65535; use e.g. 8000")
+        if not args.host.strip():
+            raise UsageError("host: empty; use 127.0.0.1 (this machine only) or an address to listen on")
+        for name, lo in (("queue_size", 1), ("max_n", 1)):
+            if getattr(args, name) < lo:
+                raise UsageError(f"{name.replace('_', '-')}: must be >= {lo}, got {getattr(args, name)}")
+
+
+def read_requests(args) -> list:
+    """--prompts: every line checked before any weight is read (rank 0; the others are handed them)."""
+    from utils.image_requests import RequestChecker, RequestError, read_prompts_file
+    check_output_path("save-dir", str(Path(args.save_dir) / "metrics.jsonl"))
+    try:
+        return read_prompts_file(args.prompts, default_request(args), args.save_dir, RequestChecker(args.model_id))
+    except RequestError as exc:
+        raise UsageError(f"prompts: {args.prompts}: {exc}") from None
+
+
 def validate(args):
-    if not args.prompt.strip():
-        raise UsageError("prompt: empty; pass --prompt 'a description'")
+    validate_mode(args)
     if args.seed is not None and not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
         raise UsageError(f"seed: {args.seed} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]}; pass a seed in that range "
                          f"or none (rank 0 picks one)")
@@ -100,6 +151,8 @@ def validate(args):
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     check_text_task(args)
+    if args.prompts is not None and int(os.environ.get("RANK", "0")) == 0:
+        args.requests = read_requests(args)
     if int(os.environ.get("RANK", "0")) == 0:           # only rank 0 writes outputs
         for flag in OUTPUT_FLAGS:
             if getattr(args, flag) is not None:
@@ -150,29 +203,6 @@ def check_prompt_length(args) -> None:
     if tokens >= limit:
         raise UsageError(f"prompt: {tokens} tokens, but the model's context is {limit} tokens (max_length in "
                          f"generation_config.json) and the template and image need room too; shorten the prompt")
-
-
-def check_output_path(field: str, value: str) -> None:
-    """An output we could not write would fail only after the load and the generation."""
-    path = Path(value)
-    if not value.strip() or value.endswith(os.sep):
-        raise UsageError(f"{field}: '{value}' is not a file path; pass e.g. outputs/image.png")
-    if path.is_dir():
-        raise UsageError(f"{field}: {path} is a directory; pass a file path inside it")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UsageError(f"{field}: {path} exists and is not writable; fix its permissions or pick another path")
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{field}: cannot write under {parent} (read-only or not a directory); pick another path")
-    try:        # a small probe: a full disk refuses it
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".write-probe-") as probe:
-            probe.write(b"\0" * 65536)
-            probe.flush()
-    except OSError as exc:
-        raise UsageError(f"{field}: cannot write under {parent} ({exc.strerror or exc}); free space or pick "
-                         f"another path") from None
 
 
 def generation_config(model_id) -> dict:
@@ -237,31 +267,11 @@ def shared_seed(dist, seed):
     return chosen[0]
 
 
-def current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_atomically(path: Path, write) -> None:
-    """write(tmp_path) into a temporary sibling, then rename: readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())     # mkstemp's 0600 would survive the rename
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def generate(model, args, seed, rank):
+def generate(model, args, request, rank):
     """One image; the text phase's record is left on model.last_text_phase (text_phase.py)."""
-    kwargs = dict(prompt=args.prompt, seed=seed, image_size=args.image_size,
+    kwargs = dict(prompt=request.prompt, seed=request.seed, image_size=request.image_size,
                   use_system_prompt=args.use_system_prompt, system_prompt=args.system_prompt,
-                  bot_task=args.bot_task, diff_infer_steps=args.diff_infer_steps,
+                  bot_task=request.bot_task, diff_infer_steps=request.diff_infer_steps,
                   verbose=args.verbose if rank == 0 else 0, stream=args.verbose > 0 and rank == 0)
     if args.max_new_tokens is not None:
         kwargs["max_new_tokens"] = args.max_new_tokens
@@ -316,7 +326,10 @@ def run(args, phase: "JobPhase | None" = None):
     if args.adaptor == "full":        # the shims alone parallelise nothing
         check_layout(args, layout)
     check_checkpoint_files(Path(args.model_id))      # after the layout: the cheaper, likelier mistake first
-    check_prompt_length(args)
+    if args.prompt is not None:
+        check_prompt_length(args)
+    log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
+    server = many_images.start_server(args, log) if args.serve and rank == 0 else None      # a taken port fails before the load
     t0 = time.perf_counter()
     from adaptor_patches.kernels.device import resolve
     device = resolve(args.device, int(os.environ.get("LOCAL_RANK", 0)), cpu_noise=args.noise_on_cpu)
@@ -330,7 +343,6 @@ def run(args, phase: "JobPhase | None" = None):
     seed = shared_seed(dist, args.seed)
     if args.reproduce:
         set_reproducibility(torch, seed)
-    log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
     log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
         f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} seed={seed}")
 
@@ -342,11 +354,20 @@ def run(args, phase: "JobPhase | None" = None):
             dist.barrier()
         load_s = time.perf_counter() - t0
         log(f"loaded {args.model_id} in {load_s:.2f}s")
+        if args.prompts is not None or args.serve:
+            phase.name = "serving requests" if args.serve else "generating the prompts file's images"
+            code = many_images.run_many(args, model, dist, rank, server, log, generate, is_collective_failure)
+            if dist is not None:
+                dist.barrier()
+                if owns_group:
+                    dist.destroy_process_group()
+            return code
         # Phase timings synchronise the device around every forward: only when they are asked for.
         timer = PhaseTimer(device).attach(model) if args.metrics_json or args.save_latents else None
+        request = replace(default_request(args), seed=seed)
         for i in range(args.warmup):
             phase.name = f"warm-up generation {i + 1}"
-            generate(model, args, seed, rank)
+            generate(model, args, request, rank)
             log(f"warmup {i + 1}/{args.warmup} done")
         device.reset_peak_memory()
         rounds, image = [], None
@@ -355,7 +376,7 @@ def run(args, phase: "JobPhase | None" = None):
                 timer.reset()
             phase.name = f"generation {i + 1} (text phase, denoising or VAE decode)"
             start = time.perf_counter()
-            image = generate(model, args, seed, rank)
+            image = generate(model, args, request, rank)
             device.synchronize()
             text = model.last_text_phase.summary()
             phases = timer.summary() if timer else {}
@@ -399,11 +420,15 @@ def main(argv=None):
         from adaptor_patches.parallel.layout import LayoutError
         from adaptor_patches.text_phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
+        from utils.rank_loop import RankFailure
         phase = JobPhase()
         try:
             return run(args, phase)
         except (DeviceError, LayoutError, UpstreamMismatchError, ContextTooLongError) as exc:
             raise UsageError(str(exc)) from exc
+        except RankFailure as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
         except Exception as exc:
             if not is_collective_failure(exc):
                 raise

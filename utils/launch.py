@@ -25,6 +25,8 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:          # utils.* when run as a script (run.sh)
+    sys.path.insert(0, str(ROOT))
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
 TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
 USAGE = "usage: run.sh [CONFIG_YAML] [--dry-run] | run.sh --selfcheck [--device D] [--nproc N]"
@@ -34,8 +36,9 @@ DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars":
             "dist_timeout": None}
 TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
 DEVICES = ("auto", "npu", "cuda", "cpu")
-SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce", "noise-on-cpu")
+SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce", "noise-on-cpu", "skip-existing", "serve")
 NUMBERS = {"diff-infer-steps": (1, None), "seed": (0, 2**32 - 1), "warmup": (0, None), "rounds": (1, None),
+           "port": (0, 65535), "queue-size": (1, None), "max-n": (1, None),
            "verbose": (0, None), "max-new-tokens": (1, None)}
 SCALARS = (str, int, float, bool)
 FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
@@ -178,6 +181,7 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
     prompt = get("prompt")
     if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
         raise ConfigError("model_args.prompt", f"{prompt!r} is empty or not text", "write the prompt as a string")
+    check_prompts_file(get("prompts"))
     if get("device", "auto") not in DEVICES:
         raise ConfigError("model_args.device", f"{margs['device']!r} is not one of {'|'.join(DEVICES)}",
                           "use auto, npu, cuda or cpu")
@@ -224,6 +228,21 @@ def check_flag(key, val) -> None:
         return
     raise ConfigError(f"model_args.{key}", f"a {type(val).__name__} value cannot be a flag",
                       "use a string, number, true/false, null or a list of those")
+
+
+def check_prompts_file(value) -> None:
+    """model_args.prompts: the file's lines, checked as run_image_gen.py will (the checks that need the
+    tokenizer run there, before the weights load)."""
+    if value is None:
+        return
+    from utils.image_requests import ImageRequest, RequestError, read_prompts_file
+    path = resolve_path(str(value))
+    if not path.is_file():
+        raise ConfigError("model_args.prompts", f"{path} is not a file", "point it at a prompts file (.txt or .jsonl)")
+    try:
+        read_prompts_file(path, ImageRequest(prompt=""), ROOT / "outputs")
+    except RequestError as exc:
+        raise ConfigError("model_args.prompts", f"{path}: {exc}", "fix that line") from None
 
 
 def check_image_size(value) -> None:
@@ -461,7 +480,7 @@ def run(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0
     if argv and argv[0] == "--selfcheck":
-        import selfcheck
+        from utils import selfcheck
         return selfcheck.main(argv[1:])
     path, dry_run = parse_argv(argv)
     job = check_top(load_config(path))

@@ -25,7 +25,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -199,14 +198,8 @@ def table(results) -> str:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".selfcheck.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
+    from utils.outputs import write_atomically
+    write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2, default=str)))
 
 
 def main(argv=None) -> int:

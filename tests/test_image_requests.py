@@ -1,0 +1,153 @@
+"""Prompts files, API bodies and the rank loop's agreement: what is checked before any rank runs."""
+import json
+
+import pytest
+
+from generation import run_cli_in_process
+from utils.image_requests import ImageRequest, RequestChecker, RequestError, read_prompts_file
+from utils.image_server import BadRequest, parse_body
+from utils.rank_loop import RankFailure, RankLoop
+
+DEFAULTS = ImageRequest(prompt="", seed=None, image_size="64x64", diff_infer_steps=3)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_text_file_one_prompt_per_line_named_by_line_number(tmp_path):
+    path = write(tmp_path, "p.txt", "A red Fox, in snow!\n\n# a comment\n  a blue bird  \n")
+    requests = read_prompts_file(path, DEFAULTS, tmp_path / "out")
+    assert [r.prompt for r in requests] == ["A red Fox, in snow!", "a blue bird"]
+    assert [r.label for r in requests] == ["line 1", "line 4"]
+    assert requests[0].save == str(tmp_path / "out" / "0001_a-red-fox-in-snow.png")
+    assert requests[1].save.endswith("0004_a-blue-bird.png")
+    assert all(r.image_size == "64x64" and r.diff_infer_steps == 3 and r.seed is None for r in requests)
+
+
+def test_jsonl_fields_override_the_flags(tmp_path):
+    path = write(tmp_path, "p.jsonl", json.dumps({"prompt": "a cat", "seed": 5, "image_size": "32x48",
+                                                  "diff_infer_steps": 2, "save": "cat"}) + "\n"
+                 + json.dumps({"prompt": "a dog"}) + "\n")
+    cat, dog = read_prompts_file(path, DEFAULTS, tmp_path)
+    assert (cat.seed, cat.image_size, cat.diff_infer_steps, cat.save) == (5, "32x48", 2, str(tmp_path / "cat.png"))
+    assert (dog.seed, dog.image_size, dog.save) == (None, "64x64", str(tmp_path / "0002_a-dog.png"))
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "x", "seed": -1}', "line 2: seed: -1 is not an integer"),
+    ('{"prompt": "x", "seed": true}', "line 2: seed: True is not an integer"),
+    ('{"prompt": ""}', "line 2: prompt: empty"),
+    ('{"seed": 3}', "line 2: prompt: missing"),
+    ('{"prompt": "x", "steps": 3}', "line 2: unknown field 'steps'"),
+    ('{"prompt": "x", "image_size": "big"}', "line 2: image_size: 'big' is not auto, HxW or H:W"),
+    ('{"prompt": "x", "diff_infer_steps": 0}', "line 2: diff_infer_steps: 0 is not an integer in 1..1000"),
+    ('{"prompt": "x", "bot_task": "paint"}', "line 2: bot_task: 'paint' is not one of"),
+    ('{"prompt": "x"', "line 2: not JSON"),
+    ('["x"]', "line 2: a JSON list, not an object"),
+    ('{"prompt": "x", "save": "0001_ok"}', "line 2: save: "),
+])
+def test_a_bad_line_names_its_number_and_field(tmp_path, line, message):
+    path = write(tmp_path, "p.jsonl", '{"prompt": "ok", "save": "0001_ok"}\n' + line + "\n")
+    with pytest.raises(RequestError) as info:
+        read_prompts_file(path, DEFAULTS, tmp_path)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_an_empty_file_is_refused(tmp_path):
+    with pytest.raises(RequestError, match="has no prompt"):
+        read_prompts_file(write(tmp_path, "p.txt", "\n# only a comment\n"), DEFAULTS, tmp_path)
+
+
+def test_checker_refuses_text_tasks_the_checkpoint_lacks_and_long_prompts(tiny_model, tmp_path):
+    checker = RequestChecker(tiny_model)
+    think = write(tmp_path, "think.jsonl", '{"prompt": "x"}\n{"prompt": "x", "bot_task": "think"}\n')
+    with pytest.raises(RequestError, match="line 2: bot_task: 'think' needs a checkpoint with the instruct"):
+        read_prompts_file(think, DEFAULTS, tmp_path, checker)
+    long = write(tmp_path, "long.txt", "fox " * 13000 + "\n")
+    with pytest.raises(RequestError, match=r"line 1: prompt: \d+ tokens, but the model's context is 12800"):
+        read_prompts_file(long, DEFAULTS, tmp_path, checker)
+
+
+def test_cli_refuses_a_bad_line_before_loading_and_writes_nothing(tiny_model, tmp_path):
+    path = write(tmp_path, "p.jsonl", '{"prompt": "a fox"}\n{"prompt": "a cat", "image_size": "64x"}\n')
+    proc = run_cli_in_process(["--prompts", path, "--model-id", tiny_model, "--device", "cpu",
+                               "--save-dir", tmp_path / "out"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: prompts: {path}: line 2: image_size: '64x' is not auto, HxW or H:W; use e.g. 1024x1024"]
+    assert "loaded" not in proc.stdout and not list((tmp_path / "out").glob("*.png"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "x", "--prompts", "p.txt"], "error: prompt: pass exactly one of --prompt TEXT, --prompts FILE or "
+                                              "--serve (got --prompt, --prompts)"),
+    ([], "error: prompt: pass exactly one of"),
+    (["--serve", "--save", "x.png"], "error: save: only with --prompt"),
+    (["--prompts", "p.txt", "--rounds", "2"], "error: rounds: only with --prompt"),
+    (["--serve", "--port", "70000"], "error: port: 70000 is not in 0..65535"),
+    (["--serve", "--queue-size", "0"], "error: queue-size: must be >= 1"),
+])
+def test_cli_mode_flags_are_checked(tiny_model, tmp_path, argv, message):
+    (tmp_path / "p.txt").write_text("a fox\n")
+    argv = [str(tmp_path / a) if a == "p.txt" else a for a in argv]
+    proc = run_cli_in_process([*argv, "--model-id", tiny_model, "--device", "cpu"])
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(message), proc.stderr
+
+
+def test_api_body_maps_openai_fields_to_requests(tiny_model):
+    checker = RequestChecker(tiny_model)
+    requests = parse_body({"prompt": "a fox", "n": 3, "size": "96x64", "seed": 10, "steps": 2, "model": "any",
+                           "response_format": "b64_json"}, DEFAULTS, checker, max_n=4)
+    assert [r.seed for r in requests] == [10, 11, 12]
+    assert {(r.image_size, r.diff_infer_steps, r.save) for r in requests} == {("64x96", 2, None)}   # WxH -> HxW
+    assert [r.seed for r in parse_body({"prompt": "a fox", "n": 2}, DEFAULTS, checker, 4)] == [None, None]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 5}, "n"), ({"prompt": "x", "n": 0}, "n"), ({"n": 1}, "prompt"),
+    ({"prompt": "x", "size": "64"}, "size"), ({"prompt": "x", "response_format": "url"}, "response_format"),
+    ({"prompt": "x", "seed": "7"}, "seed"), ({"prompt": "x", "steps": 0}, "steps"),
+    ({"prompt": "x", "colour": "red"}, "colour"), ({"prompt": "fox " * 13000}, "prompt"),
+    ({"prompt": "x", "bot_task": "think"}, "bot_task"),
+])
+def test_api_body_problems_name_the_field(tiny_model, body, param):
+    with pytest.raises(BadRequest) as info:
+        parse_body(body, DEFAULTS, RequestChecker(tiny_model), max_n=4)
+    assert info.value.param == param, str(info.value)
+
+
+class CollectiveError(RuntimeError):
+    pass
+
+
+def test_rank_loop_reports_an_image_every_rank_failed_and_goes_on():
+    calls = []
+
+    def generate(request):
+        calls.append(request.prompt)
+        if request.prompt == "bad":
+            raise ValueError("no room in the context")
+        return f"image of {request.prompt}", {"text": None}
+
+    messages = iter([("run", [ImageRequest("good")]), ("tick", None), ("run", [ImageRequest("bad"), ImageRequest("ok")]),
+                     ("stop", None)])
+    delivered = []
+    RankLoop(None, 0, generate, lambda exc: isinstance(exc, CollectiveError)).run(lambda: next(messages),
+                                                                                  delivered.append)
+    assert calls == ["good", "bad", "ok"]
+    assert [[(r.image, r.error) for r in batch] for batch in delivered] == [
+        [("image of good", None)], [(None, "ValueError: no room in the context"), ("image of ok", None)]]
+
+
+def test_rank_loop_stops_when_ranks_disagree_or_a_collective_failed():
+    loop = RankLoop(None, 0, None, lambda exc: isinstance(exc, CollectiveError))
+    loop.agree = lambda outcome: [outcome, None]           # rank 1 succeeded where rank 0 failed
+    loop.generate = lambda request: (_ for _ in ()).throw(ValueError("boom"))
+    with pytest.raises(RankFailure, match="rank 0 failed on line 3 .ValueError: boom. while 1 rank.s. succeeded"):
+        loop.run_one(ImageRequest("x", label="line 3"))
+    loop.generate = lambda request: (_ for _ in ()).throw(CollectiveError("timed out"))
+    with pytest.raises(CollectiveError):
+        loop.run_one(ImageRequest("x"))

@@ -1,0 +1,95 @@
+"""`--prompts FILE`: every line of a prompts file from one model load (utils/image_requests.py reads it).
+
+Rank 0 walks the checked requests, skips those whose image exists (`--skip-existing`: images are
+written atomically, so an existing file is a finished one), picks a seed for lines without one
+(`--seed` when given, else random) and hands each to every rank (utils/rank_loop.py). It writes
+the image and its text, appends one JSON line per image to SAVE_DIR/metrics.jsonl and ends with
+a summary line there and on the console; a tqdm bar with ETA shows progress. A line whose image
+fails on every rank alike is reported and the batch goes on; the exit code is then 1.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+_SEEDS = random.Random()
+
+
+def choose_seed(request):
+    """Rank 0's seed for a request without one (then broadcast with it)."""
+    return request if request.seed is not None else replace(request, seed=_SEEDS.randrange(2**31))
+
+
+def append_line(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def image_record(result) -> dict:
+    request = result.request
+    record = {"label": request.label, "prompt": request.prompt, "seed": request.seed,
+              "image_size": request.image_size, "diff_infer_steps": request.diff_infer_steps,
+              "bot_task": request.bot_task, "save": request.save, "seconds": round(result.seconds, 3),
+              "status": "ok" if result.ok else "failed"}
+    if result.ok:
+        record["size"] = [result.image.height, result.image.width]
+        phase = result.text_phase or {}
+        record["text_tokens"] = phase.get("tokens_generated", 0)
+    else:
+        record["error"] = result.error
+    return record
+
+
+def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, write_image, write_text, log) -> int:
+    """Every rank calls this; only rank 0 uses `requests` and writes. Returns the exit code."""
+    if loop.rank != 0:
+        loop.run(pull=None, deliver=None)
+        return 0
+    from tqdm import tqdm
+    save_dir.mkdir(parents=True, exist_ok=True)
+    metrics = save_dir / METRICS_FILE
+    todo = [r for r in requests if not (skip_existing and Path(r.save).is_file())]
+    skipped = len(requests) - len(todo)
+    if skipped:
+        log(f"--skip-existing: {skipped} of {len(requests)} images already exist; {len(todo)} to make")
+    pending = iter(todo)
+    done, failed, start = [], [], time.perf_counter()
+    bar = tqdm(total=len(todo), desc="images", unit="img", file=sys.stderr, dynamic_ncols=True)
+
+    def pull():
+        request = next(pending, None)
+        return ("stop", None) if request is None else ("run", [choose_seed(request)])
+
+    def deliver(results):
+        for result in results:
+            if result.ok:
+                write_image(Path(result.request.save), result.image)
+                if result.request.save_text and result.text is not None:
+                    write_text(Path(result.request.save_text), result.text)
+                done.append(result)
+            else:
+                failed.append(result)
+                tqdm.write(f"error: {result.request.label}: {result.error}; going on with the next line",
+                           file=sys.stderr)
+            append_line(metrics, image_record(result))
+            bar.update(1)
+
+    try:
+        loop.run(pull, deliver)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    summary = {"summary": {"images": len(done), "failed": len(failed), "skipped": skipped, "seconds": round(seconds, 3),
+                           "images_per_hour": round(len(done) / seconds * 3600, 2) if seconds and done else 0.0,
+                           "failed_lines": [r.request.label for r in failed]}}
+    append_line(metrics, summary)
+    log(f"batch: {len(done)} image(s) in {seconds:.1f}s, {len(failed)} failed, {skipped} skipped; "
+        f"images in {save_dir}, metrics in {metrics}")
+    return 1 if failed else 0

@@ -1,0 +1,309 @@
+"""`--serve`: an OpenAI-style images API on rank 0; every request runs on all ranks together.
+
+    POST /v1/images/generations   {"prompt", "n", "size": "WxH" | "auto", "response_format": "b64_json",
+                                   our extras "seed", "steps", "bot_task"} -> {"created", "data": [...]}
+    GET  /health                  200 {"status": "ok", ...} once the model is loaded (503 "loading" before)
+    GET  /metrics                 Prometheus text: requests by code, images, queue depth, latency
+
+HTTP stack: the standard library's ThreadingHTTPServer. The model, not HTTP, is the bottleneck (one
+request at a time on all ranks), so an async framework buys nothing here, and an Ascend node's
+pinned, often offline Python environment gets no extra packages (FastAPI + uvicorn + pydantic).
+Handler threads only parse, check (utils/image_requests.py) and queue; the job's main thread
+pulls from the bounded FIFO queue and runs the rank loop (utils/rank_loop.py). Queue full -> 503
+with Retry-After; a bad body -> 400 with an OpenAI-style JSON error; a failure inside the model on
+every rank -> 500 and serving goes on. SIGTERM / Ctrl-C: stop accepting, answer queued requests
+503, finish the running one, stop every rank. Binds 127.0.0.1 unless told otherwise; there is no
+authentication, so binding elsewhere is the user's explicit choice (logged).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import queue
+import signal
+import threading
+import time
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from utils.image_requests import RequestChecker, field_problem, is_int
+from utils.rank_loop import HEARTBEAT_S
+
+MAX_BODY_BYTES = 1 << 20
+OPENAI_IGNORED = ("model", "quality", "style", "user", "background", "moderation")
+FIELDS = ("prompt", "n", "size", "response_format", "seed", "steps", "bot_task", "output_format") + OPENAI_IGNORED
+LATENCY_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800)
+
+
+class BadRequest(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class Job:
+    def __init__(self, requests):
+        self.requests, self.results, self.done = requests, None, threading.Event()
+        self.created = time.time()
+        self.error = None                       # set when the server stops before running it
+
+
+class Metrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests, self.images, self.latency = {}, 0, []
+
+    def count(self, code: int, seconds=None, images: int = 0) -> None:
+        with self.lock:
+            self.requests[code] = self.requests.get(code, 0) + 1
+            self.images += images
+            if seconds is not None:
+                self.latency.append(seconds)
+
+    def mean_latency(self) -> float:
+        with self.lock:
+            return sum(self.latency[-20:]) / len(self.latency[-20:]) if self.latency else 30.0
+
+    def prometheus(self, depth: int, busy: bool) -> str:
+        with self.lock:
+            lines = ["# HELP hunyuan_requests_total HTTP image requests answered, by status code.",
+                     "# TYPE hunyuan_requests_total counter"]
+            lines += [f'hunyuan_requests_total{{code="{c}"}} {n}' for c, n in sorted(self.requests.items())]
+            lines += ["# HELP hunyuan_images_total Images generated.", "# TYPE hunyuan_images_total counter",
+                      f"hunyuan_images_total {self.images}",
+                      "# HELP hunyuan_queue_depth Requests waiting in the queue.", "# TYPE hunyuan_queue_depth gauge",
+                      f"hunyuan_queue_depth {depth}",
+                      "# HELP hunyuan_busy 1 while a request runs on the ranks.", "# TYPE hunyuan_busy gauge",
+                      f"hunyuan_busy {int(busy)}",
+                      "# HELP hunyuan_request_seconds Latency of answered generation requests (queue + run).",
+                      "# TYPE hunyuan_request_seconds histogram"]
+            for bound in LATENCY_BUCKETS:
+                lines.append(f'hunyuan_request_seconds_bucket{{le="{bound}"}} {sum(s <= bound for s in self.latency)}')
+            lines += [f'hunyuan_request_seconds_bucket{{le="+Inf"}} {len(self.latency)}',
+                      f"hunyuan_request_seconds_sum {sum(self.latency):.6f}",
+                      f"hunyuan_request_seconds_count {len(self.latency)}"]
+        return "\n".join(lines) + "\n"
+
+
+def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int) -> list:
+    """The ImageRequests of one API body (n of them, seeds seed, seed+1, ...) or BadRequest."""
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise BadRequest(unknown[0], f"unknown field '{unknown[0]}'; fields: {', '.join(FIELDS[:8])}")
+    if "prompt" not in body:
+        raise BadRequest("prompt", "prompt: missing; send the image's description")
+    n = body.get("n", 1)
+    if not is_int(n) or not 1 <= n <= max_n:
+        raise BadRequest("n", f"n: {n!r} is not an integer in 1..{max_n} (--max-n)")
+    if body.get("response_format", "b64_json") != "b64_json":
+        raise BadRequest("response_format", f"response_format: {body['response_format']!r} is not supported; "
+                                            f"use b64_json (this server keeps no files to link to)")
+    if body.get("output_format", "png") != "png":
+        raise BadRequest("output_format", "output_format: only png is produced")
+    size = body.get("size", "auto")
+    if not isinstance(size, str) or not (size == "auto" or _wxh(size)):
+        raise BadRequest("size", f"size: {size!r} is not WIDTHxHEIGHT or auto; use e.g. 1024x1024")
+    fields = {"prompt": body["prompt"], "seed": body.get("seed", defaults.seed),
+              "diff_infer_steps": body.get("steps", defaults.diff_infer_steps),
+              "bot_task": body.get("bot_task", defaults.bot_task),
+              "image_size": "auto" if size == "auto" else "{1}x{0}".format(*_wxh(size))}
+    for name, value in fields.items():
+        problem = field_problem(name, value)
+        if problem:
+            raise BadRequest({"diff_infer_steps": "steps"}.get(name, name), problem)
+    request = replace(defaults, **fields, save=None, save_text=None)
+    problem = checker.problem(request)
+    if problem:
+        raise BadRequest(problem.split(":", 1)[0], problem)
+    seeds = [None] * n if request.seed is None else [(request.seed + i) % 2**32 for i in range(n)]
+    return [replace(request, seed=s) for s in seeds]
+
+
+def _wxh(size: str):
+    parts = size.split("x")
+    if len(parts) == 2 and all(p.isdigit() and int(p) > 0 for p in parts):
+        return int(parts[0]), int(parts[1])
+    return None
+
+
+def png_b64(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class ImageServer:
+    def __init__(self, host: str, port: int, defaults, checker: RequestChecker, queue_size: int, max_n: int, log):
+        self.defaults, self.checker, self.max_n, self.log = defaults, checker, max_n, log
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.metrics, self.loaded, self.stopping = Metrics(), threading.Event(), threading.Event()
+        self.closed = threading.Event()
+        self.running, self.check_lock = None, threading.Lock()
+        self.httpd = ThreadingHTTPServer((host, port), self._handler_class())
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+
+    @property
+    def address(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def install_signal_handlers(self) -> None:
+        def stop(signum, _frame):
+            if not self.loaded.is_set():             # still loading: nothing runs that could be finished
+                raise SystemExit(128 + signum)
+            if not self.stopping.is_set():
+                self.log(f"received {signal.Signals(signum).name}: finishing the running request, then stopping")
+                self.stopping.set()
+                threading.Thread(target=self.httpd.shutdown, daemon=True).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stop)
+
+    # ------------------------------------------------------------ the rank loop's side (main thread)
+
+    def pull(self):
+        """The rank loop's next message: a queued job, a heartbeat tick after HEARTBEAT_S idle, or stop."""
+        deadline = time.monotonic() + HEARTBEAT_S
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    return ("tick", None)
+                continue
+            from utils.batch_job import choose_seed
+            job.requests = [choose_seed(r) for r in job.requests]
+            self.running = job
+            return ("run", job.requests)
+        self._refuse_queued()
+        return ("stop", None)
+
+    def deliver(self, results) -> None:
+        job, self.running = self.running, None
+        job.results = results
+        job.done.set()
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.error = "server is shutting down"
+            job.done.set()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.closed.set()
+        self._refuse_queued()
+        if self.thread.is_alive():
+            self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # ------------------------------------------------------------ HTTP (handler threads)
+
+    def _handler_class(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            server_version = "hunyuan-image-adaptor"
+
+            def log_message(self, fmt, *args):       # one line per request in the job log, not stderr noise
+                server.log(f"http {self.address_string()} {fmt % args}")
+
+            def send_json(self, code: int, payload: dict, headers=()):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in headers:
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def error(self, code: int, message: str, param=None, kind="invalid_request_error", headers=()):
+                server.metrics.count(code)
+                self.send_json(code, {"error": {"message": message, "type": kind, "param": param, "code": code}},
+                               headers)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    status = "stopping" if server.stopping.is_set() else "ok" if server.loaded.is_set() else "loading"
+                    self.send_json(200 if status == "ok" else 503,
+                                   {"status": status, "queue_depth": server.jobs.qsize(),
+                                    "busy": server.running is not None})
+                elif self.path == "/metrics":
+                    data = server.metrics.prometheus(server.jobs.qsize(), server.running is not None).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                else:
+                    self.error(404, f"no such path {self.path}; use POST /v1/images/generations, GET /health, "
+                                    f"GET /metrics", kind="not_found")
+
+            def do_POST(self):
+                if self.path != "/v1/images/generations":
+                    return self.error(404, f"no such path {self.path}", kind="not_found")
+                start = time.perf_counter()
+                length = self.headers.get("Content-Length")
+                if length is None or not length.isdigit():
+                    return self.error(411, "Content-Length required")
+                if int(length) > MAX_BODY_BYTES:
+                    self.close_connection = True
+                    return self.error(413, f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
+                raw = self.rfile.read(int(length))
+                try:
+                    body = json.loads(raw.decode("utf-8"))
+                    if not isinstance(body, dict):
+                        raise BadRequest(None, "the body must be a JSON object")
+                    with server.check_lock:          # the tokenizer is shared by the handler threads
+                        requests = parse_body(body, server.defaults, server.checker, server.max_n)
+                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    return self.error(400, f"body is not JSON: {exc}")
+                except BadRequest as exc:
+                    return self.error(400, str(exc), exc.param)
+                if server.stopping.is_set():
+                    return self.error(503, "server is shutting down", kind="unavailable")
+                if not server.loaded.is_set():
+                    return self.error(503, "the model is still loading", kind="unavailable",
+                                      headers=[("Retry-After", "30")])
+                job = Job(requests)
+                try:
+                    server.jobs.put_nowait(job)
+                except queue.Full:
+                    wait = int(max(1, server.metrics.mean_latency() * (server.jobs.qsize() + 1)))
+                    return self.error(503, f"queue full ({server.jobs.maxsize} waiting); retry later",
+                                      kind="unavailable", headers=[("Retry-After", str(wait))])
+                while not job.done.wait(1.0):
+                    if server.closed.is_set():            # queued after the last drain: never runs
+                        return self.error(503, "server is shutting down", kind="unavailable")
+                self.answer(job, start)
+
+            def answer(self, job, start):
+                if job.error:
+                    return self.error(503, job.error, kind="unavailable")
+                failed = [r for r in job.results if not r.ok]
+                if failed:
+                    return self.error(500, f"generation failed: {failed[0].error}", kind="server_error")
+                data = []
+                for result in job.results:
+                    item = {"b64_json": png_b64(result.image), "seed": result.request.seed,
+                            "size": f"{result.image.width}x{result.image.height}"}
+                    if result.text is not None:
+                        item["text"] = result.text
+                        if result.request.bot_task == "recaption":
+                            item["revised_prompt"] = result.text
+                    data.append(item)
+                seconds = time.perf_counter() - start
+                server.metrics.count(200, seconds, images=len(data))
+                self.send_json(200, {"created": int(job.created), "data": data,
+                                     "seconds": round(seconds, 3)})
+
+        return Handler

@@ -12,6 +12,11 @@ The minimal shims (the reference run for equivalence tests applies exactly these
   5. transformers 5's `_sample` reads `model_kwargs["use_cache"]` after every step; upstream's
      `_update_model_kwargs_for_generation` builds a fresh dict without it (KeyError in the text
      phase: think, recaption, `--image-size auto`). The key is carried over.
+  6. transformers 5.3.0-5.12.x run upstream's `_init_weights` on every module after loading a
+     directly imported class; upstream's init writes through `.data`, past transformers' "already
+     loaded" flags, and redraws every loaded nn.Linear / nn.Embedding (LM head, embeddings, attention,
+     MoE gates, shared MLP) without a word. Loaded modules are skipped, the rule 5.2 and 5.13+ apply
+     (huggingface/transformers#46620).
 (The text phase's seeded, rank-0-broadcast sampler is also installed in the shims-only reference:
 text_phase.py.)
 """
@@ -117,3 +122,23 @@ def generation_kwargs_keep_use_cache(original, _device: Device):
             updated["use_cache"] = model_kwargs["use_cache"]
         return updated
     return update
+
+
+def init_weights_skip_loaded(original, _device):
+    """transformers 5.3.0-5.12.x re-run `_init_weights` after loading on every module of a model class
+    that was imported directly (their "all params already loaded" skip is gated on
+    `is_remote_code()`, i.e. on loading through AutoModel + trust_remote_code). Upstream's init writes
+    `module.weight.data.normal_(std=initializer_range)` / `bias.data.zero_()`, past transformers'
+    per-tensor `_is_hf_initialized` guard, so every loaded nn.Linear / nn.Embedding (LM head, wte,
+    qkv/o_proj, MoE gate, shared MLP, experts, timestep/patch embedders, ViT, aligner) was silently
+    re-randomised. Here a module whose own parameters transformers has flagged as loaded is left
+    alone, the rule 5.2.0 and 5.13+ apply themselves; a fresh model (no flags) is initialised as before.
+    Installed on HunyuanImage3PreTrainedModel: transformers dispatches the `model` sub-model
+    (HunyuanImage3Model) to its own `_init_weights`."""
+    @functools.wraps(original)
+    def _init_weights(self, module):
+        params = list(module.parameters(recurse=False))
+        if params and all(getattr(p, "_is_hf_initialized", False) for p in params):
+            return None
+        return original(self, module)
+    return _init_weights

@@ -110,3 +110,21 @@ def test_noise_on_cpu_gives_upstream_a_cpu_generator_for_any_model_device(shims_
     assert torch.equal(torch.randn(4, generator=same_seed[0]), torch.randn(4, generator=same_seed[1]))
     model_adaptor.apply(Device("cpu"), shims_only=shims_only)
     assert upstream.torch.Generator("cpu").device == torch.device("cpu")
+
+
+def test_init_weights_after_loading_leaves_loaded_modules_alone(tiny_model):
+    """transformers 5.3.0-5.12.x run upstream's `_init_weights` on every module after loading a directly
+    imported class, redrawing every loaded nn.Linear / nn.Embedding (63 of 304 tensors of the tiny
+    checkpoint, silently). That pass is replayed here on whatever transformers is installed: with the
+    compat row the loaded weights survive it; a module transformers did not load is still initialised."""
+    import hunyuan_image_3.hunyuan as upstream
+    model_adaptor.apply("cpu", shims_only=True)
+    model = upstream.HunyuanImage3ForCausalMM.from_pretrained(str(tiny_model), dtype="auto")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.apply(model._init_weights)                 # what 5.3.0's initialize_weights amounts to
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert not changed, changed[:5]
+    fresh = torch.nn.Linear(8, 8)
+    torch.nn.init.zeros_(fresh.weight)
+    model._init_weights(fresh)                        # not loaded: upstream's init runs
+    assert fresh.weight.abs().sum() > 0

@@ -184,8 +184,8 @@ def spot_check_plan(tensors: list, state: dict) -> list:
 
 def spot_check_values(model, files: CheckpointFiles, tensors: list) -> None:
     """A few small loaded tensors against the checkpoint's bytes (`tensors`: the rank's plan of
-    `files`). transformers 5.3.0's from_pretrained leaves dozens of loaded tensors (LM head, MoE
-    gates, shared MLP, experts) different from the checkpoint without reporting a missing key: a
+    `files`). transformers 5.3.0-5.12.x's from_pretrained redraws every loaded nn.Linear /
+    nn.Embedding after loading without reporting anything (compat.py's row 6 prevents it): any
     silent change must be an error, not a wrong image."""
     import torch
     import transformers
@@ -195,8 +195,9 @@ def spot_check_values(model, files: CheckpointFiles, tensors: list) -> None:
         expected = tensor.read(files)
         if loaded.shape != expected.shape or not torch.equal(loaded.to(expected.dtype), expected):
             raise LoadingError(f"model-id: after loading, {tensor.name} differs from {files.directory}; transformers "
-                               f"{transformers.__version__} changed weights after loading them (5.3.0 is known to); "
-                               f"use transformers 5.2.0 or 5.23.0")
+                               f"{transformers.__version__} changed weights after loading them (5.3.0-5.12.x re-run "
+                               f"upstream's weight init, which compat.py's init_weights_skip_loaded prevents); "
+                               f"use transformers 5.2.0 or 5.23.0 and report this")
 
 
 def _check_loaded(model_dir: Path, info: dict) -> None:

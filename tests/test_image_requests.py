@@ -103,7 +103,8 @@ def test_api_body_maps_openai_fields_to_requests(tiny_model):
                            "response_format": "b64_json"}, DEFAULTS, checker, max_n=4)
     assert [r.seed for r in requests] == [10, 11, 12]
     assert {(r.image_size, r.diff_infer_steps, r.save) for r in requests} == {("64x96", 2, None)}   # WxH -> HxW
-    assert [r.seed for r in parse_body({"prompt": "a fox", "n": 2}, DEFAULTS, checker, 4)] == [None, None]
+    defaults = parse_body({"prompt": "a fox", "n": 2}, DEFAULTS, checker, 4)
+    assert [(r.seed, r.image_size) for r in defaults] == [(None, "64x64")] * 2        # the server's flags
 
 
 @pytest.mark.parametrize("body, param", [

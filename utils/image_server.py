@@ -101,13 +101,14 @@ def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int) -> lis
                                             f"use b64_json (this server keeps no files to link to)")
     if body.get("output_format", "png") != "png":
         raise BadRequest("output_format", "output_format: only png is produced")
-    size = body.get("size", "auto")
-    if not isinstance(size, str) or not (size == "auto" or _wxh(size)):
+    size = body.get("size")            # absent: the server's --image-size
+    if size is not None and (not isinstance(size, str) or not (size == "auto" or _wxh(size))):
         raise BadRequest("size", f"size: {size!r} is not WIDTHxHEIGHT or auto; use e.g. 1024x1024")
     fields = {"prompt": body["prompt"], "seed": body.get("seed", defaults.seed),
               "diff_infer_steps": body.get("steps", defaults.diff_infer_steps),
               "bot_task": body.get("bot_task", defaults.bot_task),
-              "image_size": "auto" if size == "auto" else "{1}x{0}".format(*_wxh(size))}
+              "image_size": defaults.image_size if size is None else "auto" if size == "auto"
+              else "{1}x{0}".format(*_wxh(size))}
     for name, value in fields.items():
         problem = field_problem(name, value)
         if problem:

@@ -1,9 +1,11 @@
 """Generate images with HunyuanImage-3.0 through the parallel adaptor.
 
 Flags are upstream's (`--prompt --model-id --attn-impl --moe-impl --seed --diff-infer-steps
---image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`) plus
-ours (`--device --warmup --rounds --metrics-json`, parallel switches, `--adaptor`). Works as one
-process or under torchrun. Rank 0 writes the PNG (atomically) and the metrics JSON.
+--image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`), the
+cann-recipes script's (also `--attn-impl npu`, `--moe-impl npu_grouped_matmul`, `--rewrite`,
+`--sys-deepseek-prompt`), plus ours (`--device --warmup --rounds --metrics-json`, parallel
+switches, `--adaptor`). Works as one process or under torchrun. Rank 0 writes the PNG
+(atomically) and the metrics JSON.
 
 Three modes, one model load each: `--prompt TEXT` (one image), `--prompts FILE` (every line of a
 prompts file: utils/batch_job.py) and `--serve` (an HTTP images API on rank 0: utils/image_server.py).
@@ -46,8 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--queue-size", type=int, default=8, help="--serve: requests that may wait; more get 503")
     p.add_argument("--max-n", type=int, default=4, help="--serve: most images one request may ask for")
     p.add_argument("--model-id", type=str, default="./HunyuanImage-3")
-    p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager"])
-    p.add_argument("--moe-impl", default="eager", choices=["eager"])
+    p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager", "npu"],
+                   help="'npu' (the cann-recipes name): the fused NPU attention; on CPU / CUDA the plain form")
+    p.add_argument("--moe-impl", default="eager", choices=["eager", "npu_grouped_matmul"],
+                   help="'npu_grouped_matmul' (the cann-recipes name): the fused NPU expert kernels; on CPU / "
+                        "CUDA the plain forms")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--diff-infer-steps", type=int, default=50)
     p.add_argument("--image-size", type=str, default="auto", help="auto, HxW or H:W")
@@ -58,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--save", type=str, default=None, help="--prompt's image (default image.png)")
     p.add_argument("--verbose", type=int, default=0)
     p.add_argument("--reproduce", action="store_true")
+    p.add_argument("--rewrite", type=int, default=0,
+                   help="accepted for cann-recipes YAMLs; no prompt is rewritten (nor is one in the recipe's script)")
+    p.add_argument("--sys-deepseek-prompt", default="universal", choices=["universal", "text_rendering"],
+                   help="accepted for cann-recipes YAMLs; only meaningful with a prompt rewrite, which does not run")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="most tokens the think / recaption text may have (upstream's default: 8192; the "
                         "model's context bounds it too); the ratio token of --image-size auto is always one")
@@ -85,6 +94,9 @@ def parse_args(argv=None):
 
 
 SEED_RANGE = (0, 2**32 - 1)      # the launcher's rule too (utils/launch.py NUMBERS)
+# The cann-recipes names of the fused NPU forms -> the upstream choice our patched modules build; the
+# kernels then come from the device's kernel set (adaptor_patches/kernels: torch_npu ops on an NPU).
+RECIPE_IMPLS = {"attn_impl": ("npu", "sdpa"), "moe_impl": ("npu_grouped_matmul", "eager")}
 OUTPUT_FLAGS = ("save", "metrics_json", "save_latents", "save_text")
 
 
@@ -172,12 +184,12 @@ def read_json(path: Path) -> dict:
 def check_checkpoint_files(model_dir: Path) -> None:
     """Damaged checkpoints fail here, from JSON and safetensors headers (no hashes), before any weight
     is read: the original's shards against its index and config.json; a converted one's rank dirs."""
-    from adaptor_patches.weights.load import LoadingError, converted_layout, is_converted, rank_dir_name
+    from adaptor_patches.weights.load import LoadingError, checkpoint_layout, is_per_rank, rank_dir_name
     from utils.checkpoint_checks import files_problem, source_problem
     config = read_json(model_dir / "config.json")
-    if is_converted(model_dir):
+    if is_per_rank(model_dir):
         try:
-            dirs = [model_dir / rank_dir_name(r) for r in range(converted_layout(model_dir).tp)]
+            dirs = [model_dir / rank_dir_name(r) for r in range(checkpoint_layout(model_dir).tp)]
         except (LoadingError, KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"model-id: {model_dir}/config.json has a damaged layout block ({exc}); convert "
                              f"again") from None
@@ -231,6 +243,26 @@ def check_layout(args, layout):
     if scale is None or scale <= 1:
         raise LayoutError(f"cfg-parallel: guidance scale {scale} (diff_guidance_scale in {path}) leaves no "
                             f"unconditional branch to run in parallel; turn cfg-parallel off (and unset CFG_PARALLEL)")
+
+
+def implementations(args, device_kind: str, kernel_set: str) -> tuple:
+    """(attn_impl, moe_impl, notes) for upstream's loader: the cann-recipes names `npu` and
+    `npu_grouped_matmul` become the forms our modules build (their kernels come from the device's
+    kernel set), with a note where no NPU runs them; and a note for the recipe's --rewrite."""
+    chosen, named = {}, []
+    for field, (recipe_name, ours) in RECIPE_IMPLS.items():
+        asked = getattr(args, field)
+        chosen[field] = ours if asked == recipe_name else asked
+        if asked == recipe_name:
+            named.append(f"{field.replace('_', '-')} {asked}")
+    notes = []
+    if named and device_kind != "npu":
+        notes.append(f"note: {' and '.join(named)} name the fused NPU kernels; on {device_kind} they fall back to "
+                     f"the plain torch forms (SDPA attention, the '{kernel_set}' expert kernels)")
+    if args.rewrite:
+        notes.append(f"note: rewrite {args.rewrite}: prompt rewriting is not part of this project (the recipe's "
+                     f"script does not rewrite either); the prompt is used as given")
+    return chosen["attn_impl"], chosen["moe_impl"], notes
 
 
 def set_reproducibility(torch, seed):
@@ -345,10 +377,13 @@ def run(args, phase: "JobPhase | None" = None):
         set_reproducibility(torch, seed)
     log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
         f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} seed={seed}")
+    attn_impl, moe_impl, notes = implementations(args, device.kind, context.kernels.name)
+    for note in notes:
+        log(note)
 
     with torch.no_grad():
         phase.name = "loading weights"
-        model = load_model(args.model_id, context, args.attn_impl, args.moe_impl, per_rank=per_rank)
+        model = load_model(args.model_id, context, attn_impl, moe_impl, per_rank=per_rank)
         if dist is not None:
             phase.name = "waiting for the other ranks to finish loading"
             dist.barrier()

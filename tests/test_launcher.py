@@ -165,6 +165,18 @@ BAD_CONFIGS = {
     "rounds_zero": (arg("rounds", 0), "model_args.rounds:"),
     "multi_stream_bad": (arg("multi-stream", "maybe"), "model_args.multi-stream:"),
     "prompt_empty": (arg("prompt", "  "), "model_args.prompt:"),
+    # cann-recipes keys: theirs are taken, a misspelt one and their launcher's keys for other models are not
+    "model_name_misspelt": (top("model_nmae", "x"), "model_nmae: unknown top-level key; did you mean 'model_name'"),
+    "model_name_path": (top("model_name", "../elsewhere"), "model_name:"),
+    "model_name_number": (top("model_name", 3), "model_name:"),
+    "launcher_accelerate": (top("launcher", "accelerate"), "launcher:"),
+    "recipe_video_key": (top("dit_cache", {"method": "NoCache"}), "dit_cache: unknown here"),
+    "recipe_launcher_args": (top("launcher_args", {}), "launcher_args: unknown here"),
+    "attn_impl_flash": (arg("attn-impl", "flash_attention_2"), "model_args.attn-impl:"),
+    "attn_impl_unknown": (arg("attn-impl", "fast"), "model_args.attn-impl:"),
+    "moe_impl_flashinfer": (arg("moe-impl", "flashinfer"), "model_args.moe-impl:"),
+    "rewrite_negative": (arg("rewrite", -1), "model_args.rewrite:"),
+    "sys_deepseek_prompt_unknown": (arg("sys-deepseek-prompt", "poetry"), "model_args.sys-deepseek-prompt:"),
 }
 
 
@@ -347,3 +359,95 @@ def test_ctrl_c_is_forwarded_to_the_job(tmp_path, base):
         assert out.count("interrupted") == 2, out
     finally:
         remove_log(log)
+
+
+# ---------------------------------------------------------------- the cann-recipes recipe's YAML
+
+REAL_MODEL_CONFIG = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_experts": 64,
+                     "moe_intermediate_size": 3072}
+
+
+def recipe_yaml(model_dir) -> str:
+    """Every key and value of the cann-recipes HunyuanImage-3.0 recipe's config/ep8_cfg.yaml, in its
+    order (model-id pointed at `model_dir`; our own prompt)."""
+    return f"""\
+model_args:
+  model-id: "{model_dir}"
+  prompt: "a lighthouse on a cliff at dusk"
+  image-size: "1024x1024"
+  seed: 42
+  diff-infer-steps: 50
+  reproduce: true
+  attn-impl: "npu"
+  moe-impl: "npu_grouped_matmul"
+  moe-ep: true
+  verbose: 0
+
+model_name: "hunyuan-image-3.0"
+world_size: 16
+master_port: 10086
+entry_script: "run_image_gen.py"
+
+env_vars:
+  CFG_PARALLEL: "1"
+  USE_VAE_PARALLEL: "1"
+  CPU_AFFINITY_CONF: "2"
+"""
+
+
+def test_recipe_yaml_runs_unchanged(tmp_path, model_dir):
+    (model_dir / "config.json").write_text(json.dumps(REAL_MODEL_CONFIG))
+    res = run_launcher(write_yaml(tmp_path, recipe_yaml(model_dir)), "--dry-run")
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    expected = (f"CFG_PARALLEL=1 USE_VAE_PARALLEL=1 CPU_AFFINITY_CONF=2 {shlex.quote(sys.executable)} "
+                f"-m torch.distributed.run --nproc_per_node=16 --nnodes=1 --node_rank=0 --master_addr=127.0.0.1 "
+                f"--master_port=10086 run_image_gen.py --model-id {shlex.quote(str(model_dir))} "
+                f"--prompt 'a lighthouse on a cliff at dusk' --image-size 1024x1024 --seed 42 --diff-infer-steps 50 "
+                f"--reproduce --attn-impl npu --moe-impl npu_grouped_matmul --moe-ep --verbose 0")
+    assert res.stdout.strip() == expected
+
+
+def test_recipe_yaml_layout_is_still_checked(tmp_path, model_dir):
+    """CFG_PARALLEL from its env_vars halves the 16 ranks: EP8 over 64 experts; 12 ranks do not split."""
+    (model_dir / "config.json").write_text(json.dumps(REAL_MODEL_CONFIG))
+    text = recipe_yaml(model_dir).replace("world_size: 16", "world_size: 12")
+    assert_one_error(run_launcher(write_yaml(tmp_path, text), "--dry-run"), "moe-ep: 64 experts")
+
+
+def test_recipe_cpu_affinity_wins_over_the_npu_default(tmp_path, model_dir):
+    (model_dir / "config.json").write_text(json.dumps(REAL_MODEL_CONFIG))
+    text = recipe_yaml(model_dir).replace("  verbose: 0\n", "  verbose: 0\n  device: npu\n")
+    res = run_launcher(write_yaml(tmp_path, text), "--dry-run")
+    prefix = res.stdout.split(sys.executable)[0].split()
+    assert res.returncode == 0 and "CPU_AFFINITY_CONF=2" in prefix and "CPU_AFFINITY_CONF=1" not in prefix
+    assert "TASK_QUEUE_ENABLE=2" in prefix
+
+
+def test_model_name_names_the_log_folder(tmp_path, model_dir):
+    from utils import launch
+    (model_dir / "config.json").write_text(json.dumps(REAL_MODEL_CONFIG))
+    job = launch.check_top(launch.load_config(write_yaml(tmp_path, recipe_yaml(model_dir))))
+    assert launch.log_path(job).parent.name == "hunyuan-image-3.0"
+    del job["model_name"]
+    assert launch.log_path({**launch.DEFAULTS, **job}).parent.name == model_dir.name
+
+
+@pytest.fixture(scope="module")
+def recipe_ep2(tiny_model, tmp_path_factory):
+    from recipe_checkpoint import make_recipe_checkpoint
+    root = tmp_path_factory.mktemp("recipe_launch")
+    return {"ep2": make_recipe_checkpoint(tiny_model, root / "ep2", 2, 1, 2),
+            "int8": make_recipe_checkpoint(tiny_model, root / "int8", 2, 1, 2, int8=True)}
+
+
+def test_recipe_converted_folder_layout_is_checked_before_launch(tmp_path, base, recipe_ep2):
+    base.update(world_size=2)
+    base["model_args"].update({"model-id": str(recipe_ep2["ep2"]), "moe-ep": True})
+    res = run_launcher(write_yaml(tmp_path, base), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    base["model_args"].update({"moe-ep": False, "moe-tp": True})
+    res = run_launcher(write_yaml(tmp_path, base), "--dry-run")
+    assert_one_error(res, f"error: model_args.model-id: {recipe_ep2['ep2']} is converted (by cann-recipes) for "
+                          f"tp_attn=2 tp_moe=1 ep=2 but this run is tp_attn=2 tp_moe=2 ep=1")
+    base["model_args"].update({"model-id": str(recipe_ep2["int8"]), "moe-ep": True, "moe-tp": False})
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"), "holds int8-quantized experts")

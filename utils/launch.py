@@ -33,13 +33,25 @@ USAGE = "usage: run.sh [CONFIG_YAML] [--dry-run] | run.sh --selfcheck [--device 
 
 REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
 DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False,
-            "dist_timeout": None}
+            "dist_timeout": None, "model_name": None, "launcher": "torchrun"}
 TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
+# Keys the cann-recipes-infer launcher knows for its other models: refused, saying why. The keys of
+# its HunyuanImage-3.0 YAML are ours or in DEFAULTS (model_name; launcher: torchrun, its default).
+RECIPE_OTHER_KEYS = {
+    "launcher_args": "accelerate's arguments in the cann-recipes launcher; this launcher always starts torchrun",
+    "dit_cache": "a DiT cache of the cann-recipes video models; HunyuanImage-3.0 has no such option",
+    "sparse": "sparse attention of the cann-recipes video models; HunyuanImage-3.0 has no such option",
+}
+ATTN_IMPLS = ("sdpa", "eager", "npu")
+MOE_IMPLS = ("eager", "npu_grouped_matmul")
+UNSUPPORTED_IMPLS = {"flash_attention_2": "the flash-attn package's kernel has no attention-TP path here",
+                     "flashinfer": "the FlashInfer package's MoE has no TP / EP path here"}
+REWRITE_PROMPTS = ("universal", "text_rendering")
 DEVICES = ("auto", "npu", "cuda", "cpu")
 SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce", "noise-on-cpu", "skip-existing", "serve")
 NUMBERS = {"diff-infer-steps": (1, None), "seed": (0, 2**32 - 1), "warmup": (0, None), "rounds": (1, None),
            "port": (0, 65535), "queue-size": (1, None), "max-n": (1, None),
-           "verbose": (0, None), "max-new-tokens": (1, None)}
+           "verbose": (0, None), "max-new-tokens": (1, None), "rewrite": (0, None)}
 SCALARS = (str, int, float, bool)
 FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -113,6 +125,8 @@ def env_string(value) -> str:
 
 def check_top(cfg: dict) -> dict:
     for key in cfg:
+        if key in RECIPE_OTHER_KEYS:
+            raise ConfigError(str(key), f"unknown here: {RECIPE_OTHER_KEYS[key]}", "remove it")
         if key not in TOP_KEYS:
             close = difflib.get_close_matches(str(key), TOP_KEYS, n=1)
             fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(TOP_KEYS)}"
@@ -149,6 +163,14 @@ def check_top(cfg: dict) -> dict:
                           "point it at an existing script, e.g. run_image_gen.py")
     if not isinstance(job["build_tiny_model"], bool):
         raise ConfigError("build_tiny_model", f"{job['build_tiny_model']!r} is not true/false", "use true or false")
+    name = job["model_name"]
+    if name is not None and (not isinstance(name, str) or not name.strip() or name.strip(".") == ""
+                             or "/" in name or os.sep in name):
+        raise ConfigError("model_name", f"{name!r} cannot name a log folder",
+                          "use a plain name such as hunyuan-image-3.0, or leave it out (the model-id's last part)")
+    if job["launcher"] != "torchrun":
+        raise ConfigError("launcher", f"{job['launcher']!r} is not supported; this launcher always starts torchrun",
+                          "use launcher: torchrun or leave it out")
     job["env_vars"] = check_env_vars(job["env_vars"])
     return job
 
@@ -194,6 +216,14 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
         if get(key) is not None:
             need_int(margs[key], f"model_args.{key}", lo, hi)
     check_image_size(get("image-size", "auto"))
+    for key, allowed in (("attn-impl", ATTN_IMPLS), ("moe-impl", MOE_IMPLS), ("sys-deepseek-prompt", REWRITE_PROMPTS)):
+        value = get(key, allowed[0])
+        if value not in allowed:
+            why = f" ({UNSUPPORTED_IMPLS[value]})" if value in UNSUPPORTED_IMPLS else ""
+            fix = f"use one of {', '.join(allowed)}"
+            if key != "sys-deepseek-prompt":
+                fix += " (on an NPU the fused NPU kernels run with any of them)"
+            raise ConfigError(f"model_args.{key}", f"{value!r} is not one of {'|'.join(allowed)}{why}", fix)
     if get("multi-stream") not in (None, True, False, "on", "off"):
         raise ConfigError("model_args.multi-stream", f"{margs['multi-stream']!r} is not on|off", "use on or off")
     config = model_config(get("model-id"), build_tiny)
@@ -296,10 +326,25 @@ def check_parallel(job: dict, config: dict | None, env: dict) -> None:
         )
         if config is not None:
             layout.check(config)
+            check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims")
     except LayoutError as e:
         field, _, rest = str(e).partition(": ")
         problem, _, fix = rest.partition("; ")
+        field = f"model_args.{field}" if field == "model-id" else field
         raise ConfigError(field, problem, fix or "see config/README.md") from None
+
+
+def check_converted(model_dir: Path, layout, per_rank: bool) -> None:
+    """A converted model-id (ours or the cann-recipes converter's) must be converted for this layout."""
+    from adaptor_patches.parallel.layout import LayoutError
+    from adaptor_patches.weights.load import check_checkpoint
+    try:
+        check_checkpoint(model_dir, layout, 0, per_rank=per_rank)
+    except LayoutError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError("model_args.model-id", f"{model_dir}/config.json has a damaged layout block ({e!r})",
+                          "convert the original again") from None
 
 
 def flags(margs: dict) -> list[str]:
@@ -357,9 +402,10 @@ def shell_line(env: dict, cmd: list[str]) -> str:
     return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.join(cmd)])
 
 
-def log_path(model_id: str) -> Path:
+def log_path(job: dict) -> Path:
+    """res/<date>/<model_name, else model-id's last part>/log_<time>.log"""
     now = datetime.datetime.now()
-    name = Path(os.path.normpath(model_id)).name or "model"
+    name = job["model_name"] or Path(os.path.normpath(job["model_args"]["model-id"])).name or "model"
     return ROOT / "res" / now.strftime("%Y-%m-%d") / name / f"log_{now.strftime('%Y%m%d_%H%M%S')}.log"
 
 
@@ -453,7 +499,7 @@ def needs_tiny_model(job: dict) -> bool:
 def launch(job: dict, env: dict) -> int:
     cmd = torchrun_command(job)
     model_id = job["model_args"]["model-id"]
-    path = log_path(model_id)
+    path = log_path(job)
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"log: {path}", flush=True)
     child_env = {**os.environ, **env}

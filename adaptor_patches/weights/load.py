@@ -1,6 +1,6 @@
 """Loading a rank's model: this rank's weights, from an original or a converted checkpoint.
 
-`--model-id` is one of two kinds:
+`--model-id` is one of three kinds:
 
 * an original (upstream) checkpoint. rank_slices.rank_tensors plans this rank's tensors in the
   runtime layout and `CheckpointFiles` reads only the bytes each needs: row ranges by positioned
@@ -11,8 +11,13 @@
   OUT/rank-XX. Rank r of the "tp" group reads OUT/rank-{r:02d} (the CFG branches share it) whole;
   its layout must equal the run's, which `check_checkpoint` verifies before any collective.
 
-Both are the same path (rank_tensors over a source; a converted folder is planned with the
-single-process layout, i.e. every tensor whole) and give bit-identical weights.
+* a folder converted by the cann-recipes-infer recipe's converter: rank-XX folders, no manifest,
+  experts stacked [E, out, in]. recipe_format.py infers its layout from its tensors (checked like
+  ours) and plans rank r's tensors from OUT/rank-{r:02d} in the runtime layout.
+
+All are the same path (a plan of RankTensors over a source, a lazy state dict, the same checks; a
+converted folder of ours is planned with the single-process layout, i.e. every tensor whole) and
+give bit-identical weights.
 
 Why not upstream's `from_pretrained(dir)` with weight converters: transformers 5 materialises every
 checkpoint tensor whole (`get_slice(k)[...]`, 4 reader threads, all reads queued at once) before a
@@ -24,19 +29,18 @@ The shims-only reference (`per_rank=False`) does use upstream's own from_pretrai
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 from ..parallel.context import RankContext, building
-from ..parallel.layout import Layout, LayoutError
+from ..parallel.layout import Layout
 from .rank_slices import RankTensor, rank_tensors
-from .safetensors_io import CheckpointFiles
+from .recipe_format import RECONVERT, is_recipe_folder, recipe_layout, recipe_rank_tensors
+from .safetensors_io import CheckpointFiles, LoadingError
 
 MANIFEST_FILE = "manifest.json"
 LAYOUT_KEY = "parallel_layout"
-
-
-class LoadingError(LayoutError):
-    """A checkpoint this run cannot load; str() is one `model-id: problem; fix` line."""
 
 
 def rank_dir_name(tp_rank: int) -> str:
@@ -46,7 +50,13 @@ def rank_dir_name(tp_rank: int) -> str:
 # ---------------------------------------------------------------- converted checkpoints
 
 def is_converted(model_dir) -> bool:
+    """Converted by utils/convert_model.py (a manifest.json beside the rank folders)."""
     return (Path(model_dir) / MANIFEST_FILE).is_file()
+
+
+def is_per_rank(model_dir) -> bool:
+    """Converted into rank folders: by utils/convert_model.py, or by the cann-recipes recipe's converter."""
+    return is_converted(model_dir) or is_recipe_folder(model_dir)
 
 
 def converted_layout(model_dir) -> Layout:
@@ -57,22 +67,68 @@ def converted_layout(model_dir) -> Layout:
     return Layout.from_json(config[LAYOUT_KEY])
 
 
+def checkpoint_layout(model_dir) -> Optional[Layout]:
+    """The weight layout a per-rank folder was converted for (ours: its layout block; the recipe's:
+    inferred from its tensors), or None for an original checkpoint."""
+    if is_converted(model_dir):
+        return converted_layout(model_dir)
+    if is_recipe_folder(model_dir):
+        return recipe_layout(model_dir)
+    return None
+
+
 def check_checkpoint(model_dir, layout: Layout, rank: int, per_rank: bool = True) -> None:
-    """Refuse, from JSON files alone (before any collective), a converted checkpoint this run cannot load."""
+    """Refuse, from JSON files and safetensors headers alone (before any collective), a converted
+    checkpoint this run cannot load."""
     model_dir = Path(model_dir)
-    if not is_converted(model_dir):
+    if not is_per_rank(model_dir):
         return
+    ours = is_converted(model_dir)
+    by = "" if ours else " (by cann-recipes)"
     if not per_rank:
-        raise LoadingError(f"model-id: {model_dir} is converted per rank, which only the full adaptor loads; "
+        raise LoadingError(f"model-id: {model_dir} is converted per rank{by}, which only the full adaptor loads; "
                            f"drop --adaptor shims or pass the original checkpoint")
-    converted, wanted = converted_layout(model_dir), layout.weights
+    converted, wanted = checkpoint_layout(model_dir), layout.weights
     if converted != wanted:
-        raise LoadingError(f"model-id: {model_dir} is converted for {converted} but this run is {wanted}; "
+        raise LoadingError(f"model-id: {model_dir} is converted{by} for {converted} but this run is {wanted}; "
                            f"run it with {converted.run_flags()}, or convert the original with {wanted.convert_flags()}")
     rank_dir = model_dir / rank_dir_name(layout.tp_rank(rank))
     if not (rank_dir / "config.json").is_file():
-        raise LoadingError(f"model-id: {rank_dir} is missing; convert again (utils/convert_model.py --verify "
-                           f"{model_dir} lists what is damaged)")
+        fix = f"utils/convert_model.py --verify {model_dir} lists what is damaged" if ours else RECONVERT
+        raise LoadingError(f"model-id: {rank_dir} is missing; convert again ({fix})")
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """What one rank reads: `directory`, planned by `planner` under `layout` for `tp_rank`."""
+    directory: Path
+    layout: Layout
+    tp_rank: int
+    planner: Callable = rank_tensors
+
+    def plan(self) -> tuple:
+        """(CheckpointFiles, this rank's RankTensors)."""
+        files = CheckpointFiles(self.directory)
+        return files, self.planner(files, json.loads((self.directory / "config.json").read_text()), self.layout,
+                                   self.tp_rank)
+
+
+def weights_source(model_dir, context: RankContext) -> WeightsSource:
+    """This rank's WeightsSource (check_checkpoint has accepted a converted folder): an original is
+    planned in the run's layout; our converted rank folder holds exactly the rank's tensors (planned
+    whole); a recipe rank folder is mapped to them by recipe_format."""
+    model_dir = Path(model_dir)
+    if is_converted(model_dir):
+        return WeightsSource(model_dir / rank_dir_name(context.tp_rank), Layout(), 0)
+    if is_recipe_folder(model_dir):
+        return WeightsSource(model_dir / rank_dir_name(context.tp_rank), context.layout, context.tp_rank,
+                             recipe_rank_tensors)
+    return WeightsSource(model_dir, context.layout, context.tp_rank)
+
+
+def plan_rank(weights_dir: Path, layout: Layout, tp_rank: int):
+    """(CheckpointFiles, this rank's RankTensors) of an original checkpoint or converted rank directory."""
+    return WeightsSource(Path(weights_dir), layout, tp_rank).plan()
 
 
 # ---------------------------------------------------------------- loading
@@ -98,28 +154,14 @@ class _LazyTensor:
         return self.tensor.read(self.files)[item]
 
 
-def weights_source(model_dir, context: RankContext):
-    """(directory to read, weight layout to plan it with, tp rank) for this rank of `context`
-    (check_checkpoint has accepted a converted folder)."""
-    model_dir = Path(model_dir)
-    if is_converted(model_dir):
-        return model_dir / rank_dir_name(context.tp_rank), Layout(), 0
-    return model_dir, context.layout, context.tp_rank
-
-
-def plan_rank(weights_dir: Path, layout: Layout, tp_rank: int):
-    """(CheckpointFiles, this rank's RankTensors) of a weights directory."""
-    files = CheckpointFiles(weights_dir)
-    return files, rank_tensors(files, json.loads((weights_dir / "config.json").read_text()), layout, tp_rank)
-
-
 def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankContext, **kwargs):
     """`from_pretrained` (transformers', bound to model class `cls`) fed this rank's tensors lazily,
     then spot-checked against the checkpoint."""
     from transformers import GenerationConfig
     check_checkpoint(model_dir, context.layout, context.rank)
-    weights_dir, layout, tp_rank = weights_source(model_dir, context)
-    files, tensors = plan_rank(weights_dir, layout, tp_rank)
+    source = weights_source(model_dir, context)
+    weights_dir = source.directory
+    files, tensors = source.plan()
     lazy = {t.name: _LazyTensor(t, files) for t in tensors}
     config = kwargs.pop("config", None)
     if config is None:
@@ -148,7 +190,7 @@ def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_imp
         kwargs["device_map"] = {"": context.device.torch_device}
     if per_rank:       # the patched from_pretrained: from_pretrained_by_slices, loaded keys and values checked
         model, _ = cls.from_pretrained(str(model_dir), rank_context=context, **kwargs)
-        weights_dir = weights_source(model_dir, context)[0]
+        weights_dir = weights_source(model_dir, context).directory
     else:
         model, info = cls.from_pretrained(str(model_dir), **kwargs)
         weights_dir = model_dir

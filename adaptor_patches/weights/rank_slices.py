@@ -47,7 +47,7 @@ class RankTensor:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
-def _pair_rows(half: int, cols: slice) -> torch.Tensor:
+def pair_rows(half: int, cols: slice) -> torch.Tensor:
     """Rows `cols` of both halves of a [2*half, ...] gate_and_up weight (upstream's x1 then x2)."""
     part = torch.arange(cols.start, cols.stop)
     return torch.cat([part, part + half])
@@ -57,6 +57,20 @@ def expert_w13(x1_then_x2: torch.Tensor) -> torch.Tensor:
     """[2I, H] rows (upstream's x1 half, then x2) -> [H, 2I] with the activated x2 half first."""
     x1, x2 = x1_then_x2.chunk(2, dim=0)
     return torch.cat([x2, x1], dim=0).t()
+
+
+def whole_tensor(files: CheckpointFiles, key: str) -> RankTensor:
+    """`key` as stored (a byte copy)."""
+    info = files.info(key)
+    return RankTensor(key, info.shape, info.dtype, lambda source: source.read_rows(key), stored=info)
+
+
+def cut_tensor(files: CheckpointFiles, key: str, index: torch.Tensor, dim: int) -> RankTensor:
+    """Rows (dim 0) or columns (dim 1) `index` of `key`."""
+    info = files.info(key)
+    shape = list(info.shape)
+    shape[dim] = len(index)
+    return RankTensor(key, tuple(shape), info.dtype, lambda source: source.read_index(key, index, dim))
 
 
 class _RankSplitter:
@@ -69,14 +83,10 @@ class _RankSplitter:
         return self.layout.moe_shard(self.moe[layer].experts, self.tp_rank)
 
     def whole(self, key: str) -> RankTensor:
-        info = self.files.info(key)
-        return RankTensor(key, info.shape, info.dtype, lambda files: files.read_rows(key), stored=info)
+        return whole_tensor(self.files, key)
 
     def cut(self, key: str, index: torch.Tensor, dim: int) -> RankTensor:
-        info = self.files.info(key)
-        shape = list(info.shape)
-        shape[dim] = len(index)
-        return RankTensor(key, tuple(shape), info.dtype, lambda files: files.read_index(key, index, dim))
+        return cut_tensor(self.files, key, index, dim)
 
     def one(self, key: str) -> RankTensor:
         match = LAYER_KEY.match(key)
@@ -89,7 +99,7 @@ class _RankSplitter:
             half = self.moe[layer].shared_intermediate
             cols = self.moe_shard(layer).columns(half)
             if rest.endswith("gate_and_up_proj.weight"):
-                return self.cut(key, _pair_rows(half, cols), 0)
+                return self.cut(key, pair_rows(half, cols), 0)
             return self.cut(key, torch.arange(cols.start, cols.stop), 1)
         return self.whole(key)
 
@@ -104,7 +114,7 @@ class _RankSplitter:
             name, shape = "w13", (shard.local_experts, first.shape[1], 2 * shard.local_size(inter))
 
             def piece(files, expert):
-                return expert_w13(files.read_index(source.format(expert), _pair_rows(inter, cols), 0))
+                return expert_w13(files.read_index(source.format(expert), pair_rows(inter, cols), 0))
         else:                                                   # [H, I] per expert
             name, shape = "w2", (shard.local_experts, shard.local_size(inter), first.shape[0])
 

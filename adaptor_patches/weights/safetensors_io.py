@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from ..parallel.layout import LayoutError
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -24,6 +26,10 @@ DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 COLUMN_BLOCK_BYTES = 64 << 20       # rows read at once when cutting columns
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class LoadingError(LayoutError):
+    """A checkpoint this run cannot load; str() is one `model-id: problem; fix` line."""
 
 
 @dataclass(frozen=True)

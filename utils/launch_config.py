@@ -1,0 +1,332 @@
+"""run.sh's YAML -> a validated job: every key, value and file it names checked before anything starts.
+
+Keys: config/README.md. Refusals raise ConfigError (`field: problem; fix`); utils/launch.py prints
+it as one `error:` line and exits 2.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
+REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
+DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False,
+            "dist_timeout": None, "model_name": None, "launcher": "torchrun"}
+TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
+# Keys the cann-recipes-infer launcher knows for its other models: refused, saying why. The keys of
+# its HunyuanImage-3.0 YAML are ours or in DEFAULTS (model_name; launcher: torchrun, its default).
+RECIPE_OTHER_KEYS = {
+    "launcher_args": "accelerate's arguments in the cann-recipes launcher; this launcher always starts torchrun",
+    "dit_cache": "a DiT cache of the cann-recipes video models; HunyuanImage-3.0 has no such option",
+    "sparse": "sparse attention of the cann-recipes video models; HunyuanImage-3.0 has no such option",
+}
+ATTN_IMPLS = ("sdpa", "eager", "npu")
+MOE_IMPLS = ("eager", "npu_grouped_matmul")
+UNSUPPORTED_IMPLS = {"flash_attention_2": "the flash-attn package's kernel has no attention-TP path here",
+                     "flashinfer": "the FlashInfer package's MoE has no TP / EP path here"}
+REWRITE_PROMPTS = ("universal", "text_rendering")
+DEVICES = ("auto", "npu", "cuda", "cpu")
+SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce", "noise-on-cpu", "skip-existing", "serve")
+NUMBERS = {"diff-infer-steps": (1, None), "seed": (0, 2**32 - 1), "warmup": (0, None), "rounds": (1, None),
+           "port": (0, 65535), "queue-size": (1, None), "max-n": (1, None),
+           "verbose": (0, None), "max-new-tokens": (1, None), "rewrite": (0, None)}
+SCALARS = (str, int, float, bool)
+FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+IMAGE_SIZE = re.compile(r"(\d+)[x:](\d+)\Z")
+
+
+class ConfigError(Exception):
+    def __init__(self, field: str, problem: str, fix: str):
+        super().__init__(f"{field}: {problem}; {fix}")
+
+
+def load_config(path: Path) -> dict:
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """Refuses a key given twice, naming it by its path (e.g. model_args.seed)."""
+
+        def construct_document(self, node):
+            self._check_unique(node, "")
+            return super().construct_document(node)
+
+        def _check_unique(self, node, prefix):
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, value_node in node.value:
+                    key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
+                    if key in seen:
+                        raise ConfigError(f"{prefix}{key}", f"appears twice (line {key_node.start_mark.line + 1})",
+                                          "keep one entry")
+                    seen.add(key)
+                    self._check_unique(value_node, f"{prefix}{key}.")
+            elif isinstance(node, yaml.SequenceNode):
+                for item in node.value:
+                    self._check_unique(item, prefix)
+
+    if not path.is_file():
+        raise ConfigError("config", f"'{path}' does not exist", "pass an existing YAML file (see config/)")
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError("config", f"YAML syntax error in {path}{where}: {getattr(e, 'problem', None) or e}",
+                          "fix the YAML there (indentation, ':' after keys, quotes)") from None
+    except UnicodeDecodeError:
+        raise ConfigError("config", f"{path} is not UTF-8 text", "save it as UTF-8 YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"the top level of {path} is {type(data).__name__}, not a mapping",
+                          "write `key: value` lines as in config/tiny_cpu.yaml")
+    return data
+
+
+def need_int(value, field: str, lo: int, hi: int | None = None, fix: str = "") -> None:
+    span = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(field, f"{value!r} is not an integer", fix or f"use an integer {span}")
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(field, f"{value} is not {span}", fix or f"use an integer {span}")
+
+
+def resolve_path(value: str) -> Path:
+    path = Path(os.path.expanduser(value))
+    return path if path.is_absolute() else ROOT / path
+
+
+def env_string(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_top(cfg: dict) -> dict:
+    for key in cfg:
+        if key in RECIPE_OTHER_KEYS:
+            raise ConfigError(str(key), f"unknown here: {RECIPE_OTHER_KEYS[key]}", "remove it")
+        if key not in TOP_KEYS:
+            close = difflib.get_close_matches(str(key), TOP_KEYS, n=1)
+            fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(TOP_KEYS)}"
+            raise ConfigError(str(key), "unknown top-level key", fix)
+    for key in REQUIRED_KEYS:
+        if key not in cfg:
+            raise ConfigError(key, "missing", f"add `{key}:` (see config/README.md)")
+    job = {**DEFAULTS, **cfg}
+    need_int(job["world_size"], "world_size", 1, fix="set the ranks per node, e.g. 1, 2 or 8")
+    need_int(job["master_port"], "master_port", 1, 65535, fix="pick a free TCP port, e.g. 29611")
+    need_int(job["nnodes"], "nnodes", 1, fix="set the number of nodes, 1 for one machine")
+    need_int(job["node_rank"], "node_rank", 0, fix="set this node's index, 0 on the master node")
+    if job["node_rank"] >= job["nnodes"]:
+        raise ConfigError("node_rank", f"{job['node_rank']} is not below nnodes={job['nnodes']}",
+                          f"use a node_rank in 0..{job['nnodes'] - 1} or raise nnodes")
+    addr = job["master_addr"]
+    if not isinstance(addr, str) or not addr or any(c.isspace() for c in addr):
+        raise ConfigError("master_addr", f"{addr!r} is not a host name or IP", "use e.g. 127.0.0.1 or node0")
+    if job["nnodes"] > 1 and "master_addr" not in cfg:
+        raise ConfigError("master_addr", f"missing with nnodes={job['nnodes']} (the default 127.0.0.1 reaches no "
+                                         f"other node)", "set it to the master node's host name or IP on every node")
+    try:
+        socket.getaddrinfo(addr, job["master_port"])
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError("master_addr", f"{addr!r} does not resolve ({e})", "use the master node's IP or a "
+                                                                             "host name this machine resolves") from None
+    timeout = job["dist_timeout"]
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ConfigError("dist_timeout", f"{timeout!r} is not a number of seconds > 0",
+                          "use e.g. 1200, or leave it out for the default")
+    script = job["entry_script"]
+    if not isinstance(script, str) or not script or not resolve_path(script).is_file():
+        raise ConfigError("entry_script", f"{script!r} is not a file under {ROOT}",
+                          "point it at an existing script, e.g. run_image_gen.py")
+    if not isinstance(job["build_tiny_model"], bool):
+        raise ConfigError("build_tiny_model", f"{job['build_tiny_model']!r} is not true/false", "use true or false")
+    name = job["model_name"]
+    if name is not None and (not isinstance(name, str) or not name.strip() or name.strip(".") == ""
+                             or "/" in name or os.sep in name):
+        raise ConfigError("model_name", f"{name!r} cannot name a log folder",
+                          "use a plain name such as hunyuan-image-3.0, or leave it out (the model-id's last part)")
+    if job["launcher"] != "torchrun":
+        raise ConfigError("launcher", f"{job['launcher']!r} is not supported; this launcher always starts torchrun",
+                          "use launcher: torchrun or leave it out")
+    job["env_vars"] = check_env_vars(job["env_vars"])
+    return job
+
+
+def check_env_vars(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError("env_vars", f"is {type(value).__name__}, not a mapping", "write `NAME: value` lines")
+    for name, val in value.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise ConfigError(f"env_vars.{name}", "is not an environment variable name",
+                              "use letters, digits and '_', not starting with a digit")
+        if not isinstance(val, SCALARS):
+            raise ConfigError(f"env_vars.{name}", f"value {val!r} is not a scalar", "use a string or a number")
+    return {name: env_string(val) for name, val in value.items()}
+
+
+def check_model_args(margs, build_tiny: bool) -> dict | None:
+    """Validate model_args; return the checkpoint's config.json (None if it is yet to be built)."""
+    if not isinstance(margs, dict):
+        raise ConfigError("model_args", f"is {type(margs).__name__}, not a mapping",
+                          "write `flag-name: value` lines under model_args")
+    for key, val in margs.items():
+        check_flag(key, val)
+
+    def get(key, default=None):
+        return default if margs.get(key) is None else margs[key]
+
+    prompt = get("prompt")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+        raise ConfigError("model_args.prompt", f"{prompt!r} is empty or not text", "write the prompt as a string")
+    check_prompts_file(get("prompts"))
+    if get("device", "auto") not in DEVICES:
+        raise ConfigError("model_args.device", f"{margs['device']!r} is not one of {'|'.join(DEVICES)}",
+                          "use auto, npu, cuda or cpu")
+    for key in SWITCHES:
+        if not isinstance(get(key, False), bool):
+            raise ConfigError(f"model_args.{key}", f"{margs[key]!r} is not true/false", "use true or false")
+    if get("moe-tp") and get("moe-ep"):
+        raise ConfigError("model_args.moe-tp/moe-ep", "both true; they are exclusive", "keep one of them")
+    for key, (lo, hi) in NUMBERS.items():
+        if get(key) is not None:
+            need_int(margs[key], f"model_args.{key}", lo, hi)
+    check_image_size(get("image-size", "auto"))
+    for key, allowed in (("attn-impl", ATTN_IMPLS), ("moe-impl", MOE_IMPLS), ("sys-deepseek-prompt", REWRITE_PROMPTS)):
+        value = get(key, allowed[0])
+        if value not in allowed:
+            why = f" ({UNSUPPORTED_IMPLS[value]})" if value in UNSUPPORTED_IMPLS else ""
+            fix = f"use one of {', '.join(allowed)}"
+            if key != "sys-deepseek-prompt":
+                fix += " (on an NPU the fused NPU kernels run with any of them)"
+            raise ConfigError(f"model_args.{key}", f"{value!r} is not one of {'|'.join(allowed)}{why}", fix)
+    if get("multi-stream") not in (None, True, False, "on", "off"):
+        raise ConfigError("model_args.multi-stream", f"{margs['multi-stream']!r} is not on|off", "use on or off")
+    config = model_config(get("model-id"), build_tiny)
+    if config is not None:
+        check_text_task(get("bot-task"), get("save-text") is not None, resolve_path(get("model-id")))
+    return config
+
+
+def check_text_task(bot_task, save_text: bool, model_dir: Path) -> None:
+    """think / recaption on this checkpoint, by adaptor_patches.text_phase's rule (its JSON only)."""
+    sys.path.insert(0, str(ROOT))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from adaptor_patches.text_phase import text_task_problem
+    path = model_dir / "generation_config.json"
+    try:
+        generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError("model_args.model-id", f"{path} is not valid JSON ({e})", "repair or regenerate it") from None
+    problem = text_task_problem(bot_task, save_text, generation if isinstance(generation, dict) else {})
+    if problem:
+        field, what, fix = problem
+        raise ConfigError(f"model_args.{field}", what, fix)
+
+
+def check_flag(key, val) -> None:
+    if not isinstance(key, str) or not FLAG_NAME.match(key):
+        fix = f"write it with dashes: {key.replace('_', '-')}" if isinstance(key, str) and "_" in key else \
+            "use a flag name like diff-infer-steps, without '--'"
+        raise ConfigError(f"model_args.{key}", "is not a flag name", fix)
+    if val is None or isinstance(val, SCALARS) or (isinstance(val, list) and all(isinstance(v, SCALARS) for v in val)):
+        return
+    raise ConfigError(f"model_args.{key}", f"a {type(val).__name__} value cannot be a flag",
+                      "use a string, number, true/false, null or a list of those")
+
+
+def check_prompts_file(value) -> None:
+    """model_args.prompts: the file's lines, checked as run_image_gen.py will (the checks that need the
+    tokenizer run there, before the weights load)."""
+    if value is None:
+        return
+    from utils.image_requests import ImageRequest, RequestError, read_prompts_file
+    path = resolve_path(str(value))
+    if not path.is_file():
+        raise ConfigError("model_args.prompts", f"{path} is not a file", "point it at a prompts file (.txt or .jsonl)")
+    try:
+        read_prompts_file(path, ImageRequest(prompt=""), ROOT / "outputs")
+    except RequestError as exc:
+        raise ConfigError("model_args.prompts", f"{path}: {exc}", "fix that line") from None
+
+
+def check_image_size(value) -> None:
+    match = IMAGE_SIZE.match(value) if isinstance(value, str) else None
+    if value == "auto" or (match and all(int(g) > 0 for g in match.groups())):
+        return
+    problem = f"{value!r} is not auto, HxW or H:W with positive integers"
+    if isinstance(value, int) and not isinstance(value, bool):
+        problem += " (YAML reads an unquoted H:W of small numbers as one base-60 number)"
+    raise ConfigError("model_args.image-size", problem, 'use auto or a quoted size such as "1024x1024"')
+
+
+def model_config(model_id, build_tiny: bool) -> dict | None:
+    """The checkpoint's config.json, or None when build_tiny_model will create the directory."""
+    field = "model_args.model-id"
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise ConfigError(field, "missing or not a path", "set model-id: <checkpoint dir>")
+    path = resolve_path(model_id)
+    if not path.exists():
+        if not build_tiny:
+            raise ConfigError(field, f"'{model_id}' does not exist",
+                              "point it at a checkpoint dir, or set build_tiny_model: true to make a tiny one there")
+        if not (ROOT / TINY_MODEL_SCRIPT).is_file():
+            raise ConfigError("build_tiny_model", f"{TINY_MODEL_SCRIPT} is missing", "point model-id at a checkpoint")
+        return None
+    if not (path / "config.json").is_file():
+        raise ConfigError(field, f"'{model_id}' is not a directory with a config.json",
+                          "point it at a HunyuanImage-3 checkpoint dir")
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        data = e
+    if not isinstance(data, dict):
+        raise ConfigError(field, f"{path}/config.json is not a JSON object ({data})", "repair or regenerate it")
+    return data
+
+
+def check_parallel(job: dict, config: dict | None, env: dict) -> None:
+    """The layout rules of adaptor_patches/parallel/layout.py, applied to the whole job (all nodes)."""
+    sys.path.insert(0, str(ROOT))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from adaptor_patches.parallel.layout import Layout, LayoutError, env_flag
+    margs = job["model_args"]
+    try:
+        layout = Layout.from_flags(
+            job["world_size"] * job["nnodes"],
+            cfg_parallel=bool(margs.get("cfg-parallel")) or env_flag("CFG_PARALLEL", env),
+            moe_tp=bool(margs.get("moe-tp")), moe_ep=bool(margs.get("moe-ep")),
+            vae_parallel=bool(margs.get("vae-parallel")) or env_flag("USE_VAE_PARALLEL", env),
+        )
+        if config is not None:
+            layout.check(config)
+            check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims")
+    except LayoutError as e:
+        field, _, rest = str(e).partition(": ")
+        problem, _, fix = rest.partition("; ")
+        field = f"model_args.{field}" if field == "model-id" else field
+        raise ConfigError(field, problem, fix or "see config/README.md") from None
+
+
+def check_converted(model_dir: Path, layout, per_rank: bool) -> None:
+    """A converted model-id (ours or the cann-recipes converter's) must be converted for this layout."""
+    from adaptor_patches.parallel.layout import LayoutError
+    from adaptor_patches.weights.load import check_checkpoint
+    try:
+        check_checkpoint(model_dir, layout, 0, per_rank=per_rank)
+    except LayoutError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError("model_args.model-id", f"{model_dir}/config.json has a damaged layout block ({e!r})",
+                          "convert the original again") from None

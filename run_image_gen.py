@@ -368,7 +368,7 @@ def run(args, phase: "JobPhase | None" = None):
     device = model_adaptor.apply(device, shims_only=args.adaptor == "shims")
     device.make_current()
     multi_stream = {"on": True, "off": False, None: None}[args.multi_stream]
-    context = RankContext(layout, rank, device, multi_stream)
+    context = RankContext(layout, rank, device, multi_stream, text_to_image_only=args.adaptor == "full")
     phase.name = "joining the process group"
     dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
     phase.name = "agreeing on the seed"
@@ -389,6 +389,10 @@ def run(args, phase: "JobPhase | None" = None):
             dist.barrier()
         load_s = time.perf_counter() - t0
         log(f"loaded {args.model_id} in {load_s:.2f}s")
+        skipped = getattr(model, "skipped_bytes", {})
+        if skipped:
+            log("not loaded (text-to-image never calls them): " + ", ".join(
+                f"{path} ({size / 2**20:.1f} MiB)" for path, size in skipped.items()))
         if args.prompts is not None or args.serve:
             phase.name = "serving requests" if args.serve else "generating the prompts file's images"
             code = many_images.run_many(args, model, dist, rank, server, log, generate, is_collective_failure)

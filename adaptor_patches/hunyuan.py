@@ -44,6 +44,9 @@ def causal_mm_init(original, device):
         with building(context):         # its text model, layers and VAE all built for one context
             original(self, config, *args, **kwargs)
         self.rank_context = context
+        for path in context.skipped_components:        # never called by text-to-image: not kept, not loaded
+            owner, _, name = path.rpartition(".")
+            setattr(self.get_submodule(owner) if owner else self, name, None)
 
     return __init__
 

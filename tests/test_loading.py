@@ -204,3 +204,24 @@ def test_npu_experts_are_stored_nz_after_loading_with_the_same_values(tiny_model
     experts = sorted((tuple(v.shape), 29) for k, v in plain.items() if k.endswith(("experts.w13", "experts.w2")))
     assert experts and sorted(npu_double.format_casts) == experts
     assert set(nz) == set(plain) and all(torch.equal(nz[k], plain[k]) for k in plain)
+
+
+def test_text_to_image_jobs_leave_out_the_vision_tower_and_the_vae_encoder(tiny_model):
+    """run_image_gen's contexts (text_to_image_only) neither build nor read what text-to-image never
+    calls; a library user's default context keeps the whole model."""
+    import model_adaptor
+    from adaptor_patches.parallel.context import UNUSED_IN_TEXT_TO_IMAGE, RankContext
+    from adaptor_patches.weights.load import load_model
+    device = model_adaptor.apply("cpu")
+    try:
+        lean = load_model(tiny_model, RankContext(device=device, text_to_image_only=True))
+        whole = load_model(tiny_model, RankContext(device=device))
+    finally:
+        model_adaptor.remove()
+    prefixes = tuple(f"{path}." for path in UNUSED_IN_TEXT_TO_IMAGE)
+    dropped = {k for k in whole.state_dict() if k.startswith(prefixes)}
+    assert {p.split(".")[0] for p in dropped} == {"vision_model", "vision_aligner", "vae"}
+    assert set(lean.state_dict()) == set(whole.state_dict()) - dropped
+    assert lean.vision_model is None and lean.vae.encoder is None and lean.vae.decoder is not None
+    assert lean.skipped_bytes["vae.encoder"] == sum(v.numel() * v.element_size() for k, v in whole.state_dict().items()
+                                                    if k.startswith("vae.encoder."))

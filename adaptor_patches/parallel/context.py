@@ -25,6 +25,12 @@ from .layout import Layout, LayoutError
 _building: contextvars.ContextVar = contextvars.ContextVar("adaptor_rank_context", default=None)
 
 
+# Upstream builds these, but its text-to-image path never calls them: the vision tower and its
+# aligner encode conditioning images, the VAE encoder turns images into latents; generating from a
+# prompt only decodes. A context made for text-to-image jobs leaves them out (not built, not read).
+UNUSED_IN_TEXT_TO_IMAGE = ("vision_model", "vision_aligner", "vae.encoder")
+
+
 @dataclass(eq=False)
 class RankContext:
     layout: Layout = field(default_factory=Layout)
@@ -32,6 +38,7 @@ class RankContext:
     device: Device = field(default_factory=lambda: Device("cpu"))
     multi_stream: Optional[bool] = None      # None: on wherever the device has streams
     kernels: object = None                   # the kernel set; default: the device's (kernels.kernels_for)
+    text_to_image_only: bool = False         # leave out UNUSED_IN_TEXT_TO_IMAGE (run_image_gen's jobs)
     _mesh: object = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -39,6 +46,11 @@ class RankContext:
             raise LayoutError(f"rank: {self.rank} is outside world size {self.layout.world_size}")
         if self.kernels is None:
             self.kernels = kernels_for(self.device.kind)
+
+    @property
+    def skipped_components(self) -> tuple:
+        """Module paths this rank's model leaves out (and whose checkpoint tensors are not read)."""
+        return UNUSED_IN_TEXT_TO_IMAGE if self.text_to_image_only else ()
 
     @property
     def tp_rank(self) -> int:

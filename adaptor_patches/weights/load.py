@@ -162,7 +162,8 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
     source = weights_source(model_dir, context)
     weights_dir = source.directory
     files, tensors = source.plan()
-    lazy = {t.name: _LazyTensor(t, files) for t in tensors}
+    skipped = tuple(f"{path}." for path in context.skipped_components)      # not built: not read either
+    lazy = {t.name: _LazyTensor(t, files) for t in tensors if not t.name.startswith(skipped)}
     config = kwargs.pop("config", None)
     if config is None:
         config_kwargs = {"moe_impl": kwargs.pop("moe_impl")} if "moe_impl" in kwargs else {}
@@ -173,6 +174,8 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
     if isinstance(result, tuple):       # output_loading_info=True: the keys first, then the values
         _check_loaded(weights_dir, result[1])
     spot_check_values(model, files, tensors)
+    model.skipped_bytes = {path: sum(t.nbytes for t in tensors if t.name.startswith(f"{path}."))
+                           for path in context.skipped_components}
     if (weights_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(weights_dir))
     return result

@@ -1,6 +1,7 @@
 """YAML -> validated -> torchrun launcher behind run.sh. Keys: config/README.md.
 
-Usage: run.sh [CONFIG_YAML] [--dry-run]   (default: config/tiny_cpu.yaml)
+Usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB]
+       (default config: config/tiny_cpu.yaml; every launch is planned first: utils/launch_plan.py)
        run.sh --selfcheck [--device D] [--nproc N] ...   (utils/selfcheck.py: is this node ready?)
 
 Any bad input stops it before anything starts: one stderr line `error: <field>: <problem>; <fix>`,
@@ -28,7 +29,8 @@ from utils.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check
                                  check_parallel, check_top, env_string, load_config, model_config, resolve_path)
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
-USAGE = "usage: run.sh [CONFIG_YAML] [--dry-run] | run.sh --selfcheck [--device D] [--nproc N]"
+USAGE = ("usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB] | "
+         "run.sh --selfcheck [--device D] [--nproc N]")
 
 ROOT_CAUSE_EXITCODE = re.compile(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", re.S)
 ROOT_CAUSE_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)", re.S)
@@ -201,11 +203,21 @@ def launch(job: dict, env: dict) -> int:
         return run_tee(cmd, child_env, log)
 
 
-def parse_argv(argv: list[str]) -> tuple[Path, bool]:
-    rest = [a for a in argv if a != "--dry-run"]
+def parse_argv(argv: list[str]) -> tuple:
+    """(config path, options): --dry-run, --plan (print the plan and stop), --no-plan, --device-memory X."""
+    options = {"dry_run": False, "plan": False, "no_plan": False, "device_memory": None}
+    rest, args = [], list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("--dry-run", "--plan", "--no-plan"):
+            options[arg[2:].replace("-", "_")] = True
+        elif arg == "--device-memory" and args:
+            options["device_memory"] = args.pop(0)
+        else:
+            rest.append(arg)
     if any(a.startswith("-") for a in rest) or len(rest) > 1:
         raise ConfigError("arguments", f"cannot use {' '.join(rest)!r}", USAGE)
-    return (Path(rest[0]) if rest else DEFAULT_CONFIG), len(rest) < len(argv)
+    return (Path(rest[0]) if rest else DEFAULT_CONFIG), options
 
 
 def run(argv: list[str]) -> int:
@@ -215,12 +227,17 @@ def run(argv: list[str]) -> int:
     if argv and argv[0] == "--selfcheck":
         from utils import selfcheck
         return selfcheck.main(argv[1:])
-    path, dry_run = parse_argv(argv)
+    path, options = parse_argv(argv)
     job = check_top(load_config(path))
     config = check_model_args(job["model_args"], job["build_tiny_model"])
-    check_parallel(job, config, {**os.environ, **job["env_vars"]})
+    layout = check_parallel(job, config, {**os.environ, **job["env_vars"]})
+    if not options["no_plan"]:
+        from utils.launch_plan import plan_job
+        plan_job(job, layout, options)
+        if options["plan"]:
+            return 0
     env = exports(job)
-    if not dry_run:
+    if not options["dry_run"]:
         check_port_free(job)
         return launch(job, env)
     if needs_tiny_model(job):

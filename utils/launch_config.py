@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
 REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
 DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False,
-            "dist_timeout": None, "model_name": None, "launcher": "torchrun"}
+            "dist_timeout": None, "model_name": None, "launcher": "torchrun", "device_memory": None}
 TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
 # Keys the cann-recipes-infer launcher knows for its other models: refused, saying why. The keys of
 # its HunyuanImage-3.0 YAML are ours or in DEFAULTS (model_name; launcher: torchrun, its default).
@@ -295,7 +295,7 @@ def model_config(model_id, build_tiny: bool) -> dict | None:
     return data
 
 
-def check_parallel(job: dict, config: dict | None, env: dict) -> None:
+def check_parallel(job: dict, config: dict | None, env: dict):
     """The layout rules of adaptor_patches/parallel/layout.py, applied to the whole job (all nodes)."""
     sys.path.insert(0, str(ROOT))
     with warnings.catch_warnings():
@@ -312,6 +312,7 @@ def check_parallel(job: dict, config: dict | None, env: dict) -> None:
         if config is not None:
             layout.check(config)
             check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims")
+        return layout
     except LayoutError as e:
         field, _, rest = str(e).partition(": ")
         problem, _, fix = rest.partition("; ")

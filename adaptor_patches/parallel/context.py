@@ -39,6 +39,7 @@ class RankContext:
     multi_stream: Optional[bool] = None      # None: on wherever the device has streams
     kernels: object = None                   # the kernel set; default: the device's (kernels.kernels_for)
     text_to_image_only: bool = False         # leave out UNUSED_IN_TEXT_TO_IMAGE (run_image_gen's jobs)
+    planning: bool = False                   # built on the meta device to be measured (utils/plan.py), never run
     _mesh: object = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -63,7 +64,7 @@ class RankContext:
     def require_process_group(self, feature: str) -> None:
         """Refuse to build `feature` split over ranks that cannot talk to each other."""
         import torch.distributed as dist
-        if self.layout.is_distributed and not dist.is_initialized():
+        if self.layout.is_distributed and not dist.is_initialized() and not self.planning:
             raise LayoutError(f"{feature}: the layout spans {self.layout.world_size} ranks but no process group is "
                               f"initialised; call torch.distributed.init_process_group before building the model "
                               f"(run_image_gen.py and run.sh do)")

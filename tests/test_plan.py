@@ -1,0 +1,118 @@
+"""utils/plan.py, utils/memory_plan.py and run.sh's fit check: the plan's parameter bytes are exactly
+what loading materialises (every layout of the matrix, real gloo ranks), and a layout that does not
+fit is refused before launch with one line."""
+import json
+
+import pytest
+
+from multirank import run_ranks
+
+LAYOUTS = {"single": (1, 1, "replicated", False), "tp2": (2, 1, "replicated", False), "cfg2": (2, 2, "replicated", False),
+           "ep2": (2, 1, "ep", False), "tp2_cfg2_moe_tp": (4, 2, "tp", True), "ep2_cfg2_moe_ep": (4, 2, "ep", True),
+           "tp4": (4, 1, "replicated", False)}
+
+
+def loaded_bytes_on_rank(rank, world_size, model_dir, cfg, moe, vae):
+    """This rank's model as run_image_gen loads it, summed by the plan's components."""
+    import model_adaptor
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.parallel.layout import Layout
+    from adaptor_patches.weights.load import load_model
+    from utils.memory_plan import COMPONENTS, component_of
+    layout = Layout(world_size, cfg, moe, vae)
+    context = RankContext(layout, rank, model_adaptor.apply("cpu"), text_to_image_only=True)
+    model = load_model(model_dir, context)
+    out = {component: 0 for component, _ in COMPONENTS}
+    out["the rest"] = 0
+    for name, tensor in model.state_dict().items():
+        out[component_of(name)] += tensor.numel() * tensor.element_size()
+    return layout.tp_rank(rank), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_planned_parameter_bytes_equal_the_loaded_model_exactly(tiny_model, name):
+    from adaptor_patches.parallel.layout import Layout
+    from utils.memory_plan import plan
+    world_size, cfg, moe, vae = LAYOUTS[name]
+    roles = plan(tiny_model, Layout(world_size, cfg, moe, vae), (64, 64), "cpu")
+    assert sorted(r for role in roles for r in role.ranks) == list(range(world_size))
+    role_of = {rank: role for role in roles for rank in role.ranks}
+    if world_size == 1:
+        loaded = [loaded_bytes_on_rank(0, 1, str(tiny_model), cfg, moe, vae)]
+    else:
+        loaded = run_ranks(world_size, loaded_bytes_on_rank, str(tiny_model), cfg, moe, vae)
+    for rank, (tp_rank, measured) in enumerate(loaded):
+        assert role_of[rank].params == measured, (name, rank)
+    assert loaded[0][1]["vision encoder"] == 0 and loaded[0][1]["routed experts"] > 0
+
+
+def test_the_real_models_config_plans_to_its_published_size():
+    """config/real_model (written from public facts, config/real_model/SOURCES.md): 83.0 B parameters;
+    on one rank the text-to-image model holds all but the vision tower and the VAE encoder."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.memory_plan import GiB, plan
+    whole = plan("config/real_model", Layout(1), (1024, 1024), "npu")[0]
+    assert 152 * GiB < whole.param_bytes < 154 * GiB            # 83.0 B less the vision tower and VAE encoder, bf16
+    assert whole.params["routed experts"] == 77_309_411_328 * 2
+    ep16 = plan("config/real_model", Layout(16, 2, "ep", True), (1024, 1024), "npu")
+    assert len(ep16) == 1 and ep16[0].params["routed experts"] == 77_309_411_328 * 2 // 8
+
+
+def run_plan(*argv):
+    import contextlib
+    import io
+    from utils import plan
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = plan.main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_plan_cli_reports_and_refuses_a_layout_that_does_not_fit(tiny_model):
+    code, out, _ = run_plan("--model-id", tiny_model, "--world-size", "2", "--moe-ep", "--image-size", "64x64",
+                            "--device", "cpu", "--device-memory", "8GiB")
+    assert code == 0 and "ranks [0, 1]" in out and "routed experts" in out and "fits" in out
+    code, out, err = run_plan("--model-id", tiny_model, "--world-size", "2", "--moe-ep", "--image-size", "64x64",
+                              "--device", "cpu", "--device-memory", "200MiB")
+    assert code == 2 and "DOES NOT FIT" in out
+    assert err.startswith("error: device_memory: ranks [0, 1] need ") and "GiB short" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device-memory", "lots"], "error: device-memory: 'lots' is not a memory size"),
+    (["--world-size", "3", "--moe-ep"], "error: moe-ep: 4 experts"),
+    (["--image-size", "big"], "error: image-size: 'big' is not HxW"),
+])
+def test_plan_cli_bad_input_is_one_line(tiny_model, argv, message):
+    code, _, err = run_plan("--model-id", tiny_model, "--device", "cpu", *argv)
+    assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_run_sh_refuses_a_layout_that_does_not_fit_before_launch(tiny_model, tmp_path):
+    from test_launcher import run_launcher, run_launcher_in_process, write_yaml
+    job = {"world_size": 2, "master_port": 29611, "entry_script": "run_image_gen.py", "device_memory": "200MiB",
+           "model_args": {"prompt": "x", "model-id": str(tiny_model), "device": "cpu", "moe-ep": True,
+                          "image-size": "64x64"}}
+    config = write_yaml(tmp_path, job)
+    res = run_launcher(config, "--dry-run")
+    assert res.returncode == 2 and "torch.distributed.run" not in res.stdout
+    error = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and error[0].startswith("error: device_memory: ranks [0, 1] need ") and "short" in error[0]
+    assert run_launcher(config, "--dry-run", "--no-plan").returncode == 0
+    res = run_launcher(config, "--dry-run", "--device-memory", "16GiB")
+    assert res.returncode == 0 and "plan: " in res.stderr and "torch.distributed.run" in res.stdout
+    res = run_launcher_in_process(config, "--plan", "--device-memory", "16GiB")
+    assert res.returncode == 0 and "activations" in res.stderr and "torch.distributed.run" not in res.stdout
+    job["device_memory"] = "sixty"
+    res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
+    assert res.returncode == 2 and "error: device_memory: 'sixty' is not a memory size" in res.stderr
+
+
+def test_plan_json_has_every_role(tiny_model, tmp_path):
+    code, _, _ = run_plan("--model-id", tiny_model, "--world-size", "4", "--cfg-parallel", "--moe-tp",
+                          "--image-size", "64x64", "--device", "cpu", "--json", tmp_path / "plan.json")
+    roles = json.loads((tmp_path / "plan.json").read_text())
+    assert code == 0 and sorted(r for role in roles for r in role["ranks"]) == [0, 1, 2, 3]
+    assert all(role["total_bytes"] > role["param_bytes"] > 0 for role in roles)

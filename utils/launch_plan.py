@@ -1,0 +1,78 @@
+"""run.sh plans every launch: per-rank memory of the layout (utils/plan.py) against the device's.
+
+Device memory comes from `--device-memory`, else the YAML's top-level `device_memory`, else the
+device itself (NPU / CUDA: the smallest visible device; CPU: this node's RAM shared by its ranks).
+A layout that does not fit is refused before launch with one `error: device_memory: …` line naming
+the ranks, the shortfall and the layouts that fit (`--no-plan` launches anyway). `--plan` prints
+the whole plan and stops. A tiny model still to be built, and the shims-only reference (which
+loads upstream's whole model), are not planned.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from utils.launch_config import ConfigError, resolve_path
+from utils.memory_plan import read_config
+
+
+def device_kind(requested: str) -> str:
+    if requested in ("npu", "cuda", "cpu"):
+        return requested
+    if importlib.util.find_spec("torch_npu") is not None:
+        return "npu"
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_memory_of(kind: str, ranks_per_node: int):
+    """Bytes one rank may use, from the device itself; None when it cannot be read."""
+    if kind == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+        except (OSError, StopIteration, ValueError):
+            return None
+        return total_kib * 1024 // max(ranks_per_node, 1)
+    try:
+        import torch
+        if kind == "npu":
+            import torch_npu  # noqa: F401
+        module = torch.npu if kind == "npu" else torch.cuda
+        count = module.device_count()
+        return min(module.get_device_properties(i).total_memory for i in range(count)) if count else None
+    except Exception:                                   # no driver here (e.g. a login node): no fit check
+        return None
+
+
+def plan_job(job: dict, layout, options: dict) -> None:
+    from utils import plan as planner
+    margs = job["model_args"]
+    model_dir = resolve_path(str(margs["model-id"]))
+    if margs.get("adaptor") == "shims" or not (model_dir / "config.json").is_file():
+        return
+    try:
+        memory_text = options["device_memory"] or job.get("device_memory")
+        field = "--device-memory" if options["device_memory"] else "device_memory"
+        memory = planner.parse_memory(memory_text, field) if memory_text else None
+        kind = device_kind(margs.get("device") or "auto")
+        if memory is None:
+            memory = device_memory_of(kind, job["world_size"])
+        config, _ = read_config(model_dir)
+        size = planner.parse_size(margs.get("image-size"), config)
+        roles = planner.plan(model_dir, layout, size, kind)
+        if options["plan"]:
+            print(planner.report(roles, layout, size, memory), file=sys.stderr)
+        else:
+            worst = max(roles, key=lambda r: r.total())
+            budget = f" of {planner.gib(memory * (1 - planner.HEADROOM))} GiB usable" if memory else ""
+            print(f"plan: {planner.gib(worst.total())} GiB per rank{budget} ({layout.world_size} ranks, "
+                  f"{size[0]}x{size[1]}); run.sh --plan for details", file=sys.stderr)
+        if memory:
+            planner.check_fit(model_dir, layout, size, kind, memory)
+    except planner.PlanError as exc:
+        field, _, rest = str(exc).partition(": ")
+        problem, _, fix = rest.partition("; ")
+        raise ConfigError(field, problem, fix or "see README: Plan before you launch") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"note: plan skipped ({type(exc).__name__}: {exc}); launching without a fit check", file=sys.stderr)

@@ -1,0 +1,212 @@
+"""Per-rank memory, checkpoint reads and communication of a layout, before any weight is read.
+
+Parameters are not computed by formula: the model is built on the meta device under the layout's
+own patches (model_adaptor + RankContext(planning=True)), once per distinct rank role (the "tp"
+rank: CFG branches hold the same weights), and its state dict is summed by component. That is the
+code that will run, so the numbers are exact for what loading materialises (tests/test_plan.py
+compares them with loaded tiny models in every layout).
+
+Activations are an estimate from the config, the layout and the image size (the first denoising
+step, the largest: every text and image token; see activation_bytes), calibrated against measured
+CPU peaks (bench/plan_accuracy.py, docs/BENCHMARKS.md). Communication is per denoising step,
+summed over the layers, in bytes this rank sends.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 2**30
+COMPONENTS = (("routed experts", (".mlp.experts.",)), ("shared MLP", (".mlp.shared_mlp.",)),
+              ("MoE router", (".mlp.gate.",)), ("attention", (".self_attn.",)),
+              ("embeddings / lm_head", ("model.wte.", "lm_head.")), ("VAE", ("vae.",)),
+              ("vision encoder", ("vision_model.", "vision_aligner.")))
+TEXT_TOKENS = 512           # prompt + system prompt + template, generously (the think system prompt is ~160)
+ROUTING_SKEW = 2.0          # EP: an expert owner may receive this many times its even share of rows
+WORKSPACE_BYTES = {"cpu": GiB // 2, "cuda": 2 * GiB, "npu": 2 * GiB}   # runtime, collective buffers, allocator
+
+
+@dataclass
+class RolePlan:
+    tp_rank: int
+    ranks: list
+    params: dict                     # component -> bytes the loaded model holds
+    read_bytes: int                  # bytes this rank reads from the checkpoint
+    activations: dict                # what -> bytes at the peak
+    comm_per_step: dict              # collective -> bytes sent per denoising step
+    workspace: int = WORKSPACE_BYTES["npu"]
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.params.values())
+
+    @property
+    def activation_bytes(self) -> int:
+        return max(self.activations.get("denoise step", 0), self.activations.get("VAE decode", 0)) \
+            + self.activations.get("KV cache", 0)
+
+    def total(self) -> int:
+        return self.param_bytes + self.activation_bytes + self.workspace
+
+    def as_json(self) -> dict:
+        return {"tp_rank": self.tp_rank, "ranks": self.ranks, "params": self.params, "param_bytes": self.param_bytes,
+                "read_bytes": self.read_bytes, "activations": self.activations,
+                "activation_bytes": self.activation_bytes, "workspace_bytes": self.workspace,
+                "total_bytes": self.total(), "comm_per_step": self.comm_per_step}
+
+
+def read_config(model_dir):
+    from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
+    path = Path(model_dir)
+    raw = json.loads((path / "config.json").read_text())
+    config = HunyuanImage3Config.from_pretrained(str(path))
+    config._attn_implementation = config._attn_implementation or "sdpa"     # from_pretrained would set it
+    return config, raw
+
+
+def build_meta_model(config, layout, tp_rank: int):
+    """The patched model of global rank `tp_rank` (CFG branch 0) on the meta device."""
+    import torch
+    import model_adaptor
+    from adaptor_patches.kernels.device import Device
+    from adaptor_patches.parallel.context import RankContext, building
+    from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
+    device = model_adaptor.apply(Device("cpu"))
+    context = RankContext(layout, tp_rank, device, text_to_image_only=True, planning=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)           # dtype "auto": the checkpoint's bf16 (the router stays fp32)
+    try:
+        with torch.device("meta"), building(context):
+            return HunyuanImage3ForCausalMM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def component_of(name: str) -> str:
+    for component, parts in COMPONENTS:
+        if any(part in name if part.startswith(".") else name.startswith(part) for part in parts):
+            return component
+    return "the rest"
+
+
+def parameter_bytes(model) -> dict:
+    out = {component: 0 for component, _ in COMPONENTS}
+    out["the rest"] = 0
+    for name, tensor in model.state_dict().items():
+        out[component_of(name)] += tensor.numel() * tensor.element_size()
+    return out
+
+
+def checkpoint_read_bytes(model, layout, stored_itemsize: int = 2) -> int:
+    """Bytes this rank reads: its tensors at the checkpoint's dtype; o_proj's column cut reads whole
+    rows (row-major storage puts every rank's columns on every page), so its full size."""
+    total = 0
+    for name, tensor in model.state_dict().items():
+        size = tensor.numel() * stored_itemsize
+        total += size * layout.tp if name.endswith("self_attn.o_proj.weight") and layout.tp > 1 else size
+    return total
+
+
+def image_tokens(config, image_size) -> int:
+    height, width = image_size
+    down = config.vae_downsample_factor
+    return (height // (down[0] * config.patch_size)) * (width // (down[1] * config.patch_size))
+
+
+def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "npu", text_tokens: int = TEXT_TOKENS):
+    """Peak transient bytes of one rank: the first denoising step (the longest sequence) and the VAE
+    decode, plus the KV cache that lives through the denoising."""
+    bf16, fp32 = 2, 4
+    heads = layout.heads(raw, 0)
+    batch = 2 // layout.cfg                                          # CFG branches on this rank
+    seq = image_tokens(config, image_size) + text_tokens
+    hidden, head_dim = config.hidden_size, config.attention_head_dim
+    tokens = batch * seq
+    kv_cache = config.num_hidden_layers * 2 * batch * heads.kv_heads * seq * head_dim * bf16
+    mask = batch * seq * seq * (2 if device_kind == "npu" else 1)    # bool; NPU keeps an inverted copy
+    scores = batch * heads.heads * seq * seq * fp32 if device_kind == "cpu" else 0   # CPU SDPA materialises them
+    attention = tokens * (2 * heads.heads + 2 * heads.kv_heads) * head_dim * bf16 + mask + scores
+    from adaptor_patches.parallel.layout import per_layer
+    layers = range(config.num_hidden_layers)
+    topk = max(per_layer(config.moe_topk, i) for i in layers)                      # an int or one per layer
+    intermediate = max(per_layer(config.moe_intermediate_size, i) for i in layers)
+    inter_local = intermediate // layout.tp if layout.moe_mode == "tp" else intermediate
+    chunk = math.ceil(tokens / layout.tp) if layout.moe_mode == "ep" else tokens
+    rows = chunk * topk * (ROUTING_SKEW if layout.moe_mode == "ep" and layout.tp > 1 else 1)
+    if device_kind == "cpu":
+        rows *= 1.25                                                # padded bmm pads groups up to 25 %
+    moe = int(rows * (2 * hidden + 3 * inter_local) * bf16 + chunk * hidden * fp32 + tokens * hidden * bf16)
+    residual = 4 * tokens * hidden * bf16
+    denoise = residual + max(attention, moe)          # image steps produce no LM logits
+    return {"KV cache": kv_cache, "denoise step": int(denoise), "VAE decode": vae_decode_bytes(raw, layout, image_size,
+                                                                                            device_kind)}
+
+
+def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
+    vae = raw["vae"]
+    channels = list(reversed(vae["block_out_channels"]))           # the decoder climbs from the widest
+    itemsize = 4 if device_kind == "cpu" else 2
+    height, width = image_size
+    levels = len(channels)
+    bands = layout.world_size if layout.vae_parallel else 1
+    peak = 0
+    for level, ch in enumerate(channels):
+        scale = 2 ** (levels - 1 - level)
+        area = math.ceil(height / scale) * math.ceil(width / scale) / bands
+        peak = max(peak, 4 * ch * area * itemsize)                  # block input, norm, conv out, residual
+    return int(peak)
+
+
+def comm_per_step(config, raw: dict, layout, image_size, text_tokens: int = TEXT_TOKENS) -> dict:
+    """Bytes a rank sends per denoising step (image tokens only: the text's KV is cached)."""
+    bf16, layers, hidden = 2, config.num_hidden_layers, config.hidden_size
+    tokens = (2 // layout.cfg) * image_tokens(config, image_size)
+    degree = layout.tp
+    out = {}
+    if degree > 1:
+        ring = 2 * (degree - 1) / degree
+        out["all_reduce (attention TP)"] = int(layers * tokens * hidden * bf16 * ring)
+        if layout.moe_mode == "tp":
+            out["all_reduce (MoE TP)"] = int(layers * tokens * hidden * bf16 * ring)
+        if layout.moe_mode == "ep":
+            chunk = tokens / degree
+            share = (degree - 1) / degree
+            from adaptor_patches.parallel.layout import per_layer
+            topk = max(per_layer(config.moe_topk, i) for i in range(layers))
+            out["all_to_all (MoE EP)"] = int(layers * 2 * chunk * topk * hidden * bf16 * share)
+            out["all_gather (MoE EP rows)"] = int(layers * chunk * hidden * bf16 * (degree - 1))
+    if layout.cfg > 1:
+        latent = image_tokens(config, image_size) * raw["vae"]["latent_channels"] * 4
+        out["all_gather (CFG)"] = int(latent)
+    return out
+
+
+def plan(model_dir, layout, image_size, device_kind: str = "npu") -> list:
+    """One RolePlan per distinct "tp" rank. Layout.check admits only even splits, so every tp rank
+    holds tensors of the same shapes (only which slice differs): rank 0 is built, and the last one
+    too as a check; ranks whose numbers are equal are grouped."""
+    config, raw = read_config(model_dir)
+    roles = []
+    for tp_rank in sorted({0, layout.tp - 1}):
+        model = build_meta_model(config, layout, tp_rank)
+        params = parameter_bytes(model)
+        same = next((r for r in roles if r.params == params), None)
+        if same is None:
+            roles.append(RolePlan(tp_rank, [], params, checkpoint_read_bytes(model, layout),
+                                  activation_bytes(config, raw, layout, image_size, device_kind),
+                                  comm_per_step(config, raw, layout, image_size), WORKSPACE_BYTES[device_kind]))
+    for tp_rank in range(layout.tp):            # the ranks each role stands for
+        role = roles[-1] if tp_rank == layout.tp - 1 else roles[0]
+        role.ranks += [tp_rank + branch * layout.tp for branch in range(layout.cfg)]
+    for role in roles:
+        role.ranks.sort()
+    return roles
+
+
+def shortfall(roles: list, device_memory: int, headroom: float):
+    """(role, needed, budget) of the role furthest over budget, or None when every role fits."""
+    budget = int(device_memory * (1 - headroom))
+    worst = max(roles, key=lambda r: r.total())
+    return (worst, worst.total(), budget) if worst.total() > budget else None

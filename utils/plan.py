@@ -1,0 +1,186 @@
+"""Will this layout fit? Per-rank memory, checkpoint reads and traffic, before a ten-minute load.
+
+    python utils/plan.py --model-id DIR --world-size 16 --cfg-parallel --moe-ep --vae-parallel \\
+        [--image-size 1024x1024] [--device npu|cuda|cpu] [--device-memory 64GiB] [--json PATH]
+    python utils/plan.py --model-id config/real_model --fit-table 64GiB,80GiB,141GiB
+    bash run.sh CONFIG --plan                 (the same, from a launch config; run.sh plans every launch)
+
+Only the checkpoint's config.json is read (config/real_model/ holds the published model's, for
+planning without the weights). Numbers: utils/memory_plan.py. Exit 2 when the layout does not fit
+the given device memory (with --device-memory), with one `error:` line naming the rank role, the
+shortfall and the layouts that fit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from utils.memory_plan import GiB, plan, shortfall  # noqa: E402
+
+MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*\Z", re.I)
+UNITS = {None: 1, "mib": 2**20, "mb": 10**6, "gib": 2**30, "gb": 10**9, "tib": 2**40, "tb": 10**12}
+HEADROOM = 0.05          # of the device's memory, kept free on top of the plan (fragmentation, spikes)
+FLAG_SETS = ((), ("--moe-ep",), ("--moe-tp",), ("--cfg-parallel",), ("--cfg-parallel", "--moe-ep"),
+             ("--cfg-parallel", "--moe-tp"))
+
+
+class PlanError(ValueError):
+    """str() is `field: problem; fix`."""
+
+
+def parse_memory(text, field: str = "device-memory") -> int:
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text > 0:
+        return int(text)
+    match = MEMORY.match(str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise PlanError(f"{field}: {text!r} is not a memory size; write e.g. 64GiB or 80GB")
+    return int(float(match.group(1)) * UNITS[(match.group(2) or "").lower() or None])
+
+
+def parse_size(text: str, config) -> tuple:
+    if text in (None, "auto"):
+        base = config.image_base_size
+        return (base, base)
+    parts = text.replace(":", "x").split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise PlanError(f"image-size: {text!r} is not HxW; write e.g. 1024x1024")
+    return int(parts[0]), int(parts[1])
+
+
+def layout_from(world_size: int, flags) -> object:
+    from adaptor_patches.parallel.layout import Layout
+    return Layout.from_flags(world_size, cfg_parallel="--cfg-parallel" in flags, moe_tp="--moe-tp" in flags,
+                             moe_ep="--moe-ep" in flags, vae_parallel=True)
+
+
+def gib(n) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM) -> str:
+    lines = [f"plan: {layout.world_size} ranks, {layout_words(layout)}, image {image_size[0]}x{image_size[1]} "
+             f"(GiB per rank)"]
+    for role in roles:
+        lines.append(f"  ranks {role.ranks} (tp rank {role.tp_rank}):")
+        lines.append("    parameters  " + ", ".join(f"{k} {gib(v)}" for k, v in role.params.items() if v)
+                     + f"  = {gib(role.param_bytes)}")
+        lines.append("    activations " + ", ".join(f"{k} {gib(v)}" for k, v in role.activations.items())
+                     + f"  -> peak {gib(role.activation_bytes)} (KV cache + the larger of the two)")
+        lines.append(f"    workspace {gib(role.workspace)}   total {gib(role.total())}   "
+                     f"reads {gib(role.read_bytes)} from the checkpoint")
+        comm = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in role.comm_per_step.items()) or "none"
+        lines.append(f"    sent per denoising step: {comm}")
+    if device_memory:
+        worst = max(r.total() for r in roles)
+        budget = device_memory * (1 - headroom)
+        lines.append(f"  device memory {gib(device_memory)} GiB, {headroom:.0%} kept free: "
+                     f"{'fits' if worst <= budget else 'DOES NOT FIT'} ({gib(worst)} of {gib(budget)})")
+    else:
+        lines.append("  no device memory given (--device-memory / device_memory): no fit check")
+    return "\n".join(lines)
+
+
+def layout_words(layout) -> str:
+    moe = {"replicated": "MoE whole", "tp": f"MoE TP{layout.tp}", "ep": f"MoE EP{layout.tp}"}[layout.moe_mode]
+    cfg = "CFG2 x " if layout.cfg > 1 else ""
+    return f"{cfg}attention TP{layout.tp}, {moe}" + (", VAE parallel" if layout.vae_parallel else "")
+
+
+def candidate_plans(model_dir, world_size: int, image_size, device_kind: str) -> list:
+    """(flags text, worst role total) of every layout of `world_size` ranks this config runs."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    out = []
+    for flags in FLAG_SETS:
+        try:
+            layout = layout_from(world_size, flags)
+        except ValueError:
+            continue
+        if layout.problem(config) is None:
+            roles = plan(model_dir, layout, image_size, device_kind)
+            out.append((" ".join(flags + ("--vae-parallel",)), max(r.total() for r in roles)))
+    return out
+
+
+def layouts_that_fit(model_dir, world_size: int, image_size, device_kind: str, device_memory: int,
+                     headroom=HEADROOM) -> list:
+    return [flags for flags, total in candidate_plans(model_dir, world_size, image_size, device_kind)
+            if total <= device_memory * (1 - headroom)]
+
+
+def fit_table(model_dir, memories: list, image_size, device_kind: str, world_sizes=(2, 4, 8, 16, 32)) -> str:
+    candidates = {n: candidate_plans(model_dir, n, image_size, device_kind) for n in world_sizes}
+    rows = ["| device memory | fewest cards (a layout) | layouts that fit 8 cards | layouts that fit 16 cards |",
+            "|---|---|---|---|"]
+    for text in memories:
+        budget = parse_memory(text) * (1 - HEADROOM)
+        found = {n: [f for f, total in candidates[n] if total <= budget] for n in world_sizes}
+        fewest = next((f"{n} (`{found[n][0]}`)" for n in world_sizes if found[n]), f"more than {world_sizes[-1]}")
+        rows.append(f"| {text} | {fewest} | {'<br>'.join(f'`{f}`' for f in found[8]) or 'none'} | "
+                    f"{'<br>'.join(f'`{f}`' for f in found[16]) or 'none'} |")
+    return "\n".join(rows)
+
+
+def check_fit(model_dir, layout, image_size, device_kind: str, device_memory: int, headroom=HEADROOM):
+    """The roles, or PlanError naming the role over budget, the shortfall and what fits instead."""
+    roles = plan(model_dir, layout, image_size, device_kind)
+    over = shortfall(roles, device_memory, headroom)
+    if over is None:
+        return roles
+    role, needed, budget = over
+    fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom)
+    instead = (f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}" if fits else
+               f"no layout of {layout.world_size} ranks fits; use more devices (utils/plan.py --fit-table)")
+    raise PlanError(f"device_memory: ranks {role.ranks} need {gib(needed)} GiB (parameters {gib(role.param_bytes)}, "
+                    f"activations {gib(role.activation_bytes)}, workspace {gib(role.workspace)}) but "
+                    f"{gib(budget)} GiB of {gib(device_memory)} are usable: {gib(needed - budget)} GiB short; "
+                    f"{instead}; or pass --no-plan to launch anyway")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="plan.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model-id", required=True, help="a checkpoint or config directory (config.json is read)")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--cfg-parallel", action="store_true")
+    p.add_argument("--moe-tp", action="store_true")
+    p.add_argument("--moe-ep", action="store_true")
+    p.add_argument("--vae-parallel", action="store_true")
+    p.add_argument("--image-size", default=None, help="HxW (default: the model's base size)")
+    p.add_argument("--device", default="npu", choices=["npu", "cuda", "cpu"])
+    p.add_argument("--device-memory", default=None, help="e.g. 64GiB: check the fit")
+    p.add_argument("--fit-table", default=None, help="comma-separated memories: which layouts fit each")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    try:
+        from adaptor_patches.parallel.layout import Layout, LayoutError
+        from utils.memory_plan import read_config
+        if not (Path(args.model_id) / "config.json").is_file():
+            raise PlanError(f"model-id: {args.model_id} has no config.json; pass a checkpoint or config/real_model")
+        config, raw = read_config(args.model_id)
+        size = parse_size(args.image_size, config)
+        if args.fit_table:
+            print(fit_table(args.model_id, args.fit_table.split(","), size, args.device))
+            return 0
+        layout = Layout.from_flags(args.world_size, args.cfg_parallel, args.moe_tp, args.moe_ep, args.vae_parallel)
+        layout.check(raw)
+        memory = parse_memory(args.device_memory) if args.device_memory else None
+        roles = plan(args.model_id, layout, size, args.device)
+        print(report(roles, layout, size, memory))
+        if args.json:
+            args.json.write_text(json.dumps([r.as_json() for r in roles], indent=2))
+        if memory:
+            check_fit(args.model_id, layout, size, args.device, memory)
+    except (PlanError, LayoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

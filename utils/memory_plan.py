@@ -145,8 +145,13 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
 
 
 def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
+    """The decoder's largest level: its feature maps carry ffactor_temporal frames (one latent frame
+    decodes to that many), about four live at once (block input, norm, conv out, residual). On CPU
+    a 3x3x3 conv3d also unfolds its input into a 27-fold column buffer, in fp32 (the CPU decodes in
+    fp32); accelerators convolve without one. VAE parallel splits the rows into bands over all ranks."""
     vae = raw["vae"]
     channels = list(reversed(vae["block_out_channels"]))           # the decoder climbs from the widest
+    frames = vae.get("ffactor_temporal", 1)
     itemsize = 4 if device_kind == "cpu" else 2
     height, width = image_size
     levels = len(channels)
@@ -154,8 +159,11 @@ def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
     peak = 0
     for level, ch in enumerate(channels):
         scale = 2 ** (levels - 1 - level)
-        area = math.ceil(height / scale) * math.ceil(width / scale) / bands
-        peak = max(peak, 4 * ch * area * itemsize)                  # block input, norm, conv out, residual
+        volume = frames * math.ceil(height / scale) * math.ceil(width / scale) / bands
+        live = 4 * ch * volume * itemsize
+        if device_kind == "cpu":
+            live += 27 * ch * volume * itemsize                     # slow_conv3d's column buffer
+        peak = max(peak, live)
     return int(peak)
 
 

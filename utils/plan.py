@@ -45,13 +45,18 @@ def parse_memory(text, field: str = "device-memory") -> int:
 
 
 def parse_size(text: str, config) -> tuple:
+    """(height, width) the model will generate: upstream snaps any request to the bucket of its base
+    size with the nearest aspect ratio (ResolutionGroup, the code that runs); auto -> the base square."""
+    from hunyuan_image_3.tokenizer_wrapper import ResolutionGroup
     if text in (None, "auto"):
-        base = config.image_base_size
-        return (base, base)
-    parts = text.replace(":", "x").split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise PlanError(f"image-size: {text!r} is not HxW; write e.g. 1024x1024")
-    return int(parts[0]), int(parts[1])
+        height = width = config.image_base_size
+    else:
+        parts = text.replace(":", "x").split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise PlanError(f"image-size: {text!r} is not HxW; write e.g. 1024x1024")
+        height, width = int(parts[0]), int(parts[1])
+    snapped_width, snapped_height = ResolutionGroup(base_size=config.image_base_size).get_target_size(width, height)
+    return snapped_height, snapped_width
 
 
 def layout_from(world_size: int, flags) -> object:

@@ -93,6 +93,12 @@ def base(model_dir, entry) -> dict:
                            "diff-infer-steps": 4, "image-size": "64x64"}}
 
 
+def only_plan_lines(stderr: str) -> bool:
+    """A dry run's stderr: nothing but run.sh's plan line (or why this test config cannot be planned:
+    its config.json holds only the fields the layout checks read)."""
+    return all(line.startswith(("plan: ", "note: plan skipped")) for line in stderr.splitlines())
+
+
 def write_yaml(tmp_path, data) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
@@ -266,7 +272,7 @@ model_args:
                 f"--model-id {shlex.quote(str(model_dir))} --device cpu --seed 42 --moe-ep --cfg-parallel "
                 f"--multi-stream off --image-size 64:48 --extra-list 1 two true")
     assert res.stdout.strip() == expected
-    assert res.stderr == ""
+    assert only_plan_lines(res.stderr), res.stderr
 
 
 def test_npu_platform_defaults_do_not_override_yaml(tmp_path, base):
@@ -398,7 +404,7 @@ env_vars:
 def test_recipe_yaml_runs_unchanged(tmp_path, model_dir):
     (model_dir / "config.json").write_text(json.dumps(REAL_MODEL_CONFIG))
     res = run_launcher(write_yaml(tmp_path, recipe_yaml(model_dir)), "--dry-run")
-    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.returncode == 0 and only_plan_lines(res.stderr), res.stderr
     expected = (f"CFG_PARALLEL=1 USE_VAE_PARALLEL=1 CPU_AFFINITY_CONF=2 {shlex.quote(sys.executable)} "
                 f"-m torch.distributed.run --nproc_per_node=16 --nnodes=1 --node_rank=0 --master_addr=127.0.0.1 "
                 f"--master_port=10086 run_image_gen.py --model-id {shlex.quote(str(model_dir))} "

@@ -73,8 +73,10 @@ def build_meta_model(config, layout, tp_rank: int):
     from adaptor_patches.kernels.device import Device
     from adaptor_patches.parallel.context import RankContext, building
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
-    device = model_adaptor.apply(Device("cpu"))
-    context = RankContext(layout, tp_rank, device, text_to_image_only=True, planning=True)
+    was_applied = model_adaptor.is_applied()           # leave the process as it was (the launcher, tests)
+    if not was_applied:
+        model_adaptor.apply(Device("cpu"))
+    context = RankContext(layout, tp_rank, Device("cpu"), text_to_image_only=True, planning=True)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)           # dtype "auto": the checkpoint's bf16 (the router stays fp32)
     try:
@@ -82,6 +84,8 @@ def build_meta_model(config, layout, tp_rank: int):
             return HunyuanImage3ForCausalMM(config)
     finally:
         torch.set_default_dtype(default)
+        if not was_applied:
+            model_adaptor.remove()
 
 
 def component_of(name: str) -> str:

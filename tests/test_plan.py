@@ -98,7 +98,7 @@ def test_run_sh_refuses_a_layout_that_does_not_fit_before_launch(tiny_model, tmp
     config = write_yaml(tmp_path, job)
     res = run_launcher(config, "--dry-run")
     assert res.returncode == 2 and "torch.distributed.run" not in res.stdout
-    error = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    error = res.stderr.splitlines()
     assert len(error) == 1 and error[0].startswith("error: device_memory: ranks [0, 1] need ") and "short" in error[0]
     assert run_launcher(config, "--dry-run", "--no-plan").returncode == 0
     res = run_launcher(config, "--dry-run", "--device-memory", "16GiB")

@@ -231,14 +231,15 @@ def run(argv: list[str]) -> int:
     job = check_top(load_config(path))
     config = check_model_args(job["model_args"], job["build_tiny_model"])
     layout = check_parallel(job, config, {**os.environ, **job["env_vars"]})
-    if not options["no_plan"]:
+    env = exports(job)
+    if not options["dry_run"] and not options["plan"]:
+        check_port_free(job)
+    if not options["no_plan"]:          # last: the cheap checks speak first, each alone on the console
         from utils.launch_plan import plan_job
         plan_job(job, layout, options)
         if options["plan"]:
             return 0
-    env = exports(job)
     if not options["dry_run"]:
-        check_port_free(job)
         return launch(job, env)
     if needs_tiny_model(job):
         print(f"note: would first run {TINY_MODEL_SCRIPT} --out {job['model_args']['model-id']}", file=sys.stderr)

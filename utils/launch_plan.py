@@ -46,6 +46,21 @@ def device_memory_of(kind: str, ranks_per_node: int):
 
 
 def plan_job(job: dict, layout, options: dict) -> None:
+    """Plan quietly (transformers' deprecation warnings while the config is read are not the user's
+    business here): the console gets one `plan:` line, or the refusal."""
+    import warnings
+    from transformers.utils import logging as transformers_logging
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _plan_job(job, layout, options)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def _plan_job(job: dict, layout, options: dict) -> None:
     from utils import plan as planner
     margs = job["model_args"]
     model_dir = resolve_path(str(margs["model-id"]))
@@ -64,13 +79,13 @@ def plan_job(job: dict, layout, options: dict) -> None:
         roles = planner.plan(model_dir, layout, size, kind)
         if options["plan"]:
             print(planner.report(roles, layout, size, memory), file=sys.stderr)
-        else:
+        if memory:
+            planner.check_fit(model_dir, layout, size, kind, memory)      # a refusal is the only line
+        if not options["plan"]:
             worst = max(roles, key=lambda r: r.total())
             budget = f" of {planner.gib(memory * (1 - planner.HEADROOM))} GiB usable" if memory else ""
             print(f"plan: {planner.gib(worst.total())} GiB per rank{budget} ({layout.world_size} ranks, "
                   f"{size[0]}x{size[1]}); run.sh --plan for details", file=sys.stderr)
-        if memory:
-            planner.check_fit(model_dir, layout, size, kind, memory)
     except planner.PlanError as exc:
         field, _, rest = str(exc).partition(": ")
         problem, _, fix = rest.partition("; ")

@@ -152,3 +152,15 @@ def test_rank_loop_stops_when_ranks_disagree_or_a_collective_failed():
     loop.generate = lambda request: (_ for _ in ()).throw(CollectiveError("timed out"))
     with pytest.raises(CollectiveError):
         loop.run_one(ImageRequest("x"))
+
+
+def test_serve_on_a_taken_port_is_one_line_before_the_load(tiny_model):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli_in_process(["--serve", "--port", port, "--model-id", tiny_model, "--device", "cpu"])
+    assert proc.returncode == 2 and "loaded" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [f"error: port: cannot listen on 127.0.0.1:{port} (Address already "
+                                                f"in use); pick another --port or stop what uses it"]

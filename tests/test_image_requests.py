@@ -164,3 +164,26 @@ def test_serve_on_a_taken_port_is_one_line_before_the_load(tiny_model):
     assert proc.returncode == 2 and "loaded" not in proc.stdout
     assert proc.stderr.strip().splitlines() == [f"error: port: cannot listen on 127.0.0.1:{port} (Address already "
                                                 f"in use); pick another --port or stop what uses it"]
+
+
+def test_launcher_checks_the_prompts_file_and_accepts_the_serve_config(tiny_model, tmp_path):
+    """run.sh: a prompts file's bad line is one error before launch; the shipped serve config and a
+    batch config validate and map to the CLI's flags."""
+    import yaml
+    from test_launcher import ROOT, run_launcher, write_yaml
+    prompts = write(tmp_path, "p.jsonl", '{"prompt": "a fox", "seed": 1}\n{"prompt": "a cat", "sed": 2}\n')
+    job = {"world_size": 2, "master_port": 29611, "entry_script": "run_image_gen.py",
+           "model_args": {"prompts": str(prompts), "save-dir": str(tmp_path / "out"), "skip-existing": True,
+                          "model-id": str(tiny_model), "device": "cpu", "cfg-parallel": True}}
+    res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"error: model_args.prompts: {prompts}: line 2: unknown field 'sed'; fields are prompt, seed, image_size, "
+        f"diff_infer_steps, bot_task, save; fix that line"]
+    prompts.write_text('{"prompt": "a fox", "seed": 1}\n')
+    res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
+    assert res.returncode == 0 and f"--prompts {prompts}" in res.stdout and "--skip-existing" in res.stdout
+    serve = yaml.safe_load((ROOT / "config" / "tiny_cpu_serve.yaml").read_text())
+    serve["model_args"]["model-id"] = str(tiny_model)
+    res = run_launcher(write_yaml(tmp_path, serve), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "--serve --host 127.0.0.1 --port 8000 --queue-size 8" in res.stdout

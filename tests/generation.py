@@ -6,11 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from multirank import free_port
+from utils.checks.generation import latent_rel_err, psnr  # noqa: F401  (one definition, shared with the self-check)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a red fox standing in fresh snow"
@@ -102,13 +101,3 @@ def run_in_pool(nproc: int, jobs: list, timeout_s: float = 900) -> list:
     return results
 
 
-def psnr(a: Path, b: Path) -> float:
-    x = np.asarray(Image.open(a).convert("RGB"), dtype=np.float64)
-    y = np.asarray(Image.open(b).convert("RGB"), dtype=np.float64)
-    mse = float(np.mean((x - y) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
-
-
-def latent_rel_err(a: Path, b: Path) -> float:
-    x, y = torch.load(a), torch.load(b)
-    return float((x - y).norm() / y.norm())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -21,17 +20,15 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 COLLECTIVE_TIMEOUT_S = 60
+
+from utils.checks.collectives import free_port  # noqa: E402,F401  (the tests' free port, one definition)
 
 
 class RankFailed(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(rank, world_size, port, tasks, results):

@@ -5,7 +5,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_SH = ROOT / "run.sh"
@@ -63,12 +64,6 @@ def test_run_sh_dry_run_through_bash(tmp_path, base):
     res = subprocess.run(["bash", str(RUN_SH), str(write_yaml(tmp_path, base)), "--dry-run"], cwd=ROOT,
                          env=launcher_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "torch.distributed.run" in res.stdout, res.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ loads upstream's whole model), are not planned.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from utils.launch_config import ConfigError, resolve_path
@@ -17,12 +16,9 @@ from utils.memory_plan import read_config
 
 
 def device_kind(requested: str) -> str:
-    if requested in ("npu", "cuda", "cpu"):
-        return requested
-    if importlib.util.find_spec("torch_npu") is not None:
-        return "npu"
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The kind the job's ranks will resolve `requested` to (kernels/device.py decides, as for them)."""
+    from adaptor_patches.kernels.device import BACKEND_KINDS, detect_kind
+    return requested if requested in BACKEND_KINDS else detect_kind()
 
 
 def device_memory_of(kind: str, ranks_per_node: int):
@@ -34,15 +30,12 @@ def device_memory_of(kind: str, ranks_per_node: int):
         except (OSError, StopIteration, ValueError):
             return None
         return total_kib * 1024 // max(ranks_per_node, 1)
+    from adaptor_patches.kernels.device import accelerator_memories
     try:
-        import torch
-        if kind == "npu":
-            import torch_npu  # noqa: F401
-        module = torch.npu if kind == "npu" else torch.cuda
-        count = module.device_count()
-        return min(module.get_device_properties(i).total_memory for i in range(count)) if count else None
+        memories = accelerator_memories(kind)
     except Exception:                                   # no driver here (e.g. a login node): no fit check
         return None
+    return min(memories) if memories else None
 
 
 def plan_job(job: dict, layout, options: dict) -> None:
@@ -80,7 +73,7 @@ def _plan_job(job: dict, layout, options: dict) -> None:
         if options["plan"]:
             print(planner.report(roles, layout, size, memory), file=sys.stderr)
         if memory:
-            planner.check_fit(model_dir, layout, size, kind, memory)      # a refusal is the only line
+            planner.check_fit(roles, model_dir, layout, size, kind, memory)     # a refusal is the only line
         if not options["plan"]:
             worst = max(roles, key=lambda r: r.total())
             budget = f" of {planner.gib(memory * (1 - planner.HEADROOM))} GiB usable" if memory else ""

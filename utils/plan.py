@@ -132,12 +132,12 @@ def fit_table(model_dir, memories: list, image_size, device_kind: str, world_siz
     return "\n".join(rows)
 
 
-def check_fit(model_dir, layout, image_size, device_kind: str, device_memory: int, headroom=HEADROOM):
-    """The roles, or PlanError naming the role over budget, the shortfall and what fits instead."""
-    roles = plan(model_dir, layout, image_size, device_kind)
+def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_memory: int, headroom=HEADROOM):
+    """Nothing when the planned `roles` fit; else PlanError naming the role over budget, the
+    shortfall and the layouts of the same world size that fit (planned only then)."""
     over = shortfall(roles, device_memory, headroom)
     if over is None:
-        return roles
+        return
     role, needed, budget = over
     fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom)
     instead = (f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}" if fits else
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps([r.as_json() for r in roles], indent=2))
         if memory:
-            check_fit(args.model_id, layout, size, args.device, memory)
+            check_fit(roles, args.model_id, layout, size, args.device, memory)
     except (PlanError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -92,16 +92,15 @@ def driver_version(kind: str) -> str:
 
 def env_checks(device) -> list:
     import torch
+    from adaptor_patches.kernels.device import accelerator_memories
     import torch.distributed as dist
     info = {"python": platform.python_version(), "torch": torch.__version__, "torchvision": version("torchvision"),
             "transformers": version("transformers"), "torch_npu": version("torch_npu"), "CANN": cann_version(),
             "driver": driver_version(device.kind)}
     results = [Result("env", name, "info", value) for name, value in info.items()]
     if device.is_accelerator:
-        module = torch.npu if device.kind == "npu" else torch.cuda
-        count = module.device_count()
-        memory = [round(module.get_device_properties(i).total_memory / 2**30, 1) for i in range(count)]
-        results.append(Result("env", f"{device.kind} devices", "info", count, None, f"GiB each: {memory}"))
+        memory = [round(total / 2**30, 1) for total in accelerator_memories(device.kind)]
+        results.append(Result("env", f"{device.kind} devices", "info", len(memory), None, f"GiB each: {memory}"))
     else:
         results.append(Result("env", "cpu threads", "info", torch.get_num_threads(), None, f"{os.cpu_count()} cores"))
     features = {"torch._grouped_mm": hasattr(torch, "_grouped_mm"),
@@ -122,15 +121,12 @@ def env_checks(device) -> list:
 
 
 def resolve_settings(args):
-    from adaptor_patches.kernels.device import DeviceError, resolve
+    from adaptor_patches.kernels.device import DeviceError, accelerator_memories, resolve
     try:
         device = resolve(args.device)
     except DeviceError as exc:
         raise UsageError(str(exc)) from None
-    count = 1
-    if device.is_accelerator:
-        import torch
-        count = (torch.npu if device.kind == "npu" else torch.cuda).device_count()
+    count = len(accelerator_memories(device.kind)) if device.is_accelerator else 1
     nproc = args.nproc if args.nproc is not None else (count if device.is_accelerator else 2)
     if nproc < 1:
         raise UsageError(f"nproc: must be >= 1, got {nproc}")

@@ -197,6 +197,14 @@ def merge_intervals(spans) -> list:
     return merged
 
 
+def accelerator_memories(kind: str) -> list:
+    """Total memory in bytes of each visible device of `kind` ([] for the CPU or with no device)."""
+    if kind == "cpu" or (kind == "npu" and _npu_module() is None):
+        return []
+    module = _accelerator_module(kind)
+    return [module.get_device_properties(i).total_memory for i in range(module.device_count())]
+
+
 def detect_kind() -> str:
     if _npu_module() is not None and torch.npu.is_available():
         return "npu"

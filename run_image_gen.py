@@ -206,15 +206,10 @@ def check_checkpoint_files(model_dir: Path) -> None:
 
 
 def check_prompt_length(args) -> None:
-    """A prompt the model's context cannot hold would run for minutes behind a tokenizer warning."""
-    from adaptor_patches.weights.load import load_tokenizer
-    limit = generation_config(args.model_id).get("max_length")
-    if not isinstance(limit, int):
-        return
-    tokens = len(load_tokenizer(args.model_id)(args.prompt, verbose=False)["input_ids"])
-    if tokens >= limit:
-        raise UsageError(f"prompt: {tokens} tokens, but the model's context is {limit} tokens (max_length in "
-                         f"generation_config.json) and the template and image need room too; shorten the prompt")
+    from utils.image_requests import RequestChecker
+    problem = RequestChecker(args.model_id).context_problem(args.prompt)
+    if problem:
+        raise UsageError(problem)
 
 
 def generation_config(model_id) -> dict:

@@ -98,13 +98,18 @@ class RequestChecker:
         if task:
             field, what, fix = task
             return f"{field.replace('-', '_')}: {what}; {fix}"
+        return self.context_problem(request.prompt)
+
+    def context_problem(self, prompt: str) -> Optional[str]:
+        """A prompt the model's context cannot hold would run for minutes behind a tokenizer warning."""
         limit = self.generation_config.get("max_length")
-        if is_int(limit):
-            tokens = self.prompt_tokens(request.prompt)
-            if tokens >= limit:
-                return (f"prompt: {tokens} tokens, but the model's context is {limit} tokens (max_length in "
-                        f"generation_config.json) and the template and image need room too; shorten it")
-        return None
+        if not is_int(limit):
+            return None
+        tokens = self.prompt_tokens(prompt)
+        if tokens < limit:
+            return None
+        return (f"prompt: {tokens} tokens, but the model's context is {limit} tokens (max_length in "
+                f"generation_config.json) and the template and image need room too; shorten the prompt")
 
 
 def slug(prompt: str, words: int = 6) -> str:

@@ -18,6 +18,7 @@ authentication, so binding elsewhere is the user's explicit choice (logged).
 from __future__ import annotations
 
 import base64
+import collections
 import io
 import json
 import queue
@@ -50,20 +51,27 @@ class Job:
 
 
 class Metrics:
+    """Counters only (a server runs for weeks): per-bucket latency counts, their sum, the last 20."""
+
     def __init__(self):
         self.lock = threading.Lock()
-        self.requests, self.images, self.latency = {}, 0, []
+        self.requests, self.images = {}, 0
+        self.buckets, self.latency_sum, self.latency_count = [0] * len(LATENCY_BUCKETS), 0.0, 0
+        self.recent = collections.deque(maxlen=20)
 
     def count(self, code: int, seconds=None, images: int = 0) -> None:
         with self.lock:
             self.requests[code] = self.requests.get(code, 0) + 1
             self.images += images
             if seconds is not None:
-                self.latency.append(seconds)
+                self.buckets = [n + (seconds <= bound) for n, bound in zip(self.buckets, LATENCY_BUCKETS)]
+                self.latency_sum += seconds
+                self.latency_count += 1
+                self.recent.append(seconds)
 
     def mean_latency(self) -> float:
         with self.lock:
-            return sum(self.latency[-20:]) / len(self.latency[-20:]) if self.latency else 30.0
+            return sum(self.recent) / len(self.recent) if self.recent else 30.0
 
     def prometheus(self, depth: int, busy: bool) -> str:
         with self.lock:
@@ -78,11 +86,11 @@ class Metrics:
                       f"hunyuan_busy {int(busy)}",
                       "# HELP hunyuan_request_seconds Latency of answered generation requests (queue + run).",
                       "# TYPE hunyuan_request_seconds histogram"]
-            for bound in LATENCY_BUCKETS:
-                lines.append(f'hunyuan_request_seconds_bucket{{le="{bound}"}} {sum(s <= bound for s in self.latency)}')
-            lines += [f'hunyuan_request_seconds_bucket{{le="+Inf"}} {len(self.latency)}',
-                      f"hunyuan_request_seconds_sum {sum(self.latency):.6f}",
-                      f"hunyuan_request_seconds_count {len(self.latency)}"]
+            lines += [f'hunyuan_request_seconds_bucket{{le="{bound}"}} {n}'
+                      for bound, n in zip(LATENCY_BUCKETS, self.buckets)]
+            lines += [f'hunyuan_request_seconds_bucket{{le="+Inf"}} {self.latency_count}',
+                      f"hunyuan_request_seconds_sum {self.latency_sum:.6f}",
+                      f"hunyuan_request_seconds_count {self.latency_count}"]
         return "\n".join(lines) + "\n"
 
 

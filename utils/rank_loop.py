@@ -28,14 +28,18 @@ class RankFailure(RuntimeError):
 class ImageResult:
     request: object                      # the ImageRequest
     image: object = None                 # PIL image (rank 0), None on failure
-    text: Optional[str] = None           # think / recaption text, when the task writes one
     seconds: float = 0.0
     error: Optional[str] = None          # "ErrorType: message" when every rank failed alike
-    text_phase: Optional[dict] = None
+    text_phase: Optional[dict] = None    # model.last_text_phase.summary()
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def text(self) -> Optional[str]:
+        """The think / recaption text, when the task wrote one."""
+        return (self.text_phase or {}).get("text")
 
 
 class RankLoop:
@@ -70,12 +74,11 @@ class RankLoop:
         outcomes = self.agree(outcome)
         seconds = time.perf_counter() - start
         if all(o is None for o in outcomes):
-            text = (text_phase or {}).get("text")
-            return ImageResult(request, image, text, seconds, None, text_phase)
+            return ImageResult(request, image, seconds, None, text_phase)
         kinds = {o[0] for o in outcomes if o is not None}
         if len(kinds) == 1 and all(o is not None for o in outcomes):
             first = outcomes[0]
-            return ImageResult(request, None, None, seconds, f"{first[0]}: {first[1]}")
+            return ImageResult(request, None, seconds, f"{first[0]}: {first[1]}")
         bad = next(r for r, o in enumerate(outcomes) if o is not None)
         raise RankFailure(f"rank {bad} failed on {request.label} ({outcomes[bad][0]}: {outcomes[bad][1]}) while "
                           f"{sum(o is None for o in outcomes)} rank(s) succeeded; the ranks cannot go on together")

@@ -8,7 +8,7 @@ switches, `--adaptor`). Works as one process or under torchrun. Rank 0 writes th
 (atomically) and the metrics JSON.
 
 Three modes, one model load each: `--prompt TEXT` (one image), `--prompts FILE` (every line of a
-prompts file: utils/batch_job.py) and `--serve` (an HTTP images API on rank 0: utils/image_server.py).
+prompts file: utils/runtime/batch_job.py) and `--serve` (an HTTP images API on rank 0: utils/runtime/image_server.py).
 """
 from __future__ import annotations
 
@@ -23,12 +23,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-
-from utils import many_images  # noqa: E402
-from utils.many_images import default_request  # noqa: E402
-from utils.outputs import UsageError, check_output_path, write_atomically  # noqa: E402
+from utils.runtime import many_images
+from utils.runtime.many_images import default_request
+from utils.runtime.outputs import UsageError, check_output_path, write_atomically
 
 
 DEFAULT_DIST_TIMEOUT_S = 1200.0      # like the HCCL connect/exec timeouts cann-recipes sets
@@ -93,7 +90,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-SEED_RANGE = (0, 2**32 - 1)      # the launcher's rule too (utils/launch.py NUMBERS)
+SEED_RANGE = (0, 2**32 - 1)      # the launcher's rule too (utils/launcher/launch.py NUMBERS)
 # The cann-recipes names of the fused NPU forms -> the upstream choice our patched modules build; the
 # kernels then come from the device's kernel set (adaptor_patches/kernels: torch_npu ops on an NPU).
 RECIPE_IMPLS = {"attn_impl": ("npu", "sdpa"), "moe_impl": ("npu_grouped_matmul", "eager")}
@@ -131,7 +128,7 @@ def validate_mode(args):
 
 def read_requests(args) -> list:
     """--prompts: every line checked before any weight is read (rank 0; the others are handed them)."""
-    from utils.image_requests import RequestChecker, RequestError, read_prompts_file
+    from utils.runtime.image_requests import RequestChecker, RequestError, read_prompts_file
     check_output_path("save-dir", str(Path(args.save_dir) / "metrics.jsonl"))
     try:
         return read_prompts_file(args.prompts, default_request(args), args.save_dir, RequestChecker(args.model_id))
@@ -185,7 +182,7 @@ def check_checkpoint_files(model_dir: Path) -> None:
     """Damaged checkpoints fail here, from JSON and safetensors headers (no hashes), before any weight
     is read: the original's shards against its index and config.json; a converted one's rank dirs."""
     from adaptor_patches.weights.load import LoadingError, checkpoint_layout, is_per_rank, rank_dir_name
-    from utils.checkpoint_checks import files_problem, source_problem
+    from utils.runtime.checkpoint_checks import files_problem, source_problem
     config = read_json(model_dir / "config.json")
     if is_per_rank(model_dir):
         try:
@@ -206,7 +203,7 @@ def check_checkpoint_files(model_dir: Path) -> None:
 
 
 def check_prompt_length(args) -> None:
-    from utils.image_requests import RequestChecker
+    from utils.runtime.image_requests import RequestChecker
     problem = RequestChecker(args.model_id).context_problem(args.prompt)
     if problem:
         raise UsageError(problem)
@@ -454,7 +451,7 @@ def main(argv=None):
         from adaptor_patches.parallel.layout import LayoutError
         from adaptor_patches.text_phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
-        from utils.rank_loop import RankFailure
+        from utils.runtime.rank_loop import RankFailure
         phase = JobPhase()
         try:
             return run(args, phase)

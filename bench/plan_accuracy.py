@@ -1,4 +1,4 @@
-"""How close is utils/plan.py's activation estimate to the measured peak? (CPU, one rank)
+"""How close is utils/planner/plan.py's activation estimate to the measured peak? (CPU, one rank)
 
     .venv/bin/python bench/plan_accuracy.py [--model mid|tiny|DIR] [--sizes 128x128,256x256] [--steps 2]
 
@@ -38,8 +38,8 @@ def main():
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
-    from utils.memory_plan import plan, read_config
-    from utils.plan import parse_size
+    from utils.planner.memory_plan import plan, read_config
+    from utils.planner.plan import parse_size
     if args.model == "mid":
         from e2e import ensure_model
         model_dir = ensure_model(Path(tempfile.gettempdir()) / "hunyuan_mid_bench")

@@ -80,7 +80,7 @@ def post(url: str, body: dict) -> float:
 
 
 def server_latency(model: Path, common: list, clients: int, requests: int, nproc: int, work: Path) -> dict:
-    from utils.checks.collectives import free_port
+    from utils.selfcheck.checks.collectives import free_port
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(work / "server.log", "w")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from multirank import free_port
-from utils.checks.generation import latent_rel_err, psnr  # noqa: F401  (one definition, shared with the self-check)
+from utils.selfcheck.checks.generation import latent_rel_err, psnr  # noqa: F401  (one definition, shared with the self-check)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a red fox standing in fresh snow"

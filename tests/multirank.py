@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 COLLECTIVE_TIMEOUT_S = 60
 
-from utils.checks.collectives import free_port  # noqa: E402,F401  (the tests' free port, one definition)
+from utils.selfcheck.checks.collectives import free_port  # noqa: E402,F401  (the tests' free port, one definition)
 
 
 class RankFailed(RuntimeError):

@@ -1,4 +1,4 @@
-"""run.sh / utils/launch.py: YAML validation, the exact torchrun command, and a real CPU launch."""
+"""run.sh / utils/launcher/launch.py: YAML validation, the exact torchrun command, and a real CPU launch."""
 from __future__ import annotations
 
 import json
@@ -50,7 +50,7 @@ def run_launcher_in_process(*args) -> subprocess.CompletedProcess:
     import contextlib
     import io
     from unittest import mock
-    from utils import launch
+    from utils.launcher import launch
     out, err = io.StringIO(), io.StringIO()
     with mock.patch.dict(os.environ, launcher_env(), clear=True), contextlib.chdir(ROOT), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -425,7 +425,7 @@ def test_recipe_cpu_affinity_wins_over_the_npu_default(tmp_path, model_dir):
 
 
 def test_model_name_names_the_log_folder(tmp_path, model_dir):
-    from utils import launch
+    from utils.launcher import launch
     (model_dir / "config.json").write_text(json.dumps(REAL_MODEL_CONFIG))
     job = launch.check_top(launch.load_config(write_yaml(tmp_path, recipe_yaml(model_dir))))
     assert launch.log_path(job).parent.name == "hunyuan-image-3.0"

@@ -1,4 +1,4 @@
-"""utils/plan.py, utils/memory_plan.py and run.sh's fit check: the plan's parameter bytes are exactly
+"""utils/planner/plan.py, utils/planner/memory_plan.py and run.sh's fit check: the plan's parameter bytes are exactly
 what loading materialises (every layout of the matrix, real gloo ranks), and a layout that does not
 fit is refused before launch with one line."""
 import json
@@ -18,7 +18,7 @@ def loaded_bytes_on_rank(rank, world_size, model_dir, cfg, moe, vae):
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
-    from utils.memory_plan import COMPONENTS, component_of
+    from utils.planner.memory_plan import COMPONENTS, component_of
     layout = Layout(world_size, cfg, moe, vae)
     context = RankContext(layout, rank, model_adaptor.apply("cpu"), text_to_image_only=True)
     model = load_model(model_dir, context)
@@ -33,7 +33,7 @@ def loaded_bytes_on_rank(rank, world_size, model_dir, cfg, moe, vae):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_planned_parameter_bytes_equal_the_loaded_model_exactly(tiny_model, name):
     from adaptor_patches.parallel.layout import Layout
-    from utils.memory_plan import plan
+    from utils.planner.memory_plan import plan
     world_size, cfg, moe, vae = LAYOUTS[name]
     roles = plan(tiny_model, Layout(world_size, cfg, moe, vae), (64, 64), "cpu")
     assert sorted(r for role in roles for r in role.ranks) == list(range(world_size))
@@ -51,7 +51,7 @@ def test_the_real_models_config_plans_to_its_published_size():
     """config/real_model (written from public facts, config/real_model/SOURCES.md): 83.0 B parameters;
     on one rank the text-to-image model holds all but the vision tower and the VAE encoder."""
     from adaptor_patches.parallel.layout import Layout
-    from utils.memory_plan import GiB, plan
+    from utils.planner.memory_plan import GiB, plan
     whole = plan("config/real_model", Layout(1), (1024, 1024), "npu")[0]
     assert 152 * GiB < whole.param_bytes < 154 * GiB            # 83.0 B less the vision tower and VAE encoder, bf16
     assert whole.params["routed experts"] == 77_309_411_328 * 2
@@ -62,7 +62,7 @@ def test_the_real_models_config_plans_to_its_published_size():
 def run_plan(*argv):
     import contextlib
     import io
-    from utils import plan
+    from utils.planner import plan
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = plan.main([str(a) for a in argv])

@@ -1,4 +1,4 @@
-"""utils/selfcheck.py and utils/checks/: the node self-check runs everything CPU can run, and fails
+"""utils/selfcheck/selfcheck.py and utils/selfcheck/checks/: the node self-check runs everything CPU can run, and fails
 when a kernel, a collective or a generation is wrong. The NPU kernel set runs against the torch_npu
 test double (tests/npu_double.py), which implements the documented op semantics."""
 import contextlib
@@ -14,11 +14,11 @@ import torch
 import npu_double
 from adaptor_patches.kernels import make_kernels
 from adaptor_patches.kernels.device import Device, kernels_by_stream
-from utils import selfcheck
-from utils.checks import SHAPES
-from utils.checks.generation import layout_flags
-from utils.checks.kernels import kernel_checks
-from utils.checks.moe_stream import moe_stream_checks, overlap_share
+from utils.selfcheck import selfcheck
+from utils.selfcheck.checks import SHAPES
+from utils.selfcheck.checks.generation import layout_flags
+from utils.selfcheck.checks.kernels import kernel_checks
+from utils.selfcheck.checks.moe_stream import moe_stream_checks, overlap_share
 
 ROOT = selfcheck.ROOT
 
@@ -171,7 +171,7 @@ def test_collectives_section_catches_a_wrong_all_to_all(monkeypatch, tmp_path):
     """The exact-value check of the uneven all_to_all fails when the received rows are wrong (one
     rank, gloo: the same code path as N ranks, with the ranks' splits computed for n = 1)."""
     import torch.distributed as dist
-    from utils.checks import collectives
+    from utils.selfcheck.checks import collectives
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{collectives.free_port()}", rank=0, world_size=1)

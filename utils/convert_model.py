@@ -46,15 +46,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":      # run by its documented path (python utils/convert_model.py): Python puts
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # utils/, not the project root, on sys.path
 
 from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402
 from adaptor_patches.weights.load import LAYOUT_KEY, MANIFEST_FILE, rank_dir_name  # noqa: E402
 from adaptor_patches.weights.rank_slices import rank_tensors  # noqa: E402
 from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles  # noqa: E402
-from utils.checkpoint_checks import source_problem  # noqa: E402
+from utils.runtime.checkpoint_checks import source_problem  # noqa: E402
 from utils.safetensors_stream import StreamingWriter, copy_file, copy_with_sha256, file_sha256  # noqa: E402
 
 GB = 10 ** 9

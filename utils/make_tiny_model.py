@@ -16,7 +16,8 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":      # run by its documented path (python utils/make_tiny_model.py): Python puts
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # utils/, not the project root, on sys.path
 
 DEFAULTS = dict(
     layers=2, hidden=128, heads=4, kv_heads=2, head_dim=None, experts=4, topk=2,
@@ -87,14 +88,8 @@ def resolve_sizes(**sizes):
     return s
 
 
-def _add_root_to_path():
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-
-
 def import_upstream():
     """Upstream's config and model classes (staged by utils/stage_upstream.sh)."""
-    _add_root_to_path()
     from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
     return HunyuanImage3Config, HunyuanImage3ForCausalMM
@@ -104,7 +99,6 @@ def build_tokenizer(image_base_size):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    _add_root_to_path()
     from hunyuan_image_3.system_prompt import t2i_system_prompts
 
     corpus = list(TRAIN_TEXT) + [p for prompts in t2i_system_prompts.values() for p in prompts if p]

@@ -21,15 +21,11 @@ import json
 import os
 import queue
 import struct
-import sys
 import threading
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from adaptor_patches.weights.safetensors_io import DTYPES, tensor_bytes  # noqa: E402
+from adaptor_patches.weights.safetensors_io import DTYPES, tensor_bytes
 
 HASH_CHUNK = 16 << 20
 WRITE_CHUNK = 64 << 20

@@ -39,7 +39,7 @@ class RankContext:
     multi_stream: Optional[bool] = None      # None: on wherever the device has streams
     kernels: object = None                   # the kernel set; default: the device's (kernels.kernels_for)
     text_to_image_only: bool = False         # leave out UNUSED_IN_TEXT_TO_IMAGE (run_image_gen's jobs)
-    planning: bool = False                   # built on the meta device to be measured (utils/plan.py), never run
+    planning: bool = False                   # built on the meta device to be measured (utils/planner/plan.py), never run
     _mesh: object = field(default=None, repr=False)
 
     def __post_init__(self):

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from adaptor_patches.parallel.layout import attention_sizes, moe_layers  # noqa: E402
-from adaptor_patches.weights.rank_slices import EXPERT_KEY, LAYER_KEY  # noqa: E402
-from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, read_header  # noqa: E402
+from adaptor_patches.parallel.layout import attention_sizes, moe_layers
+from adaptor_patches.weights.rank_slices import EXPERT_KEY, LAYER_KEY
+from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, read_header
 
 FIELD = "model-path"
 REDOWNLOAD = "download or copy the checkpoint again"

@@ -1,6 +1,6 @@
 """run.sh's YAML -> a validated job: every key, value and file it names checked before anything starts.
 
-Keys: config/README.md. Refusals raise ConfigError (`field: problem; fix`); utils/launch.py prints
+Keys: config/README.md. Refusals raise ConfigError (`field: problem; fix`); utils/launcher/launch.py prints
 it as one `error:` line and exits 2.
 """
 from __future__ import annotations
@@ -10,13 +10,10 @@ import json
 import os
 import re
 import socket
-import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
 REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
 DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False,
@@ -219,7 +216,6 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
 
 def check_text_task(bot_task, save_text: bool, model_dir: Path) -> None:
     """think / recaption on this checkpoint, by adaptor_patches.text_phase's rule (its JSON only)."""
-    sys.path.insert(0, str(ROOT))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from adaptor_patches.text_phase import text_task_problem
@@ -250,7 +246,7 @@ def check_prompts_file(value) -> None:
     tokenizer run there, before the weights load)."""
     if value is None:
         return
-    from utils.image_requests import ImageRequest, RequestError, read_prompts_file
+    from utils.runtime.image_requests import ImageRequest, RequestError, read_prompts_file
     path = resolve_path(str(value))
     if not path.is_file():
         raise ConfigError("model_args.prompts", f"{path} is not a file", "point it at a prompts file (.txt or .jsonl)")
@@ -297,7 +293,6 @@ def model_config(model_id, build_tiny: bool) -> dict | None:
 
 def check_parallel(job: dict, config: dict | None, env: dict):
     """The layout rules of adaptor_patches/parallel/layout.py, applied to the whole job (all nodes)."""
-    sys.path.insert(0, str(ROOT))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from adaptor_patches.parallel.layout import Layout, LayoutError, env_flag

@@ -1,4 +1,4 @@
-"""run.sh plans every launch: per-rank memory of the layout (utils/plan.py) against the device's.
+"""run.sh plans every launch: per-rank memory of the layout (utils/planner/plan.py) against the device's.
 
 Device memory comes from `--device-memory`, else the YAML's top-level `device_memory`, else the
 device itself (NPU / CUDA: the smallest visible device; CPU: this node's RAM shared by its ranks).
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from utils.launch_config import ConfigError, resolve_path
-from utils.memory_plan import read_config
+from utils.launcher.launch_config import ConfigError, resolve_path
+from utils.planner.memory_plan import read_config
 
 
 def device_kind(requested: str) -> str:
@@ -54,7 +54,7 @@ def plan_job(job: dict, layout, options: dict) -> None:
 
 
 def _plan_job(job: dict, layout, options: dict) -> None:
-    from utils import plan as planner
+    from utils.planner import plan as planner
     margs = job["model_args"]
     model_dir = resolve_path(str(margs["model-id"]))
     if margs.get("adaptor") == "shims" or not (model_dir / "config.json").is_file():

@@ -1,12 +1,12 @@
 """Will this layout fit? Per-rank memory, checkpoint reads and traffic, before a ten-minute load.
 
-    python utils/plan.py --model-id DIR --world-size 16 --cfg-parallel --moe-ep --vae-parallel \\
+    python -m utils.planner --model-id DIR --world-size 16 --cfg-parallel --moe-ep --vae-parallel \\
         [--image-size 1024x1024] [--device npu|cuda|cpu] [--device-memory 64GiB] [--json PATH]
-    python utils/plan.py --model-id config/real_model --fit-table 64GiB,80GiB,141GiB
+    python -m utils.planner --model-id config/real_model --fit-table 64GiB,80GiB,141GiB
     bash run.sh CONFIG --plan                 (the same, from a launch config; run.sh plans every launch)
 
 Only the checkpoint's config.json is read (config/real_model/ holds the published model's, for
-planning without the weights). Numbers: utils/memory_plan.py. Exit 2 when the layout does not fit
+planning without the weights). Numbers: utils/planner/memory_plan.py. Exit 2 when the layout does not fit
 the given device memory (with --device-memory), with one `error:` line naming the rank role, the
 shortfall and the layouts that fit.
 """
@@ -18,11 +18,8 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from utils.memory_plan import GiB, plan, shortfall  # noqa: E402
+from utils.planner.memory_plan import GiB, plan, shortfall
 
 MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*\Z", re.I)
 UNITS = {None: 1, "mib": 2**20, "mb": 10**6, "gib": 2**30, "gb": 10**9, "tib": 2**40, "tb": 10**12}
@@ -141,7 +138,7 @@ def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_mem
     role, needed, budget = over
     fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom)
     instead = (f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}" if fits else
-               f"no layout of {layout.world_size} ranks fits; use more devices (utils/plan.py --fit-table)")
+               f"no layout of {layout.world_size} ranks fits; use more devices (python -m utils.planner --fit-table)")
     raise PlanError(f"device_memory: ranks {role.ranks} need {gib(needed)} GiB (parameters {gib(role.param_bytes)}, "
                     f"activations {gib(role.activation_bytes)}, workspace {gib(role.workspace)}) but "
                     f"{gib(budget)} GiB of {gib(device_memory)} are usable: {gib(needed - budget)} GiB short; "
@@ -149,7 +146,7 @@ def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_mem
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="plan.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m utils.planner", description=__doc__.splitlines()[0])
     p.add_argument("--model-id", required=True, help="a checkpoint or config directory (config.json is read)")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--cfg-parallel", action="store_true")
@@ -164,7 +161,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         from adaptor_patches.parallel.layout import Layout, LayoutError
-        from utils.memory_plan import read_config
+        from utils.planner.memory_plan import read_config
         if not (Path(args.model_id) / "config.json").is_file():
             raise PlanError(f"model-id: {args.model_id} has no config.json; pass a checkpoint or config/real_model")
         config, raw = read_config(args.model_id)
@@ -185,7 +182,3 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
-"""`--prompts FILE`: every line of a prompts file from one model load (utils/image_requests.py reads it).
+"""`--prompts FILE`: every line of a prompts file from one model load (utils/runtime/image_requests.py reads it).
 
 Rank 0 walks the checked requests, skips those whose image exists (`--skip-existing`: images are
 written atomically, so an existing file is a finished one), picks a seed for lines without one
-(`--seed` when given, else random) and hands each to every rank (utils/rank_loop.py). It writes
+(`--seed` when given, else random) and hands each to every rank (utils/runtime/rank_loop.py). It writes
 the image and its text, appends one JSON line per image to SAVE_DIR/metrics.jsonl and ends with
 a summary line there and on the console; a tqdm bar with ETA shows progress. A line whose image
 fails on every rank alike is reported and the batch goes on; the exit code is then 1.

@@ -1,4 +1,4 @@
-"""The self-check's parts (utils/selfcheck.py runs them): each returns a list of Result rows."""
+"""The self-check's parts (utils/selfcheck/selfcheck.py runs them): each returns a list of Result rows."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

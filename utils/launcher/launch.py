@@ -1,8 +1,8 @@
 """YAML -> validated -> torchrun launcher behind run.sh. Keys: config/README.md.
 
 Usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB]
-       (default config: config/tiny_cpu.yaml; every launch is planned first: utils/launch_plan.py)
-       run.sh --selfcheck [--device D] [--nproc N] ...   (utils/selfcheck.py: is this node ready?)
+       (default config: config/tiny_cpu.yaml; every launch is planned first: utils/launcher/launch_plan.py)
+       run.sh --selfcheck [--device D] [--nproc N] ...   (utils/selfcheck/selfcheck.py: is this node ready?)
 
 Any bad input stops it before anything starts: one stderr line `error: <field>: <problem>; <fix>`,
 exit code 2. YAML paths are relative to the project root, where the job runs. The job's output
@@ -22,10 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:          # utils.* when run as a script (run.sh)
-    sys.path.insert(0, str(ROOT))
-from utils.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_model_args,  # noqa: E402,F401
+ROOT = Path(__file__).resolve().parents[2]
+from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_model_args,  # noqa: F401
                                  check_parallel, check_top, env_string, load_config, model_config, resolve_path)
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
@@ -225,7 +223,7 @@ def run(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0
     if argv and argv[0] == "--selfcheck":
-        from utils import selfcheck
+        from utils.selfcheck import selfcheck
         return selfcheck.main(argv[1:])
     path, options = parse_argv(argv)
     job = check_top(load_config(path))
@@ -235,7 +233,7 @@ def run(argv: list[str]) -> int:
     if not options["dry_run"] and not options["plan"]:
         check_port_free(job)
     if not options["no_plan"]:          # last: the cheap checks speak first, each alone on the console
-        from utils.launch_plan import plan_job
+        from utils.launcher.launch_plan import plan_job
         plan_job(job, layout, options)
         if options["plan"]:
             return 0
@@ -258,7 +256,3 @@ def main(argv: list[str]) -> int:
         message, code = f"launcher: unexpected {type(e).__name__}: {e}; please report it", 2
     print("error: " + " ".join(message.split()), file=sys.stderr)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -20,7 +20,7 @@ import torch
 from . import Result
 
 SECTION = "generation"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "models" / "tiny"
 # Final-latent relative error a correct run stays within. Same device, other layout: measured 8e-3
 # on CPU (the CPU padded-bmm kernel sums in another order at batch 1 per rank); another device:

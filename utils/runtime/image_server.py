@@ -8,8 +8,8 @@
 HTTP stack: the standard library's ThreadingHTTPServer. The model, not HTTP, is the bottleneck (one
 request at a time on all ranks), so an async framework buys nothing here, and an Ascend node's
 pinned, often offline Python environment gets no extra packages (FastAPI + uvicorn + pydantic).
-Handler threads only parse, check (utils/image_requests.py) and queue; the job's main thread
-pulls from the bounded FIFO queue and runs the rank loop (utils/rank_loop.py). Queue full -> 503
+Handler threads only parse, check (utils/runtime/image_requests.py) and queue; the job's main thread
+pulls from the bounded FIFO queue and runs the rank loop (utils/runtime/rank_loop.py). Queue full -> 503
 with Retry-After; a bad body -> 400 with an OpenAI-style JSON error; a failure inside the model on
 every rank -> 500 and serving goes on. SIGTERM / Ctrl-C: stop accepting, answer queued requests
 503, finish the running one, stop every rank. Binds 127.0.0.1 unless told otherwise; there is no
@@ -28,8 +28,8 @@ import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from utils.image_requests import RequestChecker, field_problem, is_int
-from utils.rank_loop import HEARTBEAT_S
+from utils.runtime.image_requests import RequestChecker, field_problem, is_int
+from utils.runtime.rank_loop import HEARTBEAT_S
 
 MAX_BODY_BYTES = 1 << 20
 OPENAI_IGNORED = ("model", "quality", "style", "user", "background", "moderation")
@@ -184,7 +184,7 @@ class ImageServer:
                 if time.monotonic() >= deadline:
                     return ("tick", None)
                 continue
-            from utils.batch_job import choose_seed
+            from utils.runtime.batch_job import choose_seed
             job.requests = [choose_seed(r) for r in job.requests]
             self.running = job
             return ("run", job.requests)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from utils.outputs import UsageError, write_atomically
+from utils.runtime.outputs import UsageError, write_atomically
 
 
 def default_request(args):
     """The CLI's flags as an ImageRequest: what a line or a body does not set."""
-    from utils.image_requests import ImageRequest
+    from utils.runtime.image_requests import ImageRequest
     return ImageRequest(prompt=args.prompt or "", seed=args.seed, image_size=args.image_size,
                         diff_infer_steps=args.diff_infer_steps, bot_task=args.bot_task, save=args.save,
                         save_text=args.save_text)
@@ -21,8 +21,8 @@ def default_request(args):
 
 def start_server(args, log):
     """Rank 0's HTTP server, listening (health says "loading") before the weights load."""
-    from utils.image_requests import RequestChecker
-    from utils.image_server import ImageServer
+    from utils.runtime.image_requests import RequestChecker
+    from utils.runtime.image_server import ImageServer
     try:
         server = ImageServer(args.host, args.port, default_request(args), RequestChecker(args.model_id),
                              args.queue_size, args.max_n, log)
@@ -38,10 +38,10 @@ def start_server(args, log):
 
 
 def run_many(args, model, dist, rank, server, log, generate, is_collective_failure) -> int:
-    """--prompts or --serve: many images on one load, rank 0 deciding (utils/rank_loop.py)."""
+    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/rank_loop.py)."""
     import signal
-    from utils.batch_job import run_batch
-    from utils.rank_loop import RankLoop
+    from utils.runtime.batch_job import run_batch
+    from utils.runtime.rank_loop import RankLoop
 
     def one(request):
         image = generate(model, args, request, rank)

@@ -1,9 +1,9 @@
 """Does this node run the adaptor correctly and fast? Run it before the first real job.
 
     bash run.sh --selfcheck [--device npu|cuda|cpu|auto] [--nproc N] [--out DIR] [--shapes real|small]
-    python utils/selfcheck.py ...                      (the same)
+    python -m utils.selfcheck ...                      (the same)
 
-Sections (utils/checks/):
+Sections (utils/selfcheck/checks/):
   env          versions (torch, torch_npu, CANN, transformers, driver), devices and their memory, the
                environment variables the job reads, the features the adaptor detects
   kernels      every kernel of the device's set against the torch reference at the model's shapes
@@ -28,11 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from utils.checks import SHAPES, Result  # noqa: E402
+from utils.selfcheck.checks import SHAPES, Result
 
 SECTIONS = ("env", "kernels", "moe-stream", "collectives", "generation")
 ENV_PREFIXES = ("HCCL_", "NCCL_", "ASCEND_", "PYTORCH_NPU_", "PYTORCH_CUDA_", "TASK_QUEUE", "CPU_AFFINITY",
@@ -148,10 +146,10 @@ def resolve_settings(args):
 
 
 def run_sections(device, nproc, skip, shapes, size, out, repeat) -> list:
-    from utils.checks.collectives import collective_checks
-    from utils.checks.generation import generation_checks
-    from utils.checks.kernels import kernel_checks
-    from utils.checks.moe_stream import moe_stream_checks
+    from utils.selfcheck.checks.collectives import collective_checks
+    from utils.selfcheck.checks.generation import generation_checks
+    from utils.selfcheck.checks.kernels import kernel_checks
+    from utils.selfcheck.checks.moe_stream import moe_stream_checks
     from adaptor_patches.kernels import kernels_for
     import model_adaptor
     shape = SHAPES[shapes]
@@ -194,7 +192,7 @@ def table(results) -> str:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    from utils.outputs import write_atomically
+    from utils.runtime.outputs import write_atomically
     write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2, default=str)))
 
 
@@ -216,7 +214,3 @@ def main(argv=None) -> int:
     verdict = f"{len(failed)} check(s) FAILED" if failed else "all checks passed"
     print(f"\nselfcheck: {verdict}; {out / 'selfcheck.json'}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

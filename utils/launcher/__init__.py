@@ -1,0 +1,1 @@
+"""The launcher behind run.sh: YAML -> validated -> planned -> torchrun (`python -m utils.launcher`)."""

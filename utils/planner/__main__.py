@@ -1,0 +1,5 @@
+import sys
+
+from utils.planner.plan import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from utils.selfcheck.selfcheck import main
+
+sys.exit(main())

@@ -82,6 +82,6 @@ def _plan_job(job: dict, layout, options: dict) -> None:
     except planner.PlanError as exc:
         field, _, rest = str(exc).partition(": ")
         problem, _, fix = rest.partition("; ")
-        raise ConfigError(field, problem, fix or "see README: Plan before you launch") from None
+        raise ConfigError(field, problem, fix or "see docs/PLANNER.md") from None
     except Exception as exc:           # a config upstream cannot build: the job's own checks will say why
         print(f"note: plan skipped ({type(exc).__name__}: {exc}); launching without a fit check", file=sys.stderr)

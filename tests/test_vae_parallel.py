@@ -6,6 +6,8 @@ seed so that no branch passes vacuously. Each world size is one spawned gloo job
 `model_adaptor.apply(...)`, i.e. the PATCHES row itself; the reference is the unpatched decode in
 this process. Tolerance: max |parallel - single| <= 1e-4 x max |single| (fp32).
 """
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -69,15 +71,37 @@ def vae_for(world_size, rank, vae_parallel):
         return build_vae()
 
 
+@contextlib.contextmanager
+def counting_band_decodes():
+    """Count the decodes that take the band path (vae_bands.parallel_decode, which the patched
+    Decoder.forward calls): a decoder that fell back to upstream's single-device forward
+    (decoder_init only logs why) gives the same image and would pass every equality below."""
+    real, calls = vae_bands.parallel_decode, []
+
+    def counted(decoder, z):
+        calls.append(tuple(z.shape))
+        return real(decoder, z)
+    vae_bands.parallel_decode = counted
+    try:
+        yield calls
+    finally:
+        vae_bands.parallel_decode = real
+
+
 def _rank_job(rank, world_size):
     vae = vae_for(world_size, rank, vae_parallel=True)
-    decoded = {name: decode(vae, latent(*size, seed=i)) for i, (name, size) in enumerate(CASES[world_size].items())}
+    with counting_band_decodes() as band_decodes:
+        decoded = {name: decode(vae, latent(*size, seed=i))
+                   for i, (name, size) in enumerate(CASES[world_size].items())}
     group_norm = group_norm_check(rank, GROUP_NORM_ROWS[world_size])
     # vae_parallel off: each rank decodes its own latent alone; a split decode would mix them.
-    alone = decode(vae_for(world_size, rank, vae_parallel=False), latent(1, 4, 3, seed=100 + rank))
+    with counting_band_decodes() as alone_band_decodes:
+        alone = decode(vae_for(world_size, rank, vae_parallel=False), latent(1, 4, 3, seed=100 + rank))
+    band_path = {"decodes": len(band_decodes), "split_problem": vae.decoder.band_split_problem,
+                 "decodes_when_off": len(alone_band_decodes)}
     model_adaptor.remove()
     # numpy, not tensors: torch's queue would share tensor memory with a rank that is exiting.
-    return {name: out.numpy() for name, out in decoded.items()}, group_norm, alone.numpy()
+    return {name: out.numpy() for name, out in decoded.items()}, group_norm, alone.numpy(), band_path
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +132,7 @@ def check_cases(results, world_size, vae, names):
     for i, (name, size) in enumerate(CASES[world_size].items()):
         if name in names:
             want = decode(vae, latent(*size, seed=i))
-            for rank, (decoded, _, _) in enumerate(results):
+            for rank, (decoded, _, _, _) in enumerate(results):
                 assert_close(decoded[name], want, f"{world_size} ranks, {name}, rank {rank}")
 
 
@@ -116,6 +140,14 @@ def check_cases(results, world_size, vae, names):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parallel_decode_equals_single_device(jobs, vae, world_size):
     check_cases(jobs(world_size), world_size, vae, {"even_batch2", "uneven_6x5"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_parallel_decode_took_the_band_path(jobs, world_size):
+    for rank, (_, _, _, band_path) in enumerate(jobs(world_size)):
+        assert band_path == {"decodes": len(CASES[world_size]), "split_problem": None, "decodes_when_off": 0}, \
+            (rank, band_path)
 
 
 @pytest.mark.slow
@@ -132,14 +164,14 @@ def test_latent_smaller_than_rank_grid_equals_single_device(jobs, vae):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_group_norm_stats_equal_single_device_on_uneven_bands(jobs, world_size):
-    for rank, (_, (same_shape, err), _) in enumerate(jobs(world_size)):
+    for rank, (_, (same_shape, err), _, _) in enumerate(jobs(world_size)):
         assert same_shape and err <= 1e-4, f"rank {rank}: GroupNorm max abs error {err:.3g}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_noop_when_vae_parallel_off(jobs, vae, world_size):
-    for rank, (_, _, alone) in enumerate(jobs(world_size)):
+    for rank, (_, _, alone, _) in enumerate(jobs(world_size)):
         assert_close(alone, decode(vae, latent(1, 4, 3, seed=100 + rank)), f"vae-parallel off, rank {rank}")
 
 

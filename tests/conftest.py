@@ -33,3 +33,29 @@ def text_model(tiny_model, tmp_path_factory):
     """The tiny checkpoint made for the text phase (tests/text_checkpoint.py)."""
     from text_checkpoint import make_text_checkpoint
     return make_text_checkpoint(tiny_model, tmp_path_factory.mktemp("ckpt_text") / "tiny_text")
+
+
+ATTENTION_GAIN = 32.0
+
+
+@pytest.fixture(scope="session")
+def gained_model(tiny_model, tmp_path_factory):
+    """The tiny checkpoint with every o_proj scaled by ATTENTION_GAIN, for the multi-rank equivalence tests.
+
+    At the tiny model's init scale the residual stream swamps attention: with the attention-TP
+    all-reduce removed the image still reached 47 dB of the single-process one. Scaled, a broken
+    split drops to ~21 dB while a correct one stays near 50 dB, so end-to-end runs tell them apart."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    dst = tmp_path_factory.mktemp("gained") / "tiny"
+    dst.mkdir()
+    for path in tiny_model.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, dst / path.name)
+            continue
+        state = load_file(path)
+        for key in state:
+            if key.endswith("self_attn.o_proj.weight"):
+                state[key] = (state[key].float() * ATTENTION_GAIN).to(state[key].dtype)
+        save_file(state, dst / path.name, metadata={"format": "pt"})
+    return dst

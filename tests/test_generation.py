@@ -1,15 +1,24 @@
 """End to end on the tiny checkpoint: patched vs upstream eager, torchrun, determinism, bad input.
 
+The equivalence runs use the gained checkpoint (conftest.gained_model: every o_proj x32), on which
+attention matters: on the plain tiny model a 2-rank run with the attention-TP all-reduce removed
+still reached 47 dB and passed the old 35 dB bound; on the gained one it gives 21.1 dB and latent
+rel err 0.55.
+
 Tolerances: the adaptor must reproduce upstream-eager (only the four compat shims) on the same
-checkpoint to PSNR >= 35 dB and final-latent relative error <= 2e-2. Both runs compute in bf16;
-the MoE patch changes the summation order of expert outputs, which moves bf16 results by a few
-ulps per layer, and that is what the bound leaves room for.
+checkpoint to PSNR >= 40 dB and final-latent relative error <= 2e-2. Both runs compute in bf16;
+the MoE patch changes the summation order of expert outputs and TP sums bf16 partial products,
+which moves bf16 results by a few ulps per layer, and that is what the bound leaves room for.
+Measured (seed 7, 3 steps): 1 rank 52.9 dB / 1.08e-2; 2 ranks TP 52.5 / 1.16e-2, MoE TP 52.0 /
+1.24e-2, MoE EP 52.5 / 1.20e-2. The experts weigh little even here: MoE TP without its all-reduce
+gave 49.6 dB / 2.03e-2 (just outside), so test_moe_layer's fp32 layer-level bound (1e-5) is the
+check that bites for the MoE split.
 """
 import pytest
 
 from generation import generate, generate_args, latent_rel_err, psnr, run_cli_in_process, run_in_pool
 
-PSNR_MIN_DB = 35.0
+PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 2e-2
 
 
@@ -19,37 +28,39 @@ def out_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model, out_dir):
-    return generate(tiny_model, out_dir, "upstream_eager", "--adaptor", "shims")
+def reference(gained_model, out_dir):
+    return generate(gained_model, out_dir, "upstream_eager", "--adaptor", "shims")
 
 
 @pytest.mark.compat
 @pytest.mark.slow
-def test_patched_matches_upstream_eager(tiny_model, out_dir, reference):
-    png, latents, _ = generate(tiny_model, out_dir, "patched", "--adaptor", "full")
-    assert psnr(png, reference[0]) >= PSNR_MIN_DB
-    assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
+def test_patched_matches_upstream_eager(gained_model, out_dir, reference):
+    png, latents, _ = generate(gained_model, out_dir, "patched", "--adaptor", "full")
+    db, err = psnr(png, reference[0]), latent_rel_err(latents, reference[1])
+    print(f"PSNR {db:.1f} dB, latent rel err {err:.2e}")
+    assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (db, err)
 
 
 @pytest.mark.slow
-def test_same_seed_gives_identical_png(tiny_model, out_dir, reference):
-    png, _, _ = generate(tiny_model, out_dir, "eager_again", "--adaptor", "shims")
+def test_same_seed_gives_identical_png(gained_model, out_dir, reference):
+    png, _, _ = generate(gained_model, out_dir, "eager_again", "--adaptor", "shims")
     assert png.read_bytes() == reference[0].read_bytes()
 
 
 @pytest.mark.slow
-def test_other_seed_differs(tiny_model, out_dir, reference):
-    png, _, _ = generate(tiny_model, out_dir, "other_seed", "--adaptor", "shims", seed=8)
+def test_other_seed_differs(gained_model, out_dir, reference):
+    png, _, _ = generate(gained_model, out_dir, "other_seed", "--adaptor", "shims", seed=8)
     assert psnr(png, reference[0]) < 30, "the seed must reach the latents"
 
 
 @pytest.mark.slow
-def test_two_ranks_under_torchrun_match_single_process(tiny_model, out_dir, reference):
+def test_two_ranks_under_torchrun_match_single_process(gained_model, out_dir, reference):
     # Two ranks turn on attention TP (and replicated experts): bf16 partial sums differ in order.
-    png, latents, proc = generate(tiny_model, out_dir, "two_ranks", nproc=2)
+    png, latents, proc = generate(gained_model, out_dir, "two_ranks", nproc=2)
     assert "world_size=2 adaptor=full cfg=1 tp=2 moe=replicated" in proc.stdout
-    assert psnr(png, reference[0]) >= PSNR_MIN_DB
-    assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
+    db, err = psnr(png, reference[0]), latent_rel_err(latents, reference[1])
+    print(f"PSNR {db:.1f} dB, latent rel err {err:.2e}")
+    assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (db, err)
 
 
 @pytest.mark.slow
@@ -109,9 +120,9 @@ MOE_FLAGS = ("--moe-tp", "--moe-ep")
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tiny_model, out_dir):
+def moe_runs(gained_model, out_dir):
     """Both MoE-parallel 2-rank runs on one pool of ranks: {flag: (png, latents, console)}."""
-    files = {flag: generate_args(tiny_model, out_dir, f"two_ranks{flag}", flag) for flag in MOE_FLAGS}
+    files = {flag: generate_args(gained_model, out_dir, f"two_ranks{flag}", flag) for flag in MOE_FLAGS}
     procs = run_in_pool(2, [args for _, _, args in files.values()])
     return {flag: (png, latents, proc) for (flag, (png, latents, _)), proc in zip(files.items(), procs)}
 
@@ -122,8 +133,9 @@ def moe_runs(tiny_model, out_dir):
 def test_two_rank_moe_parallel_matches_single_process(moe_runs, reference, moe_flag):
     png, latents, proc = moe_runs[moe_flag]
     assert f"world_size=2 adaptor=full cfg=1 tp=2 moe={moe_flag[-2:]}" in proc.stdout
-    assert psnr(png, reference[0]) >= PSNR_MIN_DB
-    assert latent_rel_err(latents, reference[1]) <= LATENT_REL_ERR_MAX
+    db, err = psnr(png, reference[0]), latent_rel_err(latents, reference[1])
+    print(f"PSNR {db:.1f} dB, latent rel err {err:.2e}")
+    assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (db, err)
 
 
 @pytest.mark.compat

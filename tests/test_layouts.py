@@ -27,11 +27,9 @@ Layouts (tiny model: 4 attention heads, 2 KV heads, 4 experts):
   tp4_cfg2_moe_tp      (text) CFG2 x (attention TP4 + MoE TP4), 8 ranks
 """
 import json
-import shutil
 
 import pytest
 import yaml
-from safetensors.torch import load_file, save_file
 
 from generation import generate, generate_args, latent_rel_err, psnr, run_cli_in_process, run_in_pool
 from test_launcher import assert_one_error, run_launcher, write_yaml
@@ -39,7 +37,6 @@ from text_checkpoint import make_text_checkpoint
 
 PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 3e-2
-ATTENTION_GAIN = 32.0
 LAYOUTS = {
     "tp2": (2, []),
     "cfg2": (2, ["--cfg-parallel"]),
@@ -57,24 +54,8 @@ def out_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_model, tmp_path_factory):
-    """The tiny checkpoint with every o_proj scaled by ATTENTION_GAIN.
-
-    At the tiny model's init scale the residual stream swamps attention: with the TP all-reduce
-    removed the image still reached 47 dB. Scaled, a broken split drops to ~21 dB while a correct
-    one stays near 50 dB, so these end-to-end runs can tell them apart."""
-    dst = tmp_path_factory.mktemp("gained") / "tiny"
-    dst.mkdir()
-    for path in tiny_model.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, dst / path.name)
-            continue
-        state = load_file(path)
-        for key in state:
-            if key.endswith("self_attn.o_proj.weight"):
-                state[key] = (state[key].float() * ATTENTION_GAIN).to(state[key].dtype)
-        save_file(state, dst / path.name, metadata={"format": "pt"})
-    return dst
+def checkpoint(gained_model):
+    return gained_model
 
 
 @pytest.fixture(scope="module")

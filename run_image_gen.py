@@ -444,6 +444,8 @@ def run(args, phase: "JobPhase | None" = None):
 
 
 def main(argv=None):
+    from utils.runtime.rank_console import route_rank_output
+    route_rank_output(int(os.environ.get("RANK", "0")))      # under run.sh: one console (before transformers)
     args = parse_args(argv)
     try:
         validate(args)

@@ -1,0 +1,85 @@
+"""One console for a job (utils/runtime/rank_console.py): under run.sh only rank 0's own messages and
+progress reach the console; every rank keeps everything, the known-harmless third-party warnings
+included, in res/<date>/<model>/log_<time>/rank<N>.log."""
+from __future__ import annotations
+
+import io
+import re
+import warnings
+
+import pytest
+
+from multirank import free_port
+from test_launcher import log_from, remove_log, run_launcher, write_yaml
+from utils.runtime.rank_console import KNOWN_HARMLESS, OtherRankStream, RankZeroStream
+
+PROGRESS_BAR = re.compile(r"\d+/\d+ \[")
+BAR_START = re.compile(r"(^|: )\s*0%\|")
+RANK_ZERO_LINES = ("log: ", "plan: ", "[rank 0] ")
+
+
+def test_rank_zero_console_drops_only_the_known_harmless_warnings():
+    console, log = io.StringIO(), io.StringIO()
+    stream = RankZeroStream(console, log)
+    known = FutureWarning("`rope_scaling` is deprecated and will be removed in a future version.")
+    unknown = UserWarning("a warning nobody has seen yet")
+    known_text = warnings.formatwarning(known, FutureWarning, __file__, 1)     # two lines: message, source
+    # Python's own warnings.showwarning writes each warning so, in one write (pytest replaces it here)
+    stream.write(known_text)
+    stream.write(warnings.formatwarning(unknown, UserWarning, __file__, 1))
+    print("[rank 0] loaded", file=stream)
+    assert known_text.count("\n") == 2 and known_text not in console.getvalue()
+    assert console.getvalue() == warnings.formatwarning(unknown, UserWarning, __file__, 1) + "[rank 0] loaded\n"
+    assert log.getvalue() == known_text + console.getvalue()
+
+
+def test_other_ranks_show_only_their_error_lines():
+    console, log = io.StringIO(), io.StringIO()
+    stream = OtherRankStream(console, log)
+    print("[transformers] `use_return_dict` is deprecated! Use `return_dict` instead!", file=stream)
+    print("error: rank 1: a collective failed while denoising", file=stream)     # print writes text, then "\n"
+    stream.write("Loading weights: 100%|##| 187/187\r")
+    assert console.getvalue() == "error: rank 1: a collective failed while denoising\n"
+    assert "use_return_dict" in log.getvalue() and "Loading weights" in log.getvalue()
+
+
+@pytest.mark.slow
+def test_four_rank_run_sh_job_has_one_console(tmp_path, tiny_model):
+    """config/tiny_cpu_parallel.yaml's layout (CFG2 x TP2 + MoE TP + VAE parallel) through run.sh.
+    Before: four `Loading weights` bars and ~30 lines of transformers / diffusers warnings."""
+    png = tmp_path / "console.png"
+    job = {"world_size": 4, "master_port": free_port(), "entry_script": "run_image_gen.py",
+           "model_name": "console_test", "env_vars": {"OMP_NUM_THREADS": 1},
+           "model_args": {"prompt": "a red fox in the snow", "model-id": str(tiny_model), "device": "cpu",
+                          "seed": 42, "diff-infer-steps": 2, "image-size": "64x64", "moe-tp": True,
+                          "cfg-parallel": True, "vae-parallel": True, "save": str(png)}}
+    res = run_launcher(write_yaml(tmp_path, job), timeout=600)
+    log = log_from(res.stdout)
+    rank_logs = log.with_suffix("")
+    try:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        # subprocess's text mode turns a progress bar's "\r" redraws into lines: a bar is counted
+        # once, by its 0% draw, as a terminal shows it on one line
+        lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+        bars = [line for line in lines if BAR_START.search(line)]
+        messages = [line for line in lines if not PROGRESS_BAR.search(line)]
+        print(f"{len(messages) + len(bars)} console lines:\n" + "\n".join(lines))
+        strays = [line for line in messages if not line.startswith(RANK_ZERO_LINES)]
+        assert not strays, strays
+        assert len(bars) == 2 and "Loading weights" in bars[0], bars          # rank 0's loading and denoising
+        assert len(messages) + len(bars) <= 12, lines
+        assert png.is_file()
+        logs = {path.name: path.read_text() for path in rank_logs.glob("rank*.log")}
+        assert sorted(logs) == [f"rank{r}.log" for r in range(4)], sorted(logs)
+        for name, text in logs.items():       # each rank's own warnings, kept
+            assert "`Siglip2ImageProcessorFast` is deprecated" in text and "`use_return_dict` is deprecated" in text, \
+                (name, text[-2000:])
+        assert "[rank 0] image saved to" in logs["rank0.log"]
+        kept = [message for message in KNOWN_HARMLESS if any(message in text for text in logs.values())]
+        assert len(kept) >= 4, kept
+    finally:
+        for path in rank_logs.glob("rank*.log"):
+            path.unlink()
+        if rank_logs.is_dir():
+            rank_logs.rmdir()
+        remove_log(log)

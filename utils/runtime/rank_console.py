@@ -1,0 +1,114 @@
+"""One console for a job of many ranks; every rank keeps everything in its own log.
+
+run.sh (utils/launch.py) sets RANK_LOG_DIR for the ranks it starts; run_image_gen.py then calls
+`route_rank_output()` before it imports transformers or upstream:
+
+  rank 0       its stdout and stderr reach the console as before and are copied to
+               RANK_LOG_DIR/rank0.log, except KNOWN_HARMLESS third-party warnings: those go to
+               the log only. An unknown warning still reaches the console.
+  other ranks  stdout and stderr (the file descriptors too, so C++ messages from torch or a
+               device runtime are kept) go to RANK_LOG_DIR/rank<N>.log only; a line starting
+               with `error:` (a rank's one-line reason for failing) also reaches the console.
+
+Without RANK_LOG_DIR (plain torchrun, the tests' in-process runs) nothing changes.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+
+RANK_LOG_DIR = "RANK_LOG_DIR"
+
+# Messages of transformers / diffusers that every run of upstream's code on today's versions prints
+# and that change nothing for it; matched per write, so the whole warning (both lines of a Python
+# warning) goes to the log.
+KNOWN_HARMLESS = (
+    "`Siglip2ImageProcessorFast` is deprecated",                       # transformers 5: upstream's processor name
+    "`rope_scaling` is deprecated",                                    # transformers 5: upstream's config.json key
+    "Missing validation function in 'RotaryEmbeddingConfigMixin' for 'rope_type'='custom'",
+    "`use_return_dict` is deprecated",                                 # transformers 5: upstream's forward
+    "There are modules in AutoencoderKLConv3D that should be kept in float32: []",   # diffusers, nothing kept
+)
+
+
+def is_known_harmless(text: str) -> bool:
+    return any(message in text for message in KNOWN_HARMLESS)
+
+
+class RankZeroStream(io.TextIOBase):
+    """Rank 0's stdout / stderr: everything to the log, all but the known-harmless to the console."""
+
+    def __init__(self, console, log):
+        self.console, self.log = console, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        if not is_known_harmless(text):
+            self.console.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.console.flush()
+
+    def isatty(self) -> bool:        # progress bars draw as they would on the console
+        return self.console.isatty()
+
+    @property
+    def encoding(self):
+        return self.console.encoding
+
+    def fileno(self) -> int:
+        return self.console.fileno()
+
+
+class OtherRankStream(io.TextIOBase):
+    """Another rank's stderr: everything to the log; whole lines starting with `error:` also to the console."""
+
+    def __init__(self, console, log):
+        self.console, self.log, self.pending = console, log, ""
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if line.startswith("error:"):
+                self.console.write(line + "\n")
+                self.console.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+
+    def fileno(self) -> int:
+        return self.log.fileno()
+
+
+_routed: list = []
+
+
+def route_rank_output(rank: int, env=os.environ) -> Path | None:
+    """Route this rank's output as the module docstring says (once per process); return its log
+    path, None when nothing is routed."""
+    folder = env.get(RANK_LOG_DIR)
+    if not folder or _routed:
+        return _routed[0] if _routed else None
+    path = Path(folder) / f"rank{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "a", buffering=1, encoding="utf-8", errors="replace")
+    _routed.append(path)
+    if rank == 0:
+        sys.stdout = RankZeroStream(sys.stdout, log)
+        sys.stderr = RankZeroStream(sys.stderr, log)
+        return path
+    sys.stdout.flush()
+    sys.stderr.flush()
+    console = open(os.dup(sys.stderr.fileno()), "w", buffering=1, encoding="utf-8", errors="replace")
+    for fd in (1, 2):
+        os.dup2(log.fileno(), fd)
+    sys.stdout = log
+    sys.stderr = OtherRankStream(console, log)
+    return path

@@ -5,8 +5,10 @@ Usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64
        run.sh --selfcheck [--device D] [--nproc N] ...   (utils/selfcheck/selfcheck.py: is this node ready?)
 
 Any bad input stops it before anything starts: one stderr line `error: <field>: <problem>; <fix>`,
-exit code 2. YAML paths are relative to the project root, where the job runs. The job's output
-goes to the console and to res/<date>/<model name>/log_<time>.log; its exit code is ours.
+exit code 2. YAML paths are relative to the project root, where the job runs. The console shows
+rank 0's output (utils/runtime/rank_console.py), as does res/<date>/<model name>/log_<time>.log;
+each rank's whole output is in log_<time>/rank<N>.log. With nnodes > 1 the nodes' launchers meet
+first (utils/launcher/node_rendezvous.py). The job's exit code is ours.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_model_args,  # noqa: F401
                                  check_parallel, check_top, env_string, load_config, model_config, resolve_path)
+from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, RendezvousError, meet  # noqa: E402
+from utils.runtime.rank_console import RANK_LOG_DIR  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
 USAGE = ("usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB] | "
@@ -68,9 +72,14 @@ def torchrun_command(job: dict) -> list[str]:
     margs = dict(job["model_args"])
     if job["dist_timeout"] is not None and margs.get("dist-timeout") is None:
         margs["dist-timeout"] = job["dist_timeout"]
+    rendezvous = [f"--rdzv-conf=timeout={rendezvous_timeout(job)}"] if job["nnodes"] > 1 else []
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={job['world_size']}",
             f"--nnodes={job['nnodes']}", f"--node_rank={job['node_rank']}", f"--master_addr={job['master_addr']}",
-            f"--master_port={job['master_port']}", job["entry_script"], *flags(margs)]
+            f"--master_port={job['master_port']}", *rendezvous, job["entry_script"], *flags(margs)]
+
+
+def rendezvous_timeout(job: dict) -> int:
+    return job["rendezvous_timeout"] or DEFAULT_RENDEZVOUS_TIMEOUT_S
 
 
 def check_port_free(job: dict) -> None:
@@ -78,6 +87,8 @@ def check_port_free(job: dict) -> None:
     if job["node_rank"] != 0:
         return
     with socket.socket() as probe:
+        # as TCPStore binds: the last job's connections in TIME_WAIT do not hold the port, a listener does
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", job["master_port"]))
         except OSError as e:
@@ -90,10 +101,12 @@ def shell_line(env: dict, cmd: list[str]) -> str:
 
 
 def log_path(job: dict) -> Path:
-    """res/<date>/<model_name, else model-id's last part>/log_<time>.log"""
+    """res/<date>/<model_name, else model-id's last part>/log_<time>[_node<k>].log; each rank's own log
+    is in the folder of the same name (rank<N>.log, utils/runtime/rank_console.py)."""
     now = datetime.datetime.now()
     name = job["model_name"] or Path(os.path.normpath(job["model_args"]["model-id"])).name or "model"
-    return ROOT / "res" / now.strftime("%Y-%m-%d") / name / f"log_{now.strftime('%Y%m%d_%H%M%S')}.log"
+    node = f"_node{job['node_rank']}" if job["nnodes"] > 1 else ""     # two nodes may share a file system
+    return ROOT / "res" / now.strftime("%Y-%m-%d") / name / f"log_{now.strftime('%Y%m%d_%H%M%S')}{node}.log"
 
 
 def read_chunks(fd: int):
@@ -183,13 +196,36 @@ def needs_tiny_model(job: dict) -> bool:
     return job["build_tiny_model"] and not resolve_path(job["model_args"]["model-id"]).exists()
 
 
+def meet_other_nodes(job: dict, log) -> bool:
+    """Wait for every node's launcher (utils/launcher/node_rendezvous.py); False after its one error line."""
+    timeout = rendezvous_timeout(job)
+    print(f"rendezvous: node {job['node_rank']} of {job['nnodes']} waiting for the others at "
+          f"{job['master_addr']}:{job['master_port']} (up to {timeout} s)", flush=True)
+    log.flush()
+    console_fd = os.dup(2)
+    os.dup2(log.fileno(), 2)         # torch's C++ retry warnings, with their stack frames, to the log
+    try:
+        meet(job, timeout)
+        return True
+    except RendezvousError as exc:
+        message = f"error: rendezvous: {exc}"
+        log.write(f"{message}\n".encode())
+        log.flush()
+        os.dup2(console_fd, 2)
+        print(message, file=sys.stderr, flush=True)
+        return False
+    finally:
+        os.dup2(console_fd, 2)
+        os.close(console_fd)
+
+
 def launch(job: dict, env: dict) -> int:
     cmd = torchrun_command(job)
     model_id = job["model_args"]["model-id"]
     path = log_path(job)
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"log: {path}", flush=True)
-    child_env = {**os.environ, **env}
+    child_env = {**os.environ, **env, RANK_LOG_DIR: str(path.with_suffix(""))}
     with open(path, "ab") as log:
         log.write(f"# {shell_line(env, cmd)}\n".encode())
         if needs_tiny_model(job):
@@ -198,6 +234,8 @@ def launch(job: dict, env: dict) -> int:
                 print(f"error: build_tiny_model: {TINY_MODEL_SCRIPT} failed (exit {rc}); see {path}", file=sys.stderr)
                 return rc
             check_parallel(job, model_config(model_id, False), child_env)
+        if job["nnodes"] > 1 and not meet_other_nodes(job, log):
+            return 1
         return run_tee(cmd, child_env, log)
 
 

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
 REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
 DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False,
-            "dist_timeout": None, "model_name": None, "launcher": "torchrun", "device_memory": None}
+            "dist_timeout": None, "model_name": None, "launcher": "torchrun", "device_memory": None,
+            "rendezvous_timeout": None}
 TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
 # Keys the cann-recipes-infer launcher knows for its other models: refused, saying why. The keys of
 # its HunyuanImage-3.0 YAML are ours or in DEFAULTS (model_name; launcher: torchrun, its default).
@@ -139,6 +140,9 @@ def check_top(cfg: dict) -> dict:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
         raise ConfigError("dist_timeout", f"{timeout!r} is not a number of seconds > 0",
                           "use e.g. 1200, or leave it out for the default")
+    if job["rendezvous_timeout"] is not None:
+        need_int(job["rendezvous_timeout"], "rendezvous_timeout", 1,
+                 fix="use whole seconds, e.g. 600 (the default), the longest one node may wait for the others")
     script = job["entry_script"]
     if not isinstance(script, str) or not script or not resolve_path(script).is_file():
         raise ConfigError("entry_script", f"{script!r} is not a file under {ROOT}",

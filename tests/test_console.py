@@ -83,3 +83,38 @@ def test_four_rank_run_sh_job_has_one_console(tmp_path, tiny_model):
         if rank_logs.is_dir():
             rank_logs.rmdir()
         remove_log(log)
+
+
+@pytest.mark.slow
+def test_another_ranks_error_line_reaches_the_console(tmp_path, tiny_model):
+    """A TP2 conversion without rank-01's folder: the launcher checks rank 0's, rank 1 refuses it with
+    its one `error:` line (before the process group), which must reach the console from its log."""
+    import contextlib
+    import shutil
+    from utils import convert_model
+    converted = tmp_path / "tp2"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert convert_model.main(["--model-path", str(tiny_model), "--output-path", str(converted),
+                                   "--tp-attn", "2", "--tp-moe", "2", "--ep", "1"]) == 0
+    shutil.rmtree(converted / "rank-01")
+    job = {"world_size": 2, "master_port": free_port(), "entry_script": "run_image_gen.py",
+           "model_name": "console_test", "env_vars": {"OMP_NUM_THREADS": 1},
+           "model_args": {"prompt": "x", "model-id": str(converted), "device": "cpu", "moe-tp": True,
+                          "save": str(tmp_path / "never.png")}}
+    res = run_launcher(write_yaml(tmp_path, job), "--no-plan", timeout=600)
+    log = log_from(res.stdout)
+    rank_logs = log.with_suffix("")
+    try:
+        # the job's output reaches the launcher's stdout (torchrun's streams merged), its own line stderr
+        errors = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("error:")]
+        assert res.returncode == 2, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
+        assert len(errors) == 2 and "rank-01" in errors[0] and errors[1].startswith("error: job: rank 1 failed"), \
+            res.stderr
+        assert errors[0] in (rank_logs / "rank1.log").read_text()
+        assert "[rank 1]" not in res.stdout + res.stderr
+    finally:
+        for path in rank_logs.glob("rank*.log"):
+            path.unlink()
+        if rank_logs.is_dir():
+            rank_logs.rmdir()
+        remove_log(log)

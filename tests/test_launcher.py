@@ -263,7 +263,7 @@ model_args:
     assert res.returncode == 0, res.stderr
     expected = (f"OMP_NUM_THREADS=1 NOTE='two words' CFG_PARALLEL=true {shlex.quote(sys.executable)} "
                 f"-m torch.distributed.run --nproc_per_node=2 --nnodes=2 --node_rank=1 --master_addr=10.0.0.1 "
-                f"--master_port=29700 {shlex.quote(str(entry))} --prompt 'a red fox in the snow' "
+                f"--master_port=29700 --rdzv-conf=timeout=600 {shlex.quote(str(entry))} --prompt 'a red fox in the snow' "
                 f"--model-id {shlex.quote(str(model_dir))} --device cpu --seed 42 --moe-ep --cfg-parallel "
                 f"--multi-stream off --image-size 64:48 --extra-list 1 two true")
     assert res.stdout.strip() == expected

@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_model_args,  # noqa: F401
                                  check_parallel, check_top, env_string, load_config, model_config, resolve_path)
-from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, RendezvousError, meet  # noqa: E402
-from utils.runtime.rank_console import RANK_LOG_DIR  # noqa: E402
+from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, RendezvousError, meet
+from utils.runtime.rank_console import RANK_LOG_DIR
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
 USAGE = ("usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB] | "

@@ -1,4 +1,4 @@
-"""The nodes of a multi-node job meet before torchrun starts (run.sh on every node, utils/launch.py).
+"""The nodes of a multi-node job meet before torchrun starts (run.sh on every node, utils/launcher/launch.py).
 
 Node 0 opens a TCPStore on master_addr:master_port and waits up to `rendezvous_timeout` seconds for
 the other nnodes - 1 launchers; each of those connects and retries as long. Every node posts its

@@ -1,6 +1,6 @@
 """One console for a job of many ranks; every rank keeps everything in its own log.
 
-run.sh (utils/launch.py) sets RANK_LOG_DIR for the ranks it starts; run_image_gen.py then calls
+run.sh (utils/launcher/launch.py) sets RANK_LOG_DIR for the ranks it starts; run_image_gen.py then calls
 `route_rank_output()` before it imports transformers or upstream:
 
   rank 0       its stdout and stderr reach the console as before and are copied to

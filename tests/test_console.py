@@ -110,7 +110,7 @@ def test_another_ranks_error_line_reaches_the_console(tmp_path, tiny_model):
         assert res.returncode == 2, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
         assert len(errors) == 2 and "rank-01" in errors[0] and errors[1].startswith("error: job: rank 1 failed"), \
             res.stderr
-        assert errors[0] in (rank_logs / "rank1.log").read_text()
+        assert errors[0] in (rank_logs / "rank1.log").read_text() and str(rank_logs / "rank1.log") in errors[1]
         assert "[rank 1]" not in res.stdout + res.stderr
     finally:
         for path in rank_logs.glob("rank*.log"):

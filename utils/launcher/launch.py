@@ -180,8 +180,11 @@ def run_tee(cmd: list[str], env: dict, log) -> int:
     if console.hiding:
         rank = ROOT_CAUSE_RANK.findall(tail.decode(errors="replace"))
         who = f"rank {rank[-1]}" if rank else "a rank"
-        print(f"error: job: {who} failed (exit {code}); its own messages are above, torchrun's report is in "
-              f"{getattr(log, 'name', 'the log')}", file=sys.stderr, flush=True)
+        where = getattr(log, "name", "the log")
+        rank_log = Path(where).with_suffix("") / f"rank{rank[-1]}.log" if rank else None
+        own = f" and in {rank_log}" if rank_log and rank_log.is_file() else ""     # its traceback too
+        print(f"error: job: {who} failed (exit {code}); its own messages are above{own}, torchrun's report is in "
+              f"{where}", file=sys.stderr, flush=True)
     return code
 
 

@@ -317,11 +317,30 @@ class JobPhase:
     name = "starting"
 
 
+PEER_LOST = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "connection refused")
+
+
+def raised_in_a_collective(exc: BaseException) -> bool:
+    """Did torch.distributed's collective layer raise it (or an exception it led to)? A peer that
+    dies mid-step shows up there whatever the backend's words for it (gloo: 'Connection reset by
+    peer', 'Connection closed by peer', 'Read error'...)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.endswith(("distributed_c10d.py", "c10d_logger.py")):
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
     text = str(exc).lower()
     return isinstance(exc, getattr(dist, "DistError", ())) or (
-        isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text or "connection closed" in text))
+        isinstance(exc, RuntimeError) and (any(words in text for words in PEER_LOST) or raised_in_a_collective(exc)))
 
 
 def run(args, phase: "JobPhase | None" = None):
@@ -457,6 +476,10 @@ def main(argv=None):
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: rank {os.environ.get('RANK', '0')}: interrupted; nothing more was written", file=sys.stderr,
+              flush=True)
+        return 130
 
 
 if __name__ == "__main__":

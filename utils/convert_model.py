@@ -51,15 +51,14 @@ if __name__ == "__main__":      # run by its documented path (python utils/conve
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # utils/, not the project root, on sys.path
 
 from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402
-from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_FILE, ORIGINAL,  # noqa: E402
-                                                CheckpointError, open_checkpoint, rank_dir_name)
+from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_FILE, MANIFEST_FORMAT, ORIGINAL,  # noqa: E402
+                                                CheckpointError, open_checkpoint, rank_dir_name, read_manifest)
 from adaptor_patches.weights.rank_slices import rank_tensors  # noqa: E402
 from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles, LoadingError  # noqa: E402
 from utils.safetensors_stream import StreamingWriter, copy_file, copy_with_sha256, file_sha256  # noqa: E402
 
 GB = 10 ** 9
 SHARD_SIZE_RANGE_GB = (0.001, 1000.0)      # 1 MB .. 1 TB: smaller makes a shard per tensor, larger is no cap
-MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
 
 
 class ConvertError(Exception):
@@ -413,42 +412,16 @@ def convert(args) -> str:
 
 # ---------------------------------------------------------------- verify
 
-def read_manifest(path: Path) -> tuple:
-    """(manifest, its file records, its Layout); ConvertError(exit 1) for a manifest that is cut off,
-    of the wrong shape, lists no files or names a file outside its directory."""
-    def damaged(problem: str) -> ConvertError:
-        return ConvertError(f"verify: {path}: {problem}; the conversion is damaged, convert again", exit_code=1)
-
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise damaged(f"is not readable JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise damaged(f"is not a {MANIFEST_FORMAT} manifest")
-    records = manifest.get("files")
-    if not isinstance(records, dict) or not records:
-        raise damaged("lists no files")
-    for rel, record in records.items():
-        parts = Path(rel).parts
-        if Path(rel).is_absolute() or ".." in parts or not parts:
-            raise damaged(f"names {rel!r}, which is not a file inside the conversion")
-        if (not isinstance(record, dict) or type(record.get("size")) is not int or record["size"] < 0
-                or not isinstance(record.get("sha256"), str)):
-            raise damaged(f"has no size and sha256 for {rel}")
-    try:
-        layout = Layout.from_json(manifest[LAYOUT_KEY])
-    except (LayoutError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise damaged(f"has no valid {LAYOUT_KEY} block ({exc!r})") from None
-    return manifest, records, layout
-
-
 def verify(out: Path, workers: int = 1) -> str:
     """Re-read every file of a converted checkpoint against its manifest; ConvertError(exit 1) on a mismatch."""
     path = out / MANIFEST_FILE
     if not path.is_file():
         raise ConvertError(f"verify: {out} has no {MANIFEST_FILE}; it is not a converted checkpoint (or its "
                            f"conversion did not finish), convert it again")
-    manifest, records, layout = read_manifest(path)
+    try:
+        _, records, layout = read_manifest(path)
+    except CheckpointError as exc:
+        raise ConvertError(exc.for_field("verify"), exit_code=1) from None
     for rel, record in records.items():
         if not (out / rel).is_file():
             raise ConvertError(f"verify: {rel} is missing; convert again", exit_code=1)

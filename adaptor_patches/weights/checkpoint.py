@@ -33,6 +33,7 @@ from .recipe_format import RECONVERT, is_recipe_folder, recipe_layout
 from .safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles, HeaderError, LoadingError, read_header, read_index
 
 MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
 LAYOUT_KEY = "parallel_layout"
 REDOWNLOAD = "download or copy the checkpoint again"
 ORIGINAL, CONVERTED, RECIPE = "original", "converted", "recipe"
@@ -97,6 +98,32 @@ def read_config(path: Path, complete: bool = True) -> dict:
     if problem:
         raise CheckpointError(f"{path}: {problem}", "restore config.json (download it again)")
     return config
+
+
+def read_manifest(path: Path) -> tuple:
+    """(manifest, its file records, its Layout) of our converted checkpoint's manifest.json;
+    CheckpointError for one cut off, of the wrong shape, listing no files or a file outside."""
+    fix = "the conversion is damaged, convert again"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: is not readable JSON ({exc})", fix) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{path}: is not a {MANIFEST_FORMAT} manifest", fix)
+    records = manifest.get("files")
+    if not isinstance(records, dict) or not records:
+        raise CheckpointError(f"{path}: lists no files", fix)
+    for rel, record in records.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not Path(rel).parts:
+            raise CheckpointError(f"{path}: names {rel!r}, which is not a file inside the conversion", fix)
+        if (not isinstance(record, dict) or type(record.get("size")) is not int or record["size"] < 0
+                or not isinstance(record.get("sha256"), str)):
+            raise CheckpointError(f"{path}: has no size and sha256 for {rel}", fix)
+    try:
+        layout = Layout.from_json(manifest[LAYOUT_KEY])
+    except (LayoutError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: has no valid {LAYOUT_KEY} block ({exc!r})", fix) from None
+    return manifest, records, layout
 
 
 # ---------------------------------------------------------------- what config.json implies
@@ -271,6 +298,7 @@ def _detect(directory: Path) -> tuple:
         if LAYOUT_KEY not in config:
             raise LoadingError(f"model-id: {directory} has a {MANIFEST_FILE} but its config.json lacks "
                                f"'{LAYOUT_KEY}'; {fix}")
+        read_manifest(directory / MANIFEST_FILE)
         try:
             return CONVERTED, config, Layout.from_json(config[LAYOUT_KEY])
         except (LayoutError, KeyError, TypeError, ValueError, AttributeError) as exc:

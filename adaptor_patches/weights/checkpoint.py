@@ -246,13 +246,15 @@ class Checkpoint:
         if self.format == ORIGINAL:
             if not (self.directory / "tokenizer.json").is_file():
                 raise CheckpointError(f"{self.directory} has no tokenizer.json")
-            files = self._parts.setdefault(self.directory, self._read_part(self.directory))
-            self._check_against_config(files)
+            if self.directory not in self._parts:
+                self._parts[self.directory] = self._read_part(self.directory)
+            self._check_against_config(self._parts[self.directory])
         else:
             for tp_rank in range(self.weight_layout.tp):
                 folder = self.weights_dir(tp_rank)
-                if (folder / "config.json").is_file():      # a missing one is check_run's line, for the rank that needs it
-                    self._parts.setdefault(folder, self._read_part(folder))
+                # a missing folder is check_run's line, on the rank that needs it
+                if (folder / "config.json").is_file() and folder not in self._parts:
+                    self._parts[folder] = self._read_part(folder)
         self._verified = True
         return self
 

@@ -171,3 +171,27 @@ def test_one_checkpoint_object_serves_the_check_and_the_loader(tiny_model):
         files = again.files(0)
     assert again is first and files.info(files.keys()[0]).nbytes > 0
     assert reads.call_count == len(set(files.weight_map.values())) == 3
+
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+
+
+def test_a_tensor_stored_transposed_in_a_converted_folder_is_one_line(tiny_model, tmp_path):
+    """Our converted rank folders are held to the shapes config.json and their layout imply (what
+    rank_slices plans), on every rank's folder: from the CLI (rank 0 of 2) and from run.sh --dry-run."""
+    out = tmp_path / "tp2"
+    assert run_convert("--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--tp-moe", 2).returncode == 0
+    rank_dir = out / "rank-01"              # o_proj: [128, 64] on each of 2 ranks
+    shard = rank_dir / json.loads((rank_dir / INDEX).read_text())["weight_map"][O_PROJ]
+    header, data = read_shard(shard)
+    header[O_PROJ]["shape"] = header[O_PROJ]["shape"][::-1]
+    write_shard(shard, header, data)
+    named = f"{O_PROJ} in {shard.name} has shape"
+    proc = run_cli_in_process(["--prompt", "x", "--model-id", out, "--device", "cpu", "--moe-tp",
+                               "--save", tmp_path / "never.png"], env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert_one_line(proc, "model-id", named)
+    job = {"world_size": 2, "master_port": 29611, "entry_script": "run_image_gen.py",
+           "model_args": {"prompt": "x", "model-id": str(out), "device": "cpu", "moe-tp": True}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert_one_line(run_launcher_in_process(tmp_path / "job.yaml", "--dry-run", "--no-plan"), "model_args.model-id",
+                    named)

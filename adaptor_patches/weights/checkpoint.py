@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from ..parallel.layout import Layout, LayoutError, attention_sizes, moe_layers
-from .rank_slices import EXPERT_KEY, LAYER_KEY
+from .rank_slices import EXPERT_KEY, LAYER_KEY, rank_tensors
 from .recipe_format import RECONVERT, is_recipe_folder, recipe_layout
-from .safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles, HeaderError, LoadingError, read_header, read_index
+from .safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles, HeaderError, LoadingError, StoredTensor,
+                             read_header, read_index)
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
@@ -180,6 +182,50 @@ def key_problem(key: str, stored, config: dict) -> Optional[str]:
     return None
 
 
+STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13|w2)$")
+
+
+class _ShapesOnly(CheckpointFiles):
+    """An original checkpoint as config.json describes it (shapes only, nothing to read): what
+    rank_tensors plans a converted rank's tensors from."""
+
+    def __init__(self, rank_files: CheckpointFiles, config: dict):
+        infos = {}
+        for key in rank_files.keys():
+            stored = rank_files.info(key)
+            match = STACKED.match(key)
+            if match:
+                experts = moe_layers(config)[int(match[1])].experts
+                kind = "gate_and_up_proj" if match[2] == "w13" else "down_proj"
+                for e in range(experts):
+                    name = f"model.layers.{match[1]}.mlp.experts.{e}.{kind}.weight"
+                    infos[name] = expected_shape(name, config), stored.dtype
+            else:
+                infos[key] = expected_shape(key, config) or stored.shape, stored.dtype
+        self.directory, self.weight_map = rank_files.directory, dict.fromkeys(infos, "")
+        self._infos = {name: StoredTensor(Path(""), dtype, tuple(shape), i, 0)
+                       for i, (name, (shape, dtype)) in enumerate(infos.items())}
+
+    def info(self, key: str) -> StoredTensor:
+        return self._infos[key]
+
+
+def converted_shape_problem(rank_files: CheckpointFiles, config: dict, layout: Layout, tp_rank: int) -> Optional[str]:
+    """The first tensor of our converted rank folder whose shape is not what config.json and the
+    layout plan for it (rank_slices.rank_tensors, as the converter wrote it)."""
+    try:
+        planned = {t.name: tuple(t.shape) for t in rank_tensors(_ShapesOnly(rank_files, config), config, layout, tp_rank)}
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        return f"{rank_files.directory} does not hold the tensors config.json implies ({exc!r})"
+    for key in rank_files.keys():
+        stored = rank_files.info(key)
+        if key in planned and tuple(stored.shape) != planned[key]:
+            turned = " (stored transposed?)" if tuple(stored.shape) == planned[key][::-1] else ""
+            return (f"{key} in {stored.file.name} has shape {list(stored.shape)}{turned} but config.json and the "
+                    f"layout {layout} imply {list(planned[key])}")
+    return None
+
+
 # ---------------------------------------------------------------- the object
 
 @dataclass
@@ -232,7 +278,7 @@ class Checkpoint:
             self.verify()
         folder = self.weights_dir(tp_rank)
         if folder not in self._parts:
-            self._parts[folder] = self._read_part(folder)
+            self._parts[folder] = self._read_part(folder, tp_rank)
         return self._parts[folder]
 
     def verify(self) -> "Checkpoint":
@@ -254,11 +300,11 @@ class Checkpoint:
                 folder = self.weights_dir(tp_rank)
                 # a missing folder is check_run's line, on the rank that needs it
                 if (folder / "config.json").is_file() and folder not in self._parts:
-                    self._parts[folder] = self._read_part(folder)
+                    self._parts[folder] = self._read_part(folder, tp_rank)
         self._verified = True
         return self
 
-    def _read_part(self, folder: Path) -> CheckpointFiles:
+    def _read_part(self, folder: Path, tp_rank: int = 0) -> CheckpointFiles:
         index = folder / INDEX_FILE
         try:
             if index.is_file():
@@ -280,7 +326,12 @@ class Checkpoint:
         for key, file in weight_map.items():
             if key not in headers[file]:
                 raise CheckpointError(f"{key} is listed under {file} in {INDEX_FILE} but {file} lacks it", self.fix)
-        return CheckpointFiles(folder, weight_map, headers)
+        files = CheckpointFiles(folder, weight_map, headers)
+        if self.format == CONVERTED:
+            problem = converted_shape_problem(files, self.config, self.weight_layout, tp_rank)
+            if problem:
+                raise CheckpointError(problem, self.fix)
+        return files
 
     def _check_against_config(self, files: CheckpointFiles) -> None:
         for key in files.keys():

@@ -178,28 +178,17 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def check_checkpoint_files(model_dir: Path) -> None:
-    """Damaged checkpoints fail here, from JSON and safetensors headers (no hashes), before any weight
-    is read: the original's shards against its index and config.json; a converted one's rank dirs."""
-    from adaptor_patches.weights.load import LoadingError, checkpoint_layout, is_per_rank, rank_dir_name
-    from utils.runtime.checkpoint_checks import files_problem, source_problem
-    config = read_json(model_dir / "config.json")
-    if is_per_rank(model_dir):
-        try:
-            dirs = [model_dir / rank_dir_name(r) for r in range(checkpoint_layout(model_dir).tp)]
-        except (LoadingError, KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"model-id: {model_dir}/config.json has a damaged layout block ({exc}); convert "
-                             f"again") from None
-        problem = next(filter(None, (files_problem(d) for d in dirs if (d / "config.json").is_file())), None)
-    else:
-        if not (model_dir / "tokenizer.json").is_file():
-            raise UsageError(f"model-id: {model_dir} has no tokenizer.json; download or copy the checkpoint again")
-        try:
-            problem = source_problem(model_dir, config)
-        except (KeyError, TypeError, ValueError) as exc:
-            problem = f"model-path: config.json lacks or mangles a field the model needs ({exc!r}); restore it"
-    if problem:
-        raise UsageError("model-id:" + problem.split(":", 1)[1])
+def open_checked_checkpoint(args, layout, rank: int, per_rank: bool):
+    """The checkpoint, opened once (the loader uses the same object): can this run load it (format,
+    layout), then every file against its index and config.json, from JSON and safetensors headers
+    (no hashes), before any weight is read."""
+    from adaptor_patches.weights.checkpoint import open_checkpoint
+    checkpoint = open_checkpoint(args.model_id)
+    checkpoint.check_run(layout, rank, per_rank)
+    if args.adaptor == "full":        # the shims alone parallelise nothing
+        check_layout(args, layout, checkpoint.config)
+    checkpoint.verify()               # after the layout: the cheaper, likelier mistake first
+    return checkpoint
 
 
 def check_prompt_length(args) -> None:
@@ -222,12 +211,12 @@ def check_text_task(args):
         raise UsageError(f"{field}: {what}; {fix}")
 
 
-def check_layout(args, layout):
+def check_layout(args, layout, config: dict):
     """Refuse a layout this checkpoint cannot run, from its JSON files, before any weight is read:
     head / expert divisibility (Layout.check), and cfg-parallel without guidance."""
     from adaptor_patches.parallel.layout import LayoutError
     model_dir = Path(args.model_id)
-    layout.check(read_json(model_dir / "config.json"))
+    layout.check(config)
     if layout.cfg == 1:
         return
     path = model_dir / "generation_config.json"
@@ -328,11 +317,30 @@ class JobPhase:
     name = "starting"
 
 
+PEER_LOST = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "connection refused")
+
+
+def raised_in_a_collective(exc: BaseException) -> bool:
+    """Did torch.distributed's collective layer raise it (or an exception it led to)? A peer that
+    dies mid-step shows up there whatever the backend's words for it (gloo: 'Connection reset by
+    peer', 'Connection closed by peer', 'Read error'...)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.endswith(("distributed_c10d.py", "c10d_logger.py")):
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
     text = str(exc).lower()
     return isinstance(exc, getattr(dist, "DistError", ())) or (
-        isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text or "connection closed" in text))
+        isinstance(exc, RuntimeError) and (any(words in text for words in PEER_LOST) or raised_in_a_collective(exc)))
 
 
 def run(args, phase: "JobPhase | None" = None):
@@ -342,14 +350,11 @@ def run(args, phase: "JobPhase | None" = None):
     from adaptor_patches.metrics import PhaseTimer
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import check_checkpoint, load_model
+    from adaptor_patches.weights.load import load_model
 
     layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
-    check_checkpoint(args.model_id, layout, rank, per_rank)
-    if args.adaptor == "full":        # the shims alone parallelise nothing
-        check_layout(args, layout)
-    check_checkpoint_files(Path(args.model_id))      # after the layout: the cheaper, likelier mistake first
+    checkpoint = open_checked_checkpoint(args, layout, rank, per_rank)
     if args.prompt is not None:
         check_prompt_length(args)
     log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
@@ -375,7 +380,7 @@ def run(args, phase: "JobPhase | None" = None):
 
     with torch.no_grad():
         phase.name = "loading weights"
-        model = load_model(args.model_id, context, attn_impl, moe_impl, per_rank=per_rank)
+        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank)
         if dist is not None:
             phase.name = "waiting for the other ranks to finish loading"
             dist.barrier()
@@ -473,6 +478,10 @@ def main(argv=None):
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: rank {os.environ.get('RANK', '0')}: interrupted; nothing more was written", file=sys.stderr,
+              flush=True)
+        return 130
 
 
 if __name__ == "__main__":

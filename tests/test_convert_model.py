@@ -415,7 +415,7 @@ def test_sigkill_mid_way_leaves_no_output_and_a_rerun_finishes(tiny_model, tmp_p
     out = tmp_path / "out"
     partial = tmp_path / "out.partial"
     args = ["--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2,
-            "--max-shard-size", "0.0005"]
+            "--max-shard-size", "0.001"]
     assert signal_mid_way(args, partial, signal.SIGKILL)[0] == -signal.SIGKILL
     assert not out.exists() and partial.exists()
     rerun = run_convert(*args)
@@ -428,7 +428,7 @@ def test_sigkill_mid_way_leaves_no_output_and_a_rerun_finishes(tiny_model, tmp_p
 @pytest.mark.slow
 def test_ctrl_c_mid_way_is_one_error_line_and_leaves_nothing(tiny_model, tmp_path):
     out, partial = tmp_path / "out", tmp_path / "out.partial"
-    args = ["--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2, "--max-shard-size", "0.0005"]
+    args = ["--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--ep", 2, "--max-shard-size", "0.001"]
     code, stderr = signal_mid_way(args, partial, signal.SIGINT)
     assert code == 130, stderr
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted"), stderr

@@ -1,7 +1,7 @@
 """Split an original HunyuanImage-3 checkpoint into one ready-to-load checkpoint per TP/EP rank.
 
     python utils/convert_model.py --model-path IN --output-path OUT --tp-attn N --tp-moe N --ep N \
-        [--max-shard-size GB (5)] [--max-workers N (1)] [--overwrite]
+        [--max-shard-size GB (5; 0.001..1000)] [--max-workers N (1)] [--overwrite]
     python utils/convert_model.py --verify OUT [--max-workers N]
 
 OUT/rank-XX/ (XX = rank in the "tp" group) is an ordinary checkpoint in the runtime layout of the
@@ -21,7 +21,7 @@ copied by the kernel. Output tensors held in memory, across all workers, never e
 thread pool (reads, hashing and writes release the GIL); jobs go shard-major, so the ranks' reads
 of the same source bytes meet in the page cache. Atomic against the process dying (no fsync, like cp): everything is written into
 OUT.partial and renamed to OUT at the end; a killed run leaves no OUT, the next run starts
-OUT.partial afresh, a failing or interrupted (Ctrl-C: exit 130) run removes it.
+OUT.partial afresh, a failing, interrupted (Ctrl-C: exit 130) or terminated (SIGTERM: exit 143) run removes it.
 
 Never loses a checkpoint: paths are compared as real paths (symlinks, `..`, same inode), and
 none of OUT, OUT.partial, OUT.old may overlap the source; the converter deletes or replaces only
@@ -38,6 +38,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import threading
 import uuid
@@ -50,14 +51,14 @@ if __name__ == "__main__":      # run by its documented path (python utils/conve
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # utils/, not the project root, on sys.path
 
 from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402
-from adaptor_patches.weights.load import LAYOUT_KEY, MANIFEST_FILE, rank_dir_name  # noqa: E402
+from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_FILE, MANIFEST_FORMAT, ORIGINAL,  # noqa: E402
+                                                CheckpointError, open_checkpoint, rank_dir_name, read_manifest)
 from adaptor_patches.weights.rank_slices import rank_tensors  # noqa: E402
-from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles  # noqa: E402
-from utils.runtime.checkpoint_checks import source_problem  # noqa: E402
+from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles, LoadingError  # noqa: E402
 from utils.safetensors_stream import StreamingWriter, copy_file, copy_with_sha256, file_sha256  # noqa: E402
 
 GB = 10 ** 9
-MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
+SHARD_SIZE_RANGE_GB = (0.001, 1000.0)      # 1 MB .. 1 TB: smaller makes a shard per tensor, larger is no cap
 
 
 class ConvertError(Exception):
@@ -335,15 +336,16 @@ def _check_paths(source: Path, out: Path, overwrite: bool) -> None:
 
 
 def _check_numbers(args) -> None:
-    if not (args.max_shard_size > 0 and math.isfinite(args.max_shard_size)):
-        raise ConvertError(f"max-shard-size: must be a finite number > 0 of GB, got {args.max_shard_size}; "
+    low, high = SHARD_SIZE_RANGE_GB
+    if not (math.isfinite(args.max_shard_size) and low <= args.max_shard_size <= high):
+        raise ConvertError(f"max-shard-size: must be {low:g}..{high:g} GB, got {args.max_shard_size:g}; "
                            f"the default is 5")
     if args.max_workers < 1:
         raise ConvertError(f"max-workers: must be >= 1, got {args.max_workers}; use 1 (the default) or more")
 
 
 def validate(args) -> tuple:
-    """(source, out, layout, config), or ConvertError with the first problem; nothing is written."""
+    """(source, out, layout, Checkpoint), or ConvertError with the first problem; nothing is written."""
     if Path(args.output_path).is_symlink():
         raise ConvertError(f"output-path: {args.output_path} is a symbolic link; pass the directory it should be "
                            f"(the converter replaces OUT by renaming, which would not follow the link)")
@@ -355,13 +357,19 @@ def validate(args) -> tuple:
     _check_numbers(args)
     _check_paths(source, out, args.overwrite)
     try:
-        config = json.loads((source / "config.json").read_text())
-    except ValueError as exc:
-        raise ConvertError(f"model-path: {source}/config.json is not valid JSON ({exc}); restore it") from exc
-    problem = layout.problem(config) or source_problem(source, config)
-    if problem:
-        raise ConvertError(problem)
-    return source, out, layout, config
+        checkpoint = open_checkpoint(source)
+        if checkpoint.format != ORIGINAL:
+            raise ConvertError(f"model-path: {source} is already converted per rank ({checkpoint.format}); pass "
+                               f"the original checkpoint")
+        problem = layout.problem(checkpoint.config)
+        if problem:
+            raise ConvertError(problem)
+        checkpoint.verify()         # the loader's checks: headers, offsets, shapes against config.json
+    except CheckpointError as exc:
+        raise ConvertError(exc.for_field("model-path")) from None
+    except LoadingError as exc:
+        raise ConvertError("model-path:" + str(exc).split(":", 1)[1]) from None
+    return source, out, layout, checkpoint
 
 
 def index_sha256(source: Path) -> str:
@@ -370,9 +378,10 @@ def index_sha256(source: Path) -> str:
 
 
 def convert(args) -> str:
-    source, out, layout, config = validate(args)
+    source, out, layout, checkpoint = validate(args)
+    config = checkpoint.config
     max_bytes = int(args.max_shard_size * GB)
-    files = CheckpointFiles(source)
+    files = checkpoint.files()
     jobs = plan_jobs(files, config, layout, max_bytes)
     for note in oversized_notes(jobs, max_bytes):
         print(note, file=sys.stderr)
@@ -409,8 +418,10 @@ def verify(out: Path, workers: int = 1) -> str:
     if not path.is_file():
         raise ConvertError(f"verify: {out} has no {MANIFEST_FILE}; it is not a converted checkpoint (or its "
                            f"conversion did not finish), convert it again")
-    manifest = json.loads(path.read_text())
-    records = manifest["files"]
+    try:
+        _, records, layout = read_manifest(path)
+    except CheckpointError as exc:
+        raise ConvertError(exc.for_field("verify"), exit_code=1) from None
     for rel, record in records.items():
         if not (out / rel).is_file():
             raise ConvertError(f"verify: {rel} is missing; convert again", exit_code=1)
@@ -430,7 +441,6 @@ def verify(out: Path, workers: int = 1) -> str:
             raise ConvertError(f"verify: {rel} has sha256 {digests[rel][:16]}…, the manifest says "
                                f"{record['sha256'][:16]}…; the file is damaged, convert again", exit_code=1)
     total = sum(r["size"] for r in records.values())
-    layout = Layout.from_json(manifest[LAYOUT_KEY])
     return f"verified {out}: {len(records)} files, {human(total)}, {layout}: all match {MANIFEST_FILE}"
 
 
@@ -448,7 +458,8 @@ def parse_args(argv):
     p.add_argument("--tp-attn", type=int, default=1, help="attention tensor-parallel degree")
     p.add_argument("--tp-moe", type=int, default=1, help="MoE tensor-parallel degree")
     p.add_argument("--ep", type=int, default=1, help="MoE expert-parallel degree")
-    p.add_argument("--max-shard-size", type=float, default=5.0, help="GB (10^9 bytes) per output shard")
+    p.add_argument("--max-shard-size", type=float, default=5.0, help="GB (10^9 bytes) per output shard, "
+                   f"{SHARD_SIZE_RANGE_GB[0]:g}..{SHARD_SIZE_RANGE_GB[1]:g} (default 5)")
     p.add_argument("--max-workers", type=int, default=1, help="shards written in parallel")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--verify", metavar="OUT", help="check OUT's files against its manifest and exit")
@@ -462,7 +473,17 @@ def parse_args(argv):
     return args
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that a run cleans up as on Ctrl-C."""
+
+
+def _terminate(signum, _frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         args = parse_args(argv)
         if args.verify is not None:
@@ -476,6 +497,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; no output was committed and the work dir was removed", file=sys.stderr)
         return 130
+    except Terminated:
+        print("error: terminated (SIGTERM); no output was committed and the work dir was removed", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 * a converted checkpoint (utils/convert_model.py writes it from the same plans): OUT/manifest.json,
   OUT/config.json with a `parallel_layout` block, and one ordinary checkpoint per "tp" rank in
   OUT/rank-XX. Rank r of the "tp" group reads OUT/rank-{r:02d} (the CFG branches share it) whole;
-  its layout must equal the run's, which `check_checkpoint` verifies before any collective.
+  its layout must equal the run's, which `Checkpoint.check_run` (checkpoint.py) verifies before any collective.
 
 * a folder converted by the cann-recipes-infer recipe's converter: rank-XX folders, no manifest,
   experts stacked [E, out, in]. recipe_format.py infers its layout from its tensors (checked like
@@ -35,95 +35,59 @@ from typing import Callable, Optional
 
 from ..parallel.context import RankContext, building
 from ..parallel.layout import Layout
+from .checkpoint import (CONVERTED, LAYOUT_KEY, MANIFEST_FILE, RECIPE, Checkpoint,  # noqa: F401
+                         open_checkpoint, rank_dir_name)
 from .rank_slices import RankTensor, rank_tensors
-from .recipe_format import RECONVERT, is_recipe_folder, recipe_layout, recipe_rank_tensors
+from .recipe_format import recipe_rank_tensors
 from .safetensors_io import CheckpointFiles, LoadingError
 
-MANIFEST_FILE = "manifest.json"
-LAYOUT_KEY = "parallel_layout"
-
-
-def rank_dir_name(tp_rank: int) -> str:
-    return f"rank-{tp_rank:02d}"
-
-
-# ---------------------------------------------------------------- converted checkpoints
 
 def is_converted(model_dir) -> bool:
     """Converted by utils/convert_model.py (a manifest.json beside the rank folders)."""
     return (Path(model_dir) / MANIFEST_FILE).is_file()
 
 
-def is_per_rank(model_dir) -> bool:
-    """Converted into rank folders: by utils/convert_model.py, or by the cann-recipes recipe's converter."""
-    return is_converted(model_dir) or is_recipe_folder(model_dir)
-
-
-def converted_layout(model_dir) -> Layout:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if LAYOUT_KEY not in config:
-        raise LoadingError(f"model-id: {model_dir} has a {MANIFEST_FILE} but its config.json lacks "
-                           f"'{LAYOUT_KEY}'; convert it again with utils/convert_model.py")
-    return Layout.from_json(config[LAYOUT_KEY])
-
-
 def checkpoint_layout(model_dir) -> Optional[Layout]:
     """The weight layout a per-rank folder was converted for (ours: its layout block; the recipe's:
     inferred from its tensors), or None for an original checkpoint."""
-    if is_converted(model_dir):
-        return converted_layout(model_dir)
-    if is_recipe_folder(model_dir):
-        return recipe_layout(model_dir)
-    return None
+    return open_checkpoint(model_dir).weight_layout
 
 
 def check_checkpoint(model_dir, layout: Layout, rank: int, per_rank: bool = True) -> None:
     """Refuse, from JSON files and safetensors headers alone (before any collective), a converted
-    checkpoint this run cannot load."""
-    model_dir = Path(model_dir)
-    if not is_per_rank(model_dir):
-        return
-    ours = is_converted(model_dir)
-    by = "" if ours else " (by cann-recipes)"
-    if not per_rank:
-        raise LoadingError(f"model-id: {model_dir} is converted per rank{by}, which only the full adaptor loads; "
-                           f"drop --adaptor shims or pass the original checkpoint")
-    converted, wanted = checkpoint_layout(model_dir), layout.weights
-    if converted != wanted:
-        raise LoadingError(f"model-id: {model_dir} is converted{by} for {converted} but this run is {wanted}; "
-                           f"run it with {converted.run_flags()}, or convert the original with {wanted.convert_flags()}")
-    rank_dir = model_dir / rank_dir_name(layout.tp_rank(rank))
-    if not (rank_dir / "config.json").is_file():
-        fix = f"utils/convert_model.py --verify {model_dir} lists what is damaged" if ours else RECONVERT
-        raise LoadingError(f"model-id: {rank_dir} is missing; convert again ({fix})")
+    checkpoint this run cannot load (Checkpoint.check_run)."""
+    open_checkpoint(model_dir).check_run(layout, rank, per_rank)
 
 
 @dataclass(frozen=True)
 class WeightsSource:
-    """What one rank reads: `directory`, planned by `planner` under `layout` for `tp_rank`."""
+    """What one rank reads: `directory`, planned by `planner` under `layout` for `tp_rank`;
+    `files` its CheckpointFiles where already opened (checked) by the Checkpoint."""
     directory: Path
     layout: Layout
     tp_rank: int
     planner: Callable = rank_tensors
+    files: Optional[CheckpointFiles] = None
 
     def plan(self) -> tuple:
         """(CheckpointFiles, this rank's RankTensors)."""
-        files = CheckpointFiles(self.directory)
+        files = self.files if self.files is not None else CheckpointFiles(self.directory)
         return files, self.planner(files, json.loads((self.directory / "config.json").read_text()), self.layout,
                                    self.tp_rank)
 
 
-def weights_source(model_dir, context: RankContext) -> WeightsSource:
-    """This rank's WeightsSource (check_checkpoint has accepted a converted folder): an original is
+def weights_source(checkpoint, context: RankContext) -> WeightsSource:
+    """This rank's WeightsSource (check_run has accepted a converted folder): an original is
     planned in the run's layout; our converted rank folder holds exactly the rank's tensors (planned
     whole); a recipe rank folder is mapped to them by recipe_format."""
-    model_dir = Path(model_dir)
-    if is_converted(model_dir):
-        return WeightsSource(model_dir / rank_dir_name(context.tp_rank), Layout(), 0)
-    if is_recipe_folder(model_dir):
-        return WeightsSource(model_dir / rank_dir_name(context.tp_rank), context.layout, context.tp_rank,
-                             recipe_rank_tensors)
-    return WeightsSource(model_dir, context.layout, context.tp_rank)
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = open_checkpoint(checkpoint)
+    files = checkpoint.files(context.tp_rank)
+    if checkpoint.format == CONVERTED:
+        return WeightsSource(files.directory, Layout(), 0, files=files)
+    if checkpoint.format == RECIPE:
+        return WeightsSource(files.directory, context.layout, context.tp_rank, recipe_rank_tensors, files)
+    return WeightsSource(files.directory, context.layout, context.tp_rank, files=files)
 
 
 def plan_rank(weights_dir: Path, layout: Layout, tp_rank: int):
@@ -158,8 +122,9 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
     """`from_pretrained` (transformers', bound to model class `cls`) fed this rank's tensors lazily,
     then spot-checked against the checkpoint."""
     from transformers import GenerationConfig
-    check_checkpoint(model_dir, context.layout, context.rank)
-    source = weights_source(model_dir, context)
+    checkpoint = open_checkpoint(model_dir)
+    checkpoint.check_run(context.layout, context.rank)
+    source = weights_source(checkpoint, context)
     weights_dir = source.directory
     files, tensors = source.plan()
     skipped = tuple(f"{path}." for path in context.skipped_components)      # not built: not read either
@@ -187,18 +152,19 @@ def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_imp
     per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole."""
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM as cls
     model_dir = Path(model_dir)
-    check_checkpoint(model_dir, context.layout, context.rank, per_rank)
+    checkpoint = open_checkpoint(model_dir)       # the CLI's check opened it already: the same object
+    checkpoint.check_run(context.layout, context.rank, per_rank)
     kwargs = dict(attn_implementation=attn_impl, dtype="auto", moe_impl=moe_impl, output_loading_info=True)
     if context.device.is_accelerator:
         kwargs["device_map"] = {"": context.device.torch_device}
     if per_rank:       # the patched from_pretrained: from_pretrained_by_slices, loaded keys and values checked
         model, _ = cls.from_pretrained(str(model_dir), rank_context=context, **kwargs)
-        weights_dir = weights_source(model_dir, context).directory
+        weights_dir = checkpoint.weights_dir(context.tp_rank)
     else:
         model, info = cls.from_pretrained(str(model_dir), **kwargs)
         weights_dir = model_dir
         _check_loaded(weights_dir, info)
-        spot_check_values(model, *plan_rank(model_dir, Layout(), 0))
+        spot_check_values(model, *WeightsSource(model_dir, Layout(), 0, files=checkpoint.files()).plan())
     model.load_tokenizer(load_tokenizer(weights_dir))
     adopt_kernel_storage(model)
     return model.eval()

@@ -132,7 +132,7 @@ class _RankSplitter:
 
 def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -> list:
     """Every tensor of `tp_rank`'s checkpoint under weight layout `layout`, in the order the original
-    stores them. Per-expert tensors must all be present (checkpoint_checks verifies that first)."""
+    stores them. Per-expert tensors must all be present (Checkpoint.verify checks that first)."""
     splitter = _RankSplitter(files, config, layout.weights, tp_rank)
     tensors, stacked = [], set()
     for key in sorted(files.keys(), key=lambda k: (files.weight_map[k], files.info(k).offset)):

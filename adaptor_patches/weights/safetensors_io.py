@@ -9,6 +9,7 @@ COLUMN_BLOCK_BYTES (row-major storage puts every rank's columns on every page an
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -41,21 +42,98 @@ class StoredTensor:
     nbytes: int
 
 
+MAX_HEADER_BYTES = 100 << 20        # the safetensors format's own bound on a header
+
+
+class HeaderError(ValueError):
+    """A safetensors file or index that is malformed; str() names the file and the problem."""
+
+
+def _unreadable(path: Path, reason: str) -> HeaderError:
+    return HeaderError(f"{path} is not a readable safetensors file ({reason})")
+
+
+def _tensor_entry(path: Path, name, info, data_bytes: int) -> tuple:
+    """(dtype, shape, begin, end) of one header entry, each checked against the format."""
+    if not isinstance(info, dict):
+        raise _unreadable(path, f"tensor {name!r} has a {type(info).__name__} as its header entry, not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _unreadable(path, f"tensor {name!r} has dtype {dtype!r}, which is none of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise _unreadable(path, f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise _unreadable(path, f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with "
+                          f"0 <= begin <= end")
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != expected:
+        raise _unreadable(path, f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but {dtype} "
+                          f"{shape} takes {expected}")
+    if offsets[1] > data_bytes:
+        raise HeaderError(f"{path} is truncated: tensor {name!r} ends at byte {offsets[1]} of its data, which "
+                          f"has {data_bytes}")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
 def read_header(path: Path) -> dict:
-    """{name: StoredTensor} of one safetensors file (reads only its header)."""
+    """{name: StoredTensor} of one safetensors file (reads only its header). The header's size is
+    bounded before it is read, and every entry is checked: a known dtype, a shape, offsets that
+    match dtype x shape, lie inside the file and do not overlap. HeaderError otherwise."""
     with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        if file_size < 8:
+            raise _unreadable(path, f"has {file_size} bytes, too few for a safetensors header")
         size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
+        if not 2 <= size <= min(MAX_HEADER_BYTES, file_size - 8):
+            raise _unreadable(path, f"claims a {size}-byte header, but the file has {file_size} bytes (and a "
+                              f"header may have at most {MAX_HEADER_BYTES})")
+        raw = f.read(size)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _unreadable(path, f"its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _unreadable(path, f"its header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
-    return {name: StoredTensor(path, info["dtype"], tuple(info["shape"]), 8 + size + info["data_offsets"][0],
-                               info["data_offsets"][1] - info["data_offsets"][0]) for name, info in header.items()}
+    data_bytes = file_size - 8 - size
+    entries = {name: _tensor_entry(path, name, info, data_bytes) for name, info in header.items()}
+    previous = None
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2:]):
+        if previous is not None and begin < previous[1]:
+            raise _unreadable(path, f"tensors {previous[0]!r} and {name!r} overlap (bytes {begin}..{end} start "
+                              f"before {previous[1]})")
+        if end > begin or previous is None:
+            previous = (name, end)
+    return {name: StoredTensor(path, dtype, shape, 8 + size + begin, end - begin)
+            for name, (dtype, shape, begin, end) in entries.items()}
+
+
+def read_index(path: Path) -> dict:
+    """{tensor name: shard file name} of a model.safetensors.index.json; HeaderError if malformed."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise HeaderError(f"{path} is not a valid index (not JSON: {exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(index, dict):
+        raise HeaderError(f"{path} is not a valid index (a JSON {type(index).__name__}, not an object with a weight_map)")
+    if not isinstance(weight_map, dict):
+        raise HeaderError(f"{path} is not a valid index (its weight_map is "
+                          f"{type(weight_map).__name__ if weight_map is not None else 'missing'}, not an object of "
+                          f"tensor name -> shard file)")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file.endswith(".safetensors") or Path(file).name != file or file.startswith("."):
+            raise HeaderError(f"{path} is not a valid index (tensor {name!r} is listed under {file!r}, not "
+                              f"a shard file name in the same directory)")
+    return weight_map
 
 
 def read_weight_map(directory: Path) -> dict:
     """{tensor name: file name} from the index, or from the single `model.safetensors`."""
     index = directory / INDEX_FILE
     if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
+        return read_index(index)
     return dict.fromkeys(read_header(directory / SINGLE_FILE), SINGLE_FILE)
 
 
@@ -81,10 +159,11 @@ class CheckpointFiles:
     """The tensors of a safetensors checkpoint directory, read with positioned reads: no mmap (bytes
     read do not stay in this process's RSS) and no GIL held while reading."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, weight_map: Optional[dict] = None, headers: Optional[dict] = None):
+        """`weight_map` and `headers` ({file: read_header(file)}), where already read (checkpoint.py)."""
         self.directory = Path(directory)
-        self.weight_map = read_weight_map(self.directory)
-        self._headers = {}
+        self.weight_map = read_weight_map(self.directory) if weight_map is None else weight_map
+        self._headers = dict(headers or {})
 
     def keys(self) -> list:
         return list(self.weight_map)

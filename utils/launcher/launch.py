@@ -122,6 +122,9 @@ def read_chunks(fd: int):
 
 # torchrun's agent line when a worker fails; its ChildFailedError report follows it.
 AGENT_FAILURE = re.compile(rb"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode")
+# the agent's warning as it stops the other workers: log only (the job's own lines say what happened)
+AGENT_STOPPING = re.compile(rb"^[WI]\d{4} [^\n]*elastic/multiprocessing/api\.py:\d+\] Sending process \d+ closing "
+                            rb"signal \w+\n", re.M)
 
 
 class ConsoleFilter:
@@ -134,6 +137,7 @@ class ConsoleFilter:
     def visible(self, chunk: bytes) -> bytes:
         if self.hiding:
             return b""
+        chunk = AGENT_STOPPING.sub(b"", chunk)
         window = self._recent + chunk
         match = AGENT_FAILURE.search(window)
         self._recent = window[-4096:]
@@ -145,18 +149,48 @@ class ConsoleFilter:
         return chunk[:max(keep, 0)]
 
 
+AGENT_LOG_LINE = re.compile(rb"^[WIE]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+
+
+class StoppingFilter:
+    """The console after a signal: the ranks' own lines, not torchrun's log lines nor its
+    SignalException traceback (from that traceback on, everything goes to the log only)."""
+
+    def __init__(self):
+        self.hiding, self._partial = False, b""
+
+    def visible(self, chunk: bytes, final: bool = False) -> bytes:
+        if self.hiding:
+            return b""
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = b"" if final else lines.pop()
+        if final and lines and not lines[-1]:
+            lines.pop()
+        shown = []
+        for line in lines:
+            if line.startswith(b"Traceback (most recent call last)"):
+                self.hiding = True
+                break
+            if not AGENT_LOG_LINE.match(line):
+                shown.append(line + b"\n")
+        return b"".join(shown)
+
+
 def run_tee(cmd: list[str], env: dict, log) -> int:
     """Run cmd from the project root; its combined output goes to the console and the log.
 
-    The child has its own session, so Ctrl-C reaches it once, through us; a second one kills it."""
+    The child has its own session, so Ctrl-C or SIGTERM reaches it once, through us; a second one
+    kills it. After a signal the console shows nothing more of the job (torchrun's SignalException
+    report goes to the log), the ranks torchrun leaves behind are killed, and one line says so."""
     log.write(f"$ {shlex.join(cmd)}\n".encode())
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    received = []
+    received, ranks = [], []
 
     def forward(signum, _frame):
         received.append(signum)
         if len(received) == 1:
+            ranks.extend(child_processes(proc.pid))     # torchrun starts each rank in a session of its own
             proc.send_signal(signum)
         else:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -165,16 +199,25 @@ def run_tee(cmd: list[str], env: dict, log) -> int:
     tail, console = b"", ConsoleFilter()
     try:
         for chunk in read_chunks(proc.stdout.fileno()):
+            if received and not isinstance(console, StoppingFilter):
+                console = StoppingFilter()
             sys.stdout.buffer.write(console.visible(chunk))
             sys.stdout.buffer.flush()
             log.write(chunk)
             log.flush()
             tail = (tail + chunk)[-65536:]
         rc = proc.wait()
+        if isinstance(console, StoppingFilter):
+            sys.stdout.buffer.write(console.visible(b"", final=True))
+            sys.stdout.buffer.flush()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if received:
+        left = kill_leftovers(ranks)
+        name = signal.Signals(received[0]).name
+        print(f"error: job: stopped by {name}{f' ({left} rank processes killed)' if left else ''}; nothing is left "
+              f"running, the job's output is in {getattr(log, 'name', 'the log')}", file=sys.stderr, flush=True)
         return 128 + received[0]
     code = job_exit_code(rc, tail.decode(errors="replace"))
     if console.hiding:
@@ -186,6 +229,39 @@ def run_tee(cmd: list[str], env: dict, log) -> int:
         print(f"error: job: {who} failed (exit {code}); its own messages are above{own}, torchrun's report is in "
               f"{where}", file=sys.stderr, flush=True)
     return code
+
+
+def _start_time(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), fields[19], fields[0]          # (parent pid, start time, state)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def child_processes(parent: int) -> list:
+    """[(pid, start time)] of parent's children (Linux /proc; elsewhere none are known)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        info = _start_time(int(entry)) if entry.isdigit() else None
+        if info and info[0] == parent:
+            found.append((int(entry), info[1]))
+    return found
+
+
+def kill_leftovers(processes: list) -> int:
+    """SIGKILL those of `processes` (from child_processes) still running: the same pid and start time."""
+    killed = 0
+    for pid, started in processes:
+        info = _start_time(pid)
+        if info and info[1] == started and info[2] != "Z":
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    return killed
 
 
 def job_exit_code(rc: int, output: str) -> int:

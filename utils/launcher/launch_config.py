@@ -286,13 +286,24 @@ def model_config(model_id, build_tiny: bool) -> dict | None:
     if not (path / "config.json").is_file():
         raise ConfigError(field, f"'{model_id}' is not a directory with a config.json",
                           "point it at a HunyuanImage-3 checkpoint dir")
+    return open_model(path).config
+
+
+def open_model(path: Path):
+    """The checkpoint opened once (adaptor_patches/weights/checkpoint.py), as the ranks open it."""
+    from adaptor_patches.parallel.layout import LayoutError
+    from adaptor_patches.weights.checkpoint import open_checkpoint
     try:
-        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        data = e
-    if not isinstance(data, dict):
-        raise ConfigError(field, f"{path}/config.json is not a JSON object ({data})", "repair or regenerate it")
-    return data
+        return open_checkpoint(path)
+    except LayoutError as e:
+        raise _config_error(e) from None
+
+
+def _config_error(e) -> "ConfigError":
+    field, _, rest = str(e).partition(": ")
+    problem, _, fix = rest.partition("; ")
+    field = f"model_args.{field}" if field == "model-id" else field
+    return ConfigError(field, problem, fix or "see config/README.md")
 
 
 def check_parallel(job: dict, config: dict | None, env: dict):
@@ -313,20 +324,13 @@ def check_parallel(job: dict, config: dict | None, env: dict):
             check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims")
         return layout
     except LayoutError as e:
-        field, _, rest = str(e).partition(": ")
-        problem, _, fix = rest.partition("; ")
-        field = f"model_args.{field}" if field == "model-id" else field
-        raise ConfigError(field, problem, fix or "see config/README.md") from None
+        raise _config_error(e) from None
 
 
 def check_converted(model_dir: Path, layout, per_rank: bool) -> None:
-    """A converted model-id (ours or the cann-recipes converter's) must be converted for this layout."""
-    from adaptor_patches.parallel.layout import LayoutError
-    from adaptor_patches.weights.load import check_checkpoint
-    try:
-        check_checkpoint(model_dir, layout, 0, per_rank=per_rank)
-    except LayoutError:
-        raise
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError("model_args.model-id", f"{model_dir}/config.json has a damaged layout block ({e!r})",
-                          "convert the original again") from None
+    """The checkpoint as the ranks will check it: converted (ours or the cann-recipes converter's)
+    for this layout, every index and shard header sound, an original's shapes as config.json says."""
+    checkpoint = open_model(model_dir)
+    checkpoint.check_run(layout, 0, per_rank=per_rank)
+    if checkpoint.has_weights:          # a config.json alone is planned, not checked (the ranks refuse it)
+        checkpoint.verify()

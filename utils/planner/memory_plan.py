@@ -13,7 +13,6 @@ summed over the layers, in bytes this rank sends.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +58,9 @@ class RolePlan:
 
 def read_config(model_dir):
     from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
+    from adaptor_patches.weights.checkpoint import open_checkpoint
     path = Path(model_dir)
-    raw = json.loads((path / "config.json").read_text())
+    raw = open_checkpoint(path).config          # the launcher's and the ranks' Checkpoint, opened once
     config = HunyuanImage3Config.from_pretrained(str(path))
     config._attn_implementation = config._attn_implementation or "sdpa"     # from_pretrained would set it
     return config, raw

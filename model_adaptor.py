@@ -75,9 +75,13 @@ PATCHES = (
           "the one weight path: this rank's slices of an original or converted checkpoint, read lazily"),
     Patch(f"{H}:HunyuanImage3ForCausalMM", "forward", hunyuan.causal_mm_forward,
           "CFG parallel: gen_image steps run this rank's half (cond | uncond) of the batch; "
-          "diffusion_prediction all-gathered over the cfg pair"),
+          "diffusion_prediction all-gathered over the cfg pair; under a taylor step cache the "
+          "steps off its schedule are forecast, not computed (adaptor_patches/step_cache.py)"),
     Patch(f"{H}:HunyuanImage3Model", "__init__", hunyuan.model_init,
           "one shared-MLP side stream, injected into every layer's MoE"),
+    Patch(f"{H}:HunyuanImage3DecoderLayer", "forward", hunyuan.decoder_layer_forward,
+          "adaptive step cache: on a step all ranks agreed to skip, the layers after the first `blocks` "
+          "add the last full step's residual delta instead of running (otherwise upstream's layer)"),
     Patch(f"{H}:HunyuanImage3SDPAAttention", "__init__", hunyuan.attention_init,
           "attention TP: this rank's KV groups (or its query heads of a replicated KV head) of the "
           "interleaved qkv_proj, row-parallel o_proj; the device's attention kernel"),

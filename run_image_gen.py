@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from adaptor_patches.step_cache import StepCacheSettings
 from utils.runtime import many_images
 from utils.runtime.many_images import default_request
 from utils.runtime.outputs import UsageError, check_output_path, write_atomically
@@ -84,6 +85,20 @@ def parse_args(argv=None):
     p.add_argument("--multi-stream", choices=["on", "off"], default=None)
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
+    p.add_argument("--step-cache", default="none", choices=["none", "taylor", "adaptive"],
+                   help="fewer full forwards per image (docs/STEP_CACHE.md): taylor forecasts the prediction "
+                        "between full steps, adaptive skips the later layers when the first ones barely change")
+    p.add_argument("--step-cache-warmup", type=int, default=StepCacheSettings.warmup,
+                   help="first steps always computed")
+    p.add_argument("--step-cache-interval", type=int, default=StepCacheSettings.interval,
+                   help="taylor: a full step every N steps after the warm-up")
+    p.add_argument("--step-cache-order", type=int, default=StepCacheSettings.order, help="taylor: 1 or 2")
+    p.add_argument("--step-cache-blocks", type=int, default=StepCacheSettings.blocks,
+                   help="adaptive: decoder layers that always run")
+    p.add_argument("--step-cache-threshold", type=float, default=StepCacheSettings.threshold,
+                   help="adaptive: relative change of those layers' output below which the rest is skipped")
+    p.add_argument("--step-cache-max-skip", type=int, default=StepCacheSettings.max_skip,
+                   help="adaptive: most skipped steps in a row")
     p.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S,
                    help="seconds a collective may wait for the other ranks before the job ends with an error "
                         f"(default {DEFAULT_DIST_TIMEOUT_S:.0f}: a load can keep ranks apart for minutes)")
@@ -136,6 +151,24 @@ def read_requests(args) -> list:
         raise UsageError(f"prompts: {args.prompts}: {exc}") from None
 
 
+def step_cache_settings(args) -> StepCacheSettings:
+    """The CLI's step cache (a request's default); a bad setting is one line naming its flag."""
+    settings = StepCacheSettings(args.step_cache, args.step_cache_warmup, args.step_cache_interval,
+                                 args.step_cache_order, args.step_cache_blocks, args.step_cache_threshold,
+                                 args.step_cache_max_skip)
+    steps = args.diff_infer_steps if args.prompt is not None else None
+    config = Path(args.model_id) / "config.json"
+    layers = read_json(config).get("num_hidden_layers") if config.is_file() else None
+    layers = layers if isinstance(layers, int) else None
+    if settings.enabled and args.adaptor != "full":
+        raise UsageError("step-cache: needs the adaptor's patches, not --adaptor shims; use --adaptor full or "
+                         "--step-cache none")
+    for field, problem, fix in settings.problems(steps, layers):
+        flag = "step-cache" if field == "mode" else f"step-cache-{field.replace('_', '-')}"
+        raise UsageError(f"{flag}: {problem}; {fix}")
+    return settings
+
+
 def validate(args):
     validate_mode(args)
     if args.seed is not None and not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
@@ -149,6 +182,7 @@ def validate(args):
                          f"(utils/make_tiny_model.py --out DIR makes a tiny one)")
     if args.diff_infer_steps < 1:
         raise UsageError(f"diff-infer-steps: must be >= 1, got {args.diff_infer_steps}")
+    args.step_cache_settings = step_cache_settings(args)
     if args.warmup < 0 or args.rounds < 1:
         raise UsageError("warmup/rounds: need warmup >= 0 and rounds >= 1")
     if args.image_size != "auto":
@@ -288,7 +322,11 @@ def generate(model, args, request, rank):
                   verbose=args.verbose if rank == 0 else 0, stream=args.verbose > 0 and rank == 0)
     if args.max_new_tokens is not None:
         kwargs["max_new_tokens"] = args.max_new_tokens
-    return model.generate_image(**kwargs)
+    from adaptor_patches import step_cache
+    with step_cache.running(model, request.step_cache, request.diff_infer_steps) as run:
+        image = model.generate_image(**kwargs)
+    model.last_step_cache = run.summary() if run is not None else None
+    return image
 
 
 def describe_text_phase(text: dict) -> str:
@@ -303,6 +341,16 @@ def describe_text_phase(text: dict) -> str:
         parts.append(f"ratio {ratio['index']} -> {size}" if ratio["valid"] else
                      f"ratio token {ratio['token_id']} out of range -> {size} (upstream's 1:1 fallback)")
     return "; " + ", ".join(parts)
+
+
+def step_cache_record(model, dist, layout) -> dict:
+    """The round's step cache; with several ranks, which steps each rank computed (they must agree)."""
+    summary = model.last_step_cache or {"mode": "none"}
+    if dist is not None and summary["mode"] != "none":
+        per_rank = [None] * layout.world_size
+        dist.all_gather_object(per_rank, summary["computed_steps"])
+        summary = {**summary, "computed_steps_per_rank": per_rank}
+    return summary
 
 
 def versions(torch):
@@ -416,7 +464,8 @@ def run(args, phase: "JobPhase | None" = None):
             device.synchronize()
             text = model.last_text_phase.summary()
             phases = timer.summary() if timer else {}
-            rounds.append({"total_s": round(time.perf_counter() - start, 6), **phases, "text_phase": text})
+            rounds.append({"total_s": round(time.perf_counter() - start, 6), **phases, "text_phase": text,
+                           "step_cache": step_cache_record(model, dist, layout)})
             log(f"round {i + 1}/{args.rounds}: {rounds[-1]['total_s']:.3f}s{describe_text_phase(text)}")
 
     phase.name = "gathering metrics and writing outputs"
@@ -437,7 +486,8 @@ def run(args, phase: "JobPhase | None" = None):
         if args.metrics_json:
             parallel = {**layout.describe(), "multi_stream": multi_stream}
             metrics = {"load_s": round(load_s, 6), "rounds": rounds, "peak_memory_bytes_per_rank": peaks,
-                       "settings": {**vars(args), "seed": seed, "parallel": parallel, "device": str(device.torch_device)},
+                       "settings": {**vars(args), "seed": seed, "parallel": parallel, "device": str(device.torch_device),
+                                    "step_cache_settings": args.step_cache_settings.as_json()},
                        "versions": versions(torch), "image_size": [image.height, image.width]}
             write_atomically(Path(args.metrics_json), lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)))
             log(f"metrics written to {args.metrics_json}")

@@ -8,7 +8,9 @@ parallel/ (layout, groups, CFG split), moe/ (experts, dispatchers, shared-MLP st
   HunyuanImage3ForCausalMM.__init__        builds the whole model for one RankContext
   HunyuanImage3ForCausalMM.from_pretrained reads this rank's slices (weights/load.py)
   HunyuanImage3ForCausalMM.forward         CFG parallel: this rank's branch, prediction gathered
-  HunyuanImage3Model.__init__              one shared-MLP side stream for every MoE layer
+  HunyuanImage3Model.__init__              one shared-MLP side stream for every MoE layer; the
+                                           step-cache slot its layers share (step_cache.py)
+  HunyuanImage3DecoderLayer.forward        adaptive step cache: layers past the probe skipped when agreed
   HunyuanImage3SDPAAttention.__init__/forward  attention TP: local heads, row-parallel o_proj
   HunyuanMoE.__init__/forward              stacked experts + dispatcher + shared MLP
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import step_cache
 from .moe.dispatch import dispatcher_for
 from .moe.experts import GroupedExperts
 from .parallel import cfg_split
@@ -68,11 +71,11 @@ def causal_mm_from_pretrained(original, device):
 
 
 def causal_mm_forward(original, _device):
-    """CFG parallel (parallel/cfg_split.py) in gen_image mode; otherwise upstream's forward."""
+    """CFG parallel (parallel/cfg_split.py) in gen_image mode; otherwise upstream's forward. Under a
+    step-cache run (step_cache.py) a gen_image step may be forecast instead of computed."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
+    def cfg_parallel_forward(self, *args, **kwargs):
         context = getattr(self, "rank_context", None)
         if context is None or context.layout.cfg == 1:
             return original(self, *args, **kwargs)
@@ -87,6 +90,18 @@ def causal_mm_forward(original, _device):
         output["diffusion_prediction"] = cfg_split.gather_branches(output["diffusion_prediction"], group)
         return output
 
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        slot = step_cache.slot_of(self)
+        if slot is None or slot.run is None:
+            return cfg_parallel_forward(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        if arguments.get("mode", "gen_text") != "gen_image":
+            return cfg_parallel_forward(self, *args, **kwargs)
+        output_type = sys.modules[type(self).__module__].CausalMMOutputWithPast
+        return step_cache.cached_forward(slot.run, lambda: cfg_parallel_forward(self, *args, **kwargs),
+                                         arguments, output_type)
+
     return forward
 
 
@@ -99,11 +114,17 @@ def model_init(original, device):
         with building(context):
             original(self, config, *args, **kwargs)
         stream = context.shared_mlp_stream()
+        self.step_cache_slot = step_cache.StepCacheSlot()       # the image's step-cache run, if any
         for layer in self.layers:
+            layer.step_cache_slot = self.step_cache_slot
             if hasattr(layer.mlp, "shared_mlp_stream"):
                 layer.mlp.shared_mlp_stream = stream
 
     return __init__
+
+
+def decoder_layer_forward(original, _device):
+    return functools.wraps(original)(step_cache.layer_forward(original))
 
 
 # ---------------------------------------------------------------- HunyuanImage3SDPAAttention

@@ -131,7 +131,7 @@ def test_rank_loop_reports_an_image_every_rank_failed_and_goes_on():
         calls.append(request.prompt)
         if request.prompt == "bad":
             raise ValueError("no room in the context")
-        return f"image of {request.prompt}", {"text": None}
+        return f"image of {request.prompt}", {"text": None}, None
 
     messages = iter([("run", [ImageRequest("good")]), ("tick", None), ("run", [ImageRequest("bad"), ImageRequest("ok")]),
                      ("stop", None)])

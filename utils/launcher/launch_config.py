@@ -202,6 +202,7 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
         if get(key) is not None:
             need_int(margs[key], f"model_args.{key}", lo, hi)
     check_image_size(get("image-size", "auto"))
+    check_step_cache(get)
     for key, allowed in (("attn-impl", ATTN_IMPLS), ("moe-impl", MOE_IMPLS), ("sys-deepseek-prompt", REWRITE_PROMPTS)):
         value = get(key, allowed[0])
         if value not in allowed:
@@ -216,6 +217,18 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
     if config is not None:
         check_text_task(get("bot-task"), get("save-text") is not None, resolve_path(get("model-id")))
     return config
+
+
+def check_step_cache(get) -> None:
+    """model_args.step-cache and its step-cache-* settings, by StepCacheSettings.problems."""
+    from adaptor_patches.step_cache import SETTING_FIELDS, StepCacheSettings
+    names = {field: "step-cache" if field == "mode" else f"step-cache-{field.replace('_', '-')}"
+             for field in SETTING_FIELDS}
+    settings = StepCacheSettings(**{field: get(flag, getattr(StepCacheSettings, field))
+                                    for field, flag in names.items()})
+    steps = get("diff-infer-steps", 50) if get("prompts") is None and not get("serve") else None
+    for field, problem, fix in settings.problems(steps):
+        raise ConfigError(f"model_args.{names[field]}", problem, fix)
 
 
 def check_text_task(bot_task, save_text: bool, model_dir: Path) -> None:

@@ -7,7 +7,8 @@ the CLI's one prompt (non-empty, fits the model's context, seed range, size form
 task available on this checkpoint), so a bad line or body never costs a generation.
 
 Prompts files (`--prompts FILE`): `.jsonl` -> one JSON object per line with `prompt` and
-optionally `seed`, `image_size`, `diff_infer_steps`, `bot_task`, `save`; any other file -> one
+optionally `seed`, `image_size`, `diff_infer_steps`, `bot_task`, `save`, `step_cache` (a mode name
+or an object of settings over the CLI's: docs/STEP_CACHE.md); any other file -> one
 prompt per line. Blank lines and lines starting with `#` are skipped; line numbers are the file's.
 Images go to `--save-dir` as `NNNN_<words of the prompt>.png` (NNNN = the line number), or to the
 line's `save` (relative to `--save-dir`); the think / recaption text beside it as `.txt`.
@@ -20,9 +21,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from adaptor_patches.step_cache import StepCacheSettings, settings_from_value
+
 SEED_RANGE = (0, 2**32 - 1)
 BOT_TASKS = ("image", "auto", "think", "recaption")
-LINE_FIELDS = ("prompt", "seed", "image_size", "diff_infer_steps", "bot_task", "save")
+LINE_FIELDS = ("prompt", "seed", "image_size", "diff_infer_steps", "bot_task", "save", "step_cache")
 IMAGE_SIZE = re.compile(r"(auto|[1-9]\d*[x:][1-9]\d*)\Z")
 MAX_STEPS = 1000
 
@@ -41,6 +44,7 @@ class ImageRequest:
     save: Optional[str] = None            # rank 0 writes the PNG here (None: the caller keeps the image)
     save_text: Optional[str] = None       # and the think / recaption text here
     label: str = "prompt"                 # how messages name it: "line 3", "request 7"
+    step_cache: Optional[StepCacheSettings] = None      # None: no step cache
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -67,6 +71,12 @@ def field_problem(name: str, value) -> Optional[str]:
     elif name == "bot_task":
         if value is not None and value not in BOT_TASKS:
             return f"bot_task: {value!r} is not one of {', '.join(BOT_TASKS)}; pick one or leave it out"
+    elif name == "step_cache":
+        if value is not None:
+            try:
+                settings_from_value(value, StepCacheSettings())
+            except ValueError as exc:
+                return str(exc)
     elif name == "save":
         if value is not None and (not isinstance(value, str) or not value.strip() or value.endswith("/")):
             return f"save: {value!r} is not a file name; use e.g. fox.png"
@@ -80,6 +90,9 @@ class RequestChecker:
         self.model_id = Path(model_id)
         path = self.model_id / "generation_config.json"
         self.generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        config = self.model_id / "config.json"
+        layers = json.loads(config.read_text(encoding="utf-8")).get("num_hidden_layers") if config.is_file() else None
+        self.layers = layers if is_int(layers) else None      # a step cache's blocks must leave layers to skip
         self._tokenizer = None
 
     def prompt_tokens(self, prompt: str) -> int:
@@ -98,6 +111,9 @@ class RequestChecker:
         if task:
             field, what, fix = task
             return f"{field.replace('-', '_')}: {what}; {fix}"
+        if request.step_cache is not None:
+            for field, what, fix in request.step_cache.problems(request.diff_infer_steps, self.layers):
+                return f"step_cache.{field}: {what}; {fix}"
         return self.context_problem(request.prompt)
 
     def context_problem(self, prompt: str) -> Optional[str]:
@@ -153,6 +169,12 @@ def read_prompts_file(path, defaults: ImageRequest, save_dir, checker: Optional[
             if problem:
                 raise RequestError(f"line {number}: {problem}")
         fields = {k: v for k, v in entry.items() if k != "save"}
+        if "step_cache" in fields:
+            try:
+                fields["step_cache"] = settings_from_value(fields["step_cache"],
+                                                           defaults.step_cache or StepCacheSettings())
+            except ValueError as exc:
+                raise RequestError(f"line {number}: {exc}") from None
         save = save_dir / (entry.get("save") or f"{number:04d}_{slug(entry['prompt'])}.png")
         if save.suffix.lower() != ".png":
             save = save.with_name(save.name + ".png")

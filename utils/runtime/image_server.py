@@ -1,7 +1,7 @@
 """`--serve`: an OpenAI-style images API on rank 0; every request runs on all ranks together.
 
     POST /v1/images/generations   {"prompt", "n", "size": "WxH" | "auto", "response_format": "b64_json",
-                                   our extras "seed", "steps", "bot_task"} -> {"created", "data": [...]}
+                                   our extras "seed", "steps", "bot_task", "step_cache"} -> {"created", "data": [...]}
     GET  /health                  200 {"status": "ok", ...} once the model is loaded (503 "loading" before)
     GET  /metrics                 Prometheus text: requests by code, images, queue depth, latency
 
@@ -28,12 +28,14 @@ import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from adaptor_patches.step_cache import StepCacheSettings, settings_from_value
 from utils.runtime.image_requests import RequestChecker, field_problem, is_int
 from utils.runtime.rank_loop import HEARTBEAT_S
 
 MAX_BODY_BYTES = 1 << 20
 OPENAI_IGNORED = ("model", "quality", "style", "user", "background", "moderation")
-FIELDS = ("prompt", "n", "size", "response_format", "seed", "steps", "bot_task", "output_format") + OPENAI_IGNORED
+FIELDS = ("prompt", "n", "size", "response_format", "seed", "steps", "bot_task", "output_format",
+          "step_cache") + OPENAI_IGNORED
 LATENCY_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800)
 
 
@@ -58,16 +60,25 @@ class Metrics:
         self.requests, self.images = {}, 0
         self.buckets, self.latency_sum, self.latency_count = [0] * len(LATENCY_BUCKETS), 0.0, 0
         self.recent = collections.deque(maxlen=20)
+        self.forwards, self.forwards_cached = 0, 0
 
-    def count(self, code: int, seconds=None, images: int = 0) -> None:
+    def count(self, code: int, seconds=None, images: int = 0, forwards=(0, 0)) -> None:
         with self.lock:
             self.requests[code] = self.requests.get(code, 0) + 1
             self.images += images
+            self.forwards += forwards[0]
+            self.forwards_cached += forwards[1]
             if seconds is not None:
                 self.buckets = [n + (seconds <= bound) for n, bound in zip(self.buckets, LATENCY_BUCKETS)]
                 self.latency_sum += seconds
                 self.latency_count += 1
                 self.recent.append(seconds)
+
+    def summary(self) -> str:
+        with self.lock:
+            saved = self.forwards_cached / self.forwards if self.forwards else 0.0
+            return (f"{self.images} image(s), {self.forwards} denoising steps, {self.forwards_cached} of them "
+                    f"cached by the step cache ({saved:.0%} of the forwards saved)")
 
     def mean_latency(self) -> float:
         with self.lock:
@@ -80,6 +91,11 @@ class Metrics:
             lines += [f'hunyuan_requests_total{{code="{c}"}} {n}' for c, n in sorted(self.requests.items())]
             lines += ["# HELP hunyuan_images_total Images generated.", "# TYPE hunyuan_images_total counter",
                       f"hunyuan_images_total {self.images}",
+                      "# HELP hunyuan_denoise_forwards_total Denoising steps of the answered images, by how "
+                      "they ran (the step cache forecasts or skips some).",
+                      "# TYPE hunyuan_denoise_forwards_total counter",
+                      f'hunyuan_denoise_forwards_total{{how="computed"}} {self.forwards - self.forwards_cached}',
+                      f'hunyuan_denoise_forwards_total{{how="cached"}} {self.forwards_cached}',
                       "# HELP hunyuan_queue_depth Requests waiting in the queue.", "# TYPE hunyuan_queue_depth gauge",
                       f"hunyuan_queue_depth {depth}",
                       "# HELP hunyuan_busy 1 while a request runs on the ranks.", "# TYPE hunyuan_busy gauge",
@@ -121,6 +137,11 @@ def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int) -> lis
         problem = field_problem(name, value)
         if problem:
             raise BadRequest({"diff_infer_steps": "steps"}.get(name, name), problem)
+    if body.get("step_cache") is not None:
+        try:
+            fields["step_cache"] = settings_from_value(body["step_cache"], defaults.step_cache or StepCacheSettings())
+        except ValueError as exc:
+            raise BadRequest("step_cache", str(exc)) from None
     request = replace(defaults, **fields, save=None, save_text=None)
     problem = checker.problem(request)
     if problem:
@@ -309,9 +330,14 @@ class ImageServer:
                         item["text"] = result.text
                         if result.request.bot_task == "recaption":
                             item["revised_prompt"] = result.text
+                    if result.step_cache:
+                        item["step_cache"] = {k: result.step_cache[k] for k in
+                                              ("mode", "computed_steps", "cached_steps", "forwards_saved")}
                     data.append(item)
                 seconds = time.perf_counter() - start
-                server.metrics.count(200, seconds, images=len(data))
+                steps = sum(r.request.diff_infer_steps for r in job.results)
+                cached = sum(len(r.step_cache["cached_steps"]) for r in job.results if r.step_cache)
+                server.metrics.count(200, seconds, images=len(data), forwards=(steps, cached))
                 self.send_json(200, {"created": int(job.created), "data": data,
                                      "seconds": round(seconds, 3)})
 

@@ -16,7 +16,7 @@ def default_request(args):
     from utils.runtime.image_requests import ImageRequest
     return ImageRequest(prompt=args.prompt or "", seed=args.seed, image_size=args.image_size,
                         diff_infer_steps=args.diff_infer_steps, bot_task=args.bot_task, save=args.save,
-                        save_text=args.save_text)
+                        save_text=args.save_text, step_cache=getattr(args, "step_cache_settings", None))
 
 
 def start_server(args, log):
@@ -45,7 +45,7 @@ def run_many(args, model, dist, rank, server, log, generate, is_collective_failu
 
     def one(request):
         image = generate(model, args, request, rank)
-        return image, model.last_text_phase.summary()
+        return image, model.last_text_phase.summary(), model.last_step_cache
 
     def write_image(path, image):
         write_atomically(path, lambda tmp: image.save(tmp, format="PNG"))
@@ -70,5 +70,5 @@ def run_many(args, model, dist, rank, server, log, generate, is_collective_failu
         loop.run(server.pull, server.deliver)
     finally:
         server.close()
-    log("server stopped")
+    log(f"server stopped: {server.metrics.summary()}")
     return 0

@@ -31,6 +31,7 @@ class ImageResult:
     seconds: float = 0.0
     error: Optional[str] = None          # "ErrorType: message" when every rank failed alike
     text_phase: Optional[dict] = None    # model.last_text_phase.summary()
+    step_cache: Optional[dict] = None    # StepCacheRun.summary() when the image ran with a step cache
 
     @property
     def ok(self) -> bool:
@@ -45,7 +46,7 @@ class ImageResult:
 class RankLoop:
     def __init__(self, dist, rank: int, generate: Callable, is_collective_failure: Callable):
         self.dist, self.rank = dist, rank
-        self.generate = generate                  # generate(request) -> (image, text phase summary)
+        self.generate = generate                  # generate(request) -> (image, text phase, step cache summaries)
         self.is_collective_failure = is_collective_failure
 
     def broadcast(self, message):
@@ -63,9 +64,9 @@ class RankLoop:
 
     def run_one(self, request) -> ImageResult:
         start = time.perf_counter()
-        image = text_phase = None
+        image = text_phase = step_cache = None
         try:
-            image, text_phase = self.generate(request)
+            image, text_phase, step_cache = self.generate(request)
             outcome = None
         except Exception as exc:
             if self.is_collective_failure(exc):
@@ -74,7 +75,7 @@ class RankLoop:
         outcomes = self.agree(outcome)
         seconds = time.perf_counter() - start
         if all(o is None for o in outcomes):
-            return ImageResult(request, image, seconds, None, text_phase)
+            return ImageResult(request, image, seconds, None, text_phase, step_cache)
         kinds = {o[0] for o in outcomes if o is not None}
         if len(kinds) == 1 and all(o is not None for o in outcomes):
             first = outcomes[0]

@@ -1,0 +1,323 @@
+"""A step cache for the denoising loop: fewer full forwards per image, the same schedule on every rank.
+
+Two modes, both opt-in (`none` is the default and leaves every forward as it was):
+
+  taylor    full forwards on the first `warmup` steps, on the last step and every `interval` steps
+            between; on the other steps the model's prediction (`diffusion_prediction`, both CFG
+            branches, before the pipeline combines them) is forecast by a polynomial in the step
+            index through the last `order + 1` full steps (Newton divided differences: a Taylor
+            expansion whose derivatives are finite differences). The schedule depends on the step
+            index only, so every rank of every layout forecasts the same steps without talking.
+  adaptive  the first `blocks` decoder layers always run; when the relative change of their output
+            since the last full step (the largest over the batch rows) is under `threshold`, the
+            other layers are skipped and their contribution at the last full step (the residual
+            delta: hidden state after the last layer minus after layer `blocks`) is added instead;
+            at most `max_skip` steps in a row. The measure depends on data, so the ranks agree on
+            it: one all-reduce MAX over the world group per candidate step. Under CFG parallel each
+            rank measures its own branch's rows; the MAX is the measure a single process takes over
+            both branches' rows, so single process and every layout decide alike.
+
+Why forecast both branches rather than the combined guidance: the cache sits at the model's
+forward (the patched HunyuanImage3ForCausalMM.forward), above the CFG split and its gather, so
+upstream's loop still combines, rescales and steps on whatever the forward returns; the combine is
+linear, so forecasting the branches is forecasting the combined prediction.
+
+A skipped forward or skipped layers leave the KV cache's image-token slots as the last full step
+wrote them; the next full step overwrites them (the text tokens' slots are written by step 0 only).
+
+`StepCacheSettings` is independent of how a request is parsed: the CLI, the YAML, prompts-file
+lines and HTTP bodies all build one and ask its `problems(steps)`. (torch is imported where a
+tensor is made: the CLI checks settings before it loads torch.)
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional
+
+MODES = ("none", "taylor", "adaptive")
+ORDERS = (1, 2)
+# Test hook: "RANK:SCALE" multiplies that rank's adaptive measure by SCALE before the ranks agree.
+PERTURB_ENV = "HUNYUAN_STEP_CACHE_PERTURB"
+
+
+@dataclass(frozen=True)
+class StepCacheSettings:
+    mode: str = "none"
+    warmup: int = 3           # first steps always full (step 0 also writes the text's KV cache)
+    interval: int = 3         # taylor: a full step every `interval` steps after the warm-up
+    order: int = 2            # taylor: 1 (linear) or 2 (quadratic) extrapolation
+    blocks: int = 2           # adaptive: decoder layers that always run
+    threshold: float = 0.08   # adaptive: relative change of their output below which the rest is skipped
+    max_skip: int = 3         # adaptive: most skipped steps in a row
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+    def problems(self, steps: Optional[int] = None, layers: Optional[int] = None) -> list:
+        """[(field, problem, fix)] for settings that cannot run; empty when they can."""
+        out = []
+        if self.mode not in MODES:
+            return [("mode", f"{self.mode!r} is not one of {'|'.join(MODES)}", "use none, taylor or adaptive")]
+        for name, low, example in (("warmup", 1, 3), ("interval", 1, 3), ("blocks", 1, 2), ("max_skip", 1, 3)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                out.append((name, f"{value!r} must be an integer >= {low}", f"use e.g. {example}"))
+        if not _is_int(self.order) or self.order not in ORDERS:
+            out.append(("order", f"{self.order!r} is not 1 or 2", "use 1 (linear) or 2 (quadratic)"))
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not math.isfinite(self.threshold) or self.threshold < 0:
+            out.append(("threshold", f"{self.threshold!r} must be a number >= 0", "use e.g. 0.08"))
+        if out or not self.enabled:
+            return out
+        if steps is not None and steps < 2:
+            out.append(("mode", f"{self.mode} with {steps} denoising step(s) has nothing to skip",
+                        "use step cache none, or more steps"))
+        elif steps is not None and self.warmup >= steps:
+            out.append(("warmup", f"{self.warmup} warm-up steps leave none of the {steps} steps to skip",
+                        f"use a warm-up below {steps}"))
+        if self.mode == "adaptive" and layers is not None and self.blocks >= layers:
+            out.append(("blocks", f"{self.blocks} always-run layers leave none of the model's {layers} to skip",
+                        f"use fewer than {layers}"))
+        return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+SETTING_FIELDS = tuple(f.name for f in fields(StepCacheSettings))
+
+
+def settings_from_value(value, defaults: StepCacheSettings) -> StepCacheSettings:
+    """A request's `step_cache`: a mode name ("taylor") or an object of settings over `defaults`
+    ({"mode": "adaptive", "threshold": 0.1}). Raises ValueError("field: problem; fix")."""
+    if isinstance(value, StepCacheSettings):
+        return value
+    if isinstance(value, str):
+        value = {"mode": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"step_cache: {value!r} is neither a mode name nor an object; use \"taylor\" or "
+                         f"{{\"mode\": \"taylor\", \"interval\": 3}}")
+    unknown = sorted(set(value) - set(SETTING_FIELDS))
+    if unknown:
+        raise ValueError(f"step_cache.{unknown[0]}: unknown setting; settings are {', '.join(SETTING_FIELDS)}")
+    settings = replace(defaults, **value)
+    problem = next(iter(settings.problems()), None)
+    if problem:
+        raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
+    return settings
+
+
+def full_steps(settings: StepCacheSettings, steps: int) -> list:
+    """The steps a taylor schedule computes (the others are forecast); adaptive: the steps it must
+    compute whatever the measure says (warm-up and the last one)."""
+    if not settings.enabled:
+        return list(range(steps))
+    if settings.mode == "adaptive":
+        return [i for i in range(steps) if i < settings.warmup or i == steps - 1]
+    last_warmup = settings.warmup - 1
+    return [i for i in range(steps)
+            if i <= last_warmup or i == steps - 1 or (i - last_warmup) % settings.interval == 0]
+
+
+def extrapolate(history: list, step: int, order: int) -> torch.Tensor:
+    """The polynomial through the last `order + 1` (step, prediction) points, at `step` (float32)."""
+    points = history[-(order + 1):]
+    xs = [float(x) for x, _ in points]
+    coefficients = [y for _, y in points]           # divided differences, built in place
+    for level in range(1, len(points)):
+        for i in range(len(points) - 1, level - 1, -1):
+            coefficients[i] = (coefficients[i] - coefficients[i - 1]) / (xs[i] - xs[i - level])
+    result = coefficients[-1]
+    for i in range(len(points) - 2, -1, -1):
+        result = coefficients[i] + (step - xs[i]) * result
+    return result
+
+
+def _world():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+class StepCacheRun:
+    """One image's cache: which step the loop is on, what was computed, what was forecast or skipped."""
+
+    def __init__(self, settings: StepCacheSettings, steps: int, layers: int):
+        self.settings, self.steps, self.layers = settings, steps, layers
+        self.forced = set(full_steps(settings, steps))
+        self.step = -1
+        self.computed, self.cached, self.measures = [], [], {}
+        self.history = []                        # taylor: (step, float32 prediction) of full steps
+        self.skipping = False                    # adaptive: this step's remaining layers are skipped
+        self.skipped_in_a_row = 0
+        self.reference = self.residual_delta = None
+        self._probe_output = None
+        self._perturb = _perturbation()
+
+    # ------------------------------------------------ the model's forward (every mode)
+    def begin_step(self, first_step: bool) -> int:
+        self.step = 0 if first_step else self.step + 1
+        self.skipping = False
+        return self.step
+
+    def forecasts_this_step(self) -> bool:
+        return self.settings.mode == "taylor" and self.step not in self.forced and bool(self.history)
+
+    def forecast(self, like: torch.Tensor) -> torch.Tensor:
+        order = min(self.settings.order, len(self.history) - 1)
+        self.cached.append(self.step)
+        return extrapolate(self.history, self.step, order).to(like.dtype)
+
+    def finish_step(self, prediction: torch.Tensor) -> None:
+        (self.cached if self.skipping else self.computed).append(self.step)
+        if self.settings.mode == "taylor":
+            self.history = (self.history + [(self.step, prediction.detach().float())])[-(self.settings.order + 1):]
+
+    # ------------------------------------------------ adaptive, from the decoder layers
+    def after_probe_layers(self, hidden: torch.Tensor) -> None:
+        """Layer `blocks - 1` ran: decide, with every rank, whether the other layers run this step."""
+        self._probe_output = hidden
+        if self.step in self.forced or self.skipped_in_a_row >= self.settings.max_skip:
+            self._decide(False)
+            return
+        measure = self._local_measure(hidden)
+        if self._perturb is not None and self._perturb[0] == _rank():
+            measure *= self._perturb[1]
+        import torch
+        agreed = torch.tensor([measure], dtype=torch.float64)
+        world = _world()
+        if world is not None:
+            world.all_reduce(agreed, op=world.ReduceOp.MAX)
+        self.measures[self.step] = float(agreed)
+        self._decide(float(agreed) < self.settings.threshold)
+
+    def _local_measure(self, hidden: torch.Tensor) -> float:
+        reference = self.reference
+        if reference is None or reference.shape != hidden.shape:
+            return math.inf                # no comparable full step yet (step 0 held the whole sequence)
+        now, ref = hidden.float().flatten(1), reference.flatten(1)
+        change = (now - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-12)
+        return float(change.max())
+
+    def _decide(self, skip: bool) -> None:
+        self.skipping = skip
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip else 0
+
+    def after_last_layer(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's output; on a skipped step the reused residual delta is added here."""
+        if self.skipping:
+            return hidden + self.residual_delta.to(hidden.dtype)
+        self.reference = self._probe_output.detach().float()
+        self.residual_delta = (hidden - self._probe_output).detach()
+        return hidden
+
+    def summary(self) -> dict:
+        total = len(self.computed) + len(self.cached)
+        return {"mode": self.settings.mode, "settings": self.settings.as_json(), "steps": self.steps,
+                "computed_steps": list(self.computed), "cached_steps": list(self.cached),
+                "forwards_saved": round(len(self.cached) / total, 4) if total else 0.0,
+                **({"measures": {str(k): round(v, 6) for k, v in self.measures.items()}}
+                   if self.settings.mode == "adaptive" else {})}
+
+
+def _rank() -> int:
+    world = _world()
+    return world.get_rank() if world is not None else 0
+
+
+def _perturbation():
+    value = os.environ.get(PERTURB_ENV)
+    if not value:
+        return None
+    rank, _, scale = value.partition(":")
+    return int(rank), float(scale)
+
+
+# ---------------------------------------------------------------- the model's side
+
+class StepCacheSlot:
+    """Shared by a model and its decoder layers: the run of the image being made, or None."""
+    run: Optional[StepCacheRun] = None
+
+
+def slot_of(model) -> Optional[StepCacheSlot]:
+    inner = getattr(model, "model", None)
+    return getattr(inner, "step_cache_slot", None)
+
+
+@contextlib.contextmanager
+def running(model, settings: StepCacheSettings, steps: int):
+    """Make one image with `settings`; yields the StepCacheRun (None when the cache is off)."""
+    if settings is None or not settings.enabled:
+        yield None
+        return
+    slot = slot_of(model)
+    if slot is None:
+        raise ValueError("step_cache: this model was built without the adaptor's patches; use --adaptor full")
+    layers = len(model.model.layers)
+    problem = next(iter(settings.problems(steps, layers)), None)
+    if problem:
+        raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
+    slot.run = StepCacheRun(settings, steps, layers)
+    try:
+        yield slot.run
+    finally:
+        slot.run = None
+
+
+def cached_forward(run: StepCacheRun, forward, arguments: dict, output_type):
+    """The model's forward under a run: `forward()` on computed steps, a forecast on the others."""
+    run.begin_step(bool(arguments.get("first_step")))
+    if run.forecasts_this_step():
+        prediction = run.forecast(run.history[-1][1])
+        past = arguments.get("past_key_values")
+        if arguments.get("return_dict") is False:
+            return (None, past, prediction)
+        return output_type(past_key_values=past, diffusion_prediction=prediction)
+    output = forward()
+    prediction = output[-1] if isinstance(output, tuple) else output["diffusion_prediction"]
+    run.finish_step(prediction)
+    return output
+
+
+def layer_forward(original):
+    """HunyuanImage3DecoderLayer.forward under an adaptive run; otherwise the original, untouched."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        slot = getattr(self, "step_cache_slot", None)
+        run = slot.run if slot is not None else None
+        if run is None or run.settings.mode != "adaptive" or kwargs.get("mode") != "gen_image":
+            return original(self, hidden_states, *args, **kwargs)
+        index, blocks = self.layer_idx, run.settings.blocks
+        if index >= blocks and run.skipping:
+            hidden = run.after_last_layer(hidden_states) if index == run.layers - 1 else hidden_states
+            return _layer_outputs(hidden, args, kwargs)
+        outputs = original(self, hidden_states, *args, **kwargs)
+        if index == blocks - 1:
+            run.after_probe_layers(outputs[0])
+        if index == run.layers - 1:
+            run.after_last_layer(outputs[0])
+        return outputs
+
+    return forward
+
+
+def _layer_outputs(hidden, args, kwargs) -> tuple:
+    """What upstream's decoder layer returns, for a layer that did not run: (hidden, [attn], [kv])."""
+    names = ("attention_mask", "position_ids", "past_key_value", "output_attentions", "use_cache")
+    bound = dict(zip(names, args), **kwargs)
+    outputs = (hidden,)
+    if bound.get("output_attentions"):
+        outputs += (None,)
+    if bound.get("use_cache"):
+        outputs += (bound.get("past_key_value"),)
+    return outputs

@@ -4,8 +4,9 @@
 
 One process, one model load (a small mid-size random checkpoint, SMALL_SIZES, built if missing:
 bench/e2e.py's mid model takes ~12 s a step on this shared 2-core machine, too slow for 50-step
-runs of every variant), then for each step count: no cache, every variant below, and no cache again
-(the spread between the two uncached runs is the timing noise of this machine). Denoising time is
+runs of every variant), then for each step count and each variant below: an uncached run, then the
+variant right after it, and their ratio (the machine is shared and its speed drifts over minutes,
+so each variant is compared with its own neighbour, not with one uncached run). Denoising time is
 the sum of the per-forward times of the gen_image phase (adaptor_patches/metrics.PhaseTimer), so
 a forecast step counts what the forecast costs. PSNR is against the first uncached image of the
 same step count and seed. Prints one markdown table for docs/BENCHMARKS.md.
@@ -38,7 +39,7 @@ VARIANTS = {
     "taylor interval 5": replace(DEFAULTS, mode="taylor", interval=5),
     "taylor interval 3, order 1": replace(DEFAULTS, mode="taylor", order=1),
     "adaptive (defaults: blocks 2, threshold 0.08, max-skip 3)": replace(DEFAULTS, mode="adaptive"),
-    "adaptive threshold 0.2": replace(DEFAULTS, mode="adaptive", threshold=0.2),
+    "adaptive threshold 0.03": replace(DEFAULTS, mode="adaptive", threshold=0.03),
 }
 
 
@@ -97,21 +98,17 @@ def main():
         print(f"\nmodel {model_dir.name} ({model.config.num_hidden_layers} layers, hidden "
               f"{model.config.hidden_size}), {args.size}x{args.size}, seed {args.seed}, CPU, {args.threads} "
               f"thread(s)\n", flush=True)
-        print("| steps | mode | full forwards | denoise (s) | vs no cache | PSNR vs no cache (dB) |", flush=True)
-        print("|---|---|---|---|---|---|", flush=True)
-
-        def row(steps, name, seconds, base_s, db, full):
-            print(f"| {steps} | {name} | {full}/{steps} | {seconds:.2f} | {seconds / base_s:.2f}x | "
-                  f"{'identical' if db == float('inf') else f'{db:.1f}'} |", flush=True)
-
+        print("| steps | mode | full forwards | denoise (s) | no cache, run just before (s) | vs no cache | "
+              "PSNR vs no cache (dB) |", flush=True)
+        print("|---|---|---|---|---|---|---|", flush=True)
         for steps in args.steps:
-            reference, base_s, _ = run(steps, None)
-            row(steps, "none", base_s, base_s, float("inf"), steps)
+            reference, _, _ = run(steps, None)
             for name, settings in VARIANTS.items():
+                _, base_s, _ = run(steps, None)
                 image, seconds, record = run(steps, settings)
-                row(steps, name, seconds, base_s, psnr_of(image, reference), len(record["computed_steps"]))
-            image, again_s, _ = run(steps, None)
-            row(steps, "none, again (timing noise)", again_s, base_s, psnr_of(image, reference), steps)
+                db = psnr_of(image, reference)
+                print(f"| {steps} | {name} | {len(record['computed_steps'])}/{steps} | {seconds:.2f} | {base_s:.2f} | "
+                      f"{seconds / base_s:.2f}x | {'identical' if db == float('inf') else f'{db:.1f}'} |", flush=True)
         print(f"\n{time.perf_counter() - started:.0f}s", flush=True)
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from adaptor_patches.step_cache import StepCacheSettings
 from utils.runtime import many_images
+from utils.runtime.image_requests import RequestError, add_step_cache_arguments, step_cache_from_flags
 from utils.runtime.many_images import default_request
 from utils.runtime.outputs import UsageError, check_output_path, write_atomically
 
@@ -85,20 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--multi-stream", choices=["on", "off"], default=None)
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
-    p.add_argument("--step-cache", default="none", choices=["none", "taylor", "adaptive"],
-                   help="fewer full forwards per image (docs/STEP_CACHE.md): taylor forecasts the prediction "
-                        "between full steps, adaptive skips the later layers when the first ones barely change")
-    p.add_argument("--step-cache-warmup", type=int, default=StepCacheSettings.warmup,
-                   help="first steps always computed")
-    p.add_argument("--step-cache-interval", type=int, default=StepCacheSettings.interval,
-                   help="taylor: a full step every N steps after the warm-up")
-    p.add_argument("--step-cache-order", type=int, default=StepCacheSettings.order, help="taylor: 1 or 2")
-    p.add_argument("--step-cache-blocks", type=int, default=StepCacheSettings.blocks,
-                   help="adaptive: decoder layers that always run")
-    p.add_argument("--step-cache-threshold", type=float, default=StepCacheSettings.threshold,
-                   help="adaptive: relative change of those layers' output below which the rest is skipped")
-    p.add_argument("--step-cache-max-skip", type=int, default=StepCacheSettings.max_skip,
-                   help="adaptive: most skipped steps in a row")
+    add_step_cache_arguments(p)
     p.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S,
                    help="seconds a collective may wait for the other ranks before the job ends with an error "
                         f"(default {DEFAULT_DIST_TIMEOUT_S:.0f}: a load can keep ranks apart for minutes)")
@@ -151,22 +138,17 @@ def read_requests(args) -> list:
         raise UsageError(f"prompts: {args.prompts}: {exc}") from None
 
 
-def step_cache_settings(args) -> StepCacheSettings:
-    """The CLI's step cache (a request's default); a bad setting is one line naming its flag."""
-    settings = StepCacheSettings(args.step_cache, args.step_cache_warmup, args.step_cache_interval,
-                                 args.step_cache_order, args.step_cache_blocks, args.step_cache_threshold,
-                                 args.step_cache_max_skip)
-    steps = args.diff_infer_steps if args.prompt is not None else None
+def step_cache_settings(args):
+    """The CLI's step cache (every request's default), checked against the steps and the model's layers."""
     config = Path(args.model_id) / "config.json"
     layers = read_json(config).get("num_hidden_layers") if config.is_file() else None
-    layers = layers if isinstance(layers, int) else None
-    if settings.enabled and args.adaptor != "full":
+    if args.step_cache != "none" and args.adaptor != "full":
         raise UsageError("step-cache: needs the adaptor's patches, not --adaptor shims; use --adaptor full or "
                          "--step-cache none")
-    for field, problem, fix in settings.problems(steps, layers):
-        flag = "step-cache" if field == "mode" else f"step-cache-{field.replace('_', '-')}"
-        raise UsageError(f"{flag}: {problem}; {fix}")
-    return settings
+    try:
+        return step_cache_from_flags(args, args.diff_infer_steps if args.prompt is not None else None, layers)
+    except RequestError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def validate(args):
@@ -343,16 +325,6 @@ def describe_text_phase(text: dict) -> str:
     return "; " + ", ".join(parts)
 
 
-def step_cache_record(model, dist, layout) -> dict:
-    """The round's step cache; with several ranks, which steps each rank computed (they must agree)."""
-    summary = model.last_step_cache or {"mode": "none"}
-    if dist is not None and summary["mode"] != "none":
-        per_rank = [None] * layout.world_size
-        dist.all_gather_object(per_rank, summary["computed_steps"])
-        summary = {**summary, "computed_steps_per_rank": per_rank}
-    return summary
-
-
 def versions(torch):
     import transformers
     import diffusers
@@ -396,6 +368,7 @@ def run(args, phase: "JobPhase | None" = None):
     import torch
     import model_adaptor
     from adaptor_patches.metrics import PhaseTimer
+    from adaptor_patches.step_cache import round_record
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
@@ -465,7 +438,7 @@ def run(args, phase: "JobPhase | None" = None):
             text = model.last_text_phase.summary()
             phases = timer.summary() if timer else {}
             rounds.append({"total_s": round(time.perf_counter() - start, 6), **phases, "text_phase": text,
-                           "step_cache": step_cache_record(model, dist, layout)})
+                           "step_cache": round_record(model.last_step_cache, dist)})
             log(f"round {i + 1}/{args.rounds}: {rounds[-1]['total_s']:.3f}s{describe_text_phase(text)}")
 
     phase.name = "gathering metrics and writing outputs"

@@ -229,6 +229,17 @@ class StepCacheRun:
                    if self.settings.mode == "adaptive" else {})}
 
 
+def round_record(summary: Optional[dict], dist=None) -> dict:
+    """A round's record for the metrics JSON; with several ranks, which steps each one computed
+    (gathered: they must agree)."""
+    summary = summary or {"mode": "none"}
+    if dist is None or summary["mode"] == "none":
+        return summary
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, summary["computed_steps"])
+    return {**summary, "computed_steps_per_rank": per_rank}
+
+
 def _rank() -> int:
     world = _world()
     return world.get_rank() if world is not None else 0

@@ -21,13 +21,19 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from adaptor_patches.step_cache import StepCacheSettings, settings_from_value
+from adaptor_patches.step_cache import MODES, StepCacheSettings, settings_from_value
 
 SEED_RANGE = (0, 2**32 - 1)
 BOT_TASKS = ("image", "auto", "think", "recaption")
 LINE_FIELDS = ("prompt", "seed", "image_size", "diff_infer_steps", "bot_task", "save", "step_cache")
 IMAGE_SIZE = re.compile(r"(auto|[1-9]\d*[x:][1-9]\d*)\Z")
 MAX_STEPS = 1000
+STEP_CACHE_HELP = {"warmup": "first steps always computed",
+                   "interval": "taylor: a full step every N steps after the warm-up",
+                   "order": "taylor: 1 (linear) or 2 (quadratic) extrapolation",
+                   "blocks": "adaptive: decoder layers that always run",
+                   "threshold": "adaptive: relative change of those layers' output below which the rest is skipped",
+                   "max_skip": "adaptive: most skipped steps in a row"}
 
 
 class RequestError(ValueError):
@@ -81,6 +87,26 @@ def field_problem(name: str, value) -> Optional[str]:
         if value is not None and (not isinstance(value, str) or not value.strip() or value.endswith("/")):
             return f"save: {value!r} is not a file name; use e.g. fox.png"
     return None
+
+
+def add_step_cache_arguments(parser) -> None:
+    """--step-cache and its --step-cache-* settings (defaults: StepCacheSettings's)."""
+    parser.add_argument("--step-cache", default="none", choices=MODES,
+                        help="fewer full forwards per image (docs/STEP_CACHE.md): taylor forecasts the prediction "
+                             "between full steps, adaptive skips the later layers when the first ones barely change")
+    for field, help_text in STEP_CACHE_HELP.items():
+        default = getattr(StepCacheSettings, field)
+        parser.add_argument(f"--step-cache-{field.replace('_', '-')}", type=type(default), default=default,
+                            help=help_text)
+
+
+def step_cache_from_flags(args, steps: Optional[int], layers) -> StepCacheSettings:
+    """The settings of the --step-cache* flags; RequestError naming the flag of the first bad one."""
+    settings = StepCacheSettings(args.step_cache, **{f: getattr(args, f"step_cache_{f}") for f in STEP_CACHE_HELP})
+    for field, problem, fix in settings.problems(steps, layers if is_int(layers) else None):
+        flag = "step-cache" if field == "mode" else f"step-cache-{field.replace('_', '-')}"
+        raise RequestError(f"{flag}: {problem}; {fix}")
+    return settings
 
 
 class RequestChecker:

@@ -10,7 +10,7 @@ parallel/ (layout, groups, CFG split), moe/ (experts, dispatchers, shared-MLP st
   HunyuanImage3ForCausalMM.forward         CFG parallel: this rank's branch, prediction gathered
   HunyuanImage3Model.__init__              one shared-MLP side stream for every MoE layer
   HunyuanImage3SDPAAttention.__init__/forward  attention TP: local heads, row-parallel o_proj
-  HunyuanMoE.__init__/forward              stacked experts + dispatcher + shared MLP
+  HunyuanMoE.__init__/forward              stacked experts, token dispatcher, shared MLP piece
 
 Every `make(original, device)` gets the device the adaptor was applied for: a model built outside
 `building(...)` is built for one process on it.
@@ -29,6 +29,8 @@ from torch import nn
 
 from .moe.dispatch import dispatcher_for
 from .moe.experts import GroupedExperts
+from .moe.gate import route
+from .moe.shared_mlp import SharedMlp
 from .parallel import cfg_split
 from .parallel.context import building, context_being_built
 from .parallel.layout import per_layer
@@ -100,8 +102,8 @@ def model_init(original, device):
             original(self, config, *args, **kwargs)
         stream = context.shared_mlp_stream()
         for layer in self.layers:
-            if hasattr(layer.mlp, "shared_mlp_stream"):
-                layer.mlp.shared_mlp_stream = stream
+            if isinstance(getattr(layer.mlp, "shared", None), SharedMlp):
+                layer.mlp.shared.use_stream(stream)
 
     return __init__
 
@@ -202,7 +204,7 @@ def _shrink_shared_mlp(mlp: nn.Module, shard) -> None:
 
 def moe_init(_original, device):
     """The original is not called: it would build E full experts. Upstream's `moe_impl` is ignored:
-    routing always follows its topkgating (moe/dispatch.py)."""
+    routing always follows its topkgating (moe/gate.py)."""
 
     def __init__(self, config, layer_idx=None):
         nn.Module.__init__(self)
@@ -221,8 +223,9 @@ def moe_init(_original, device):
         self.gate = upstream.HunyuanTopKGate(config, layer_idx=layer_idx)
         intermediate = per_layer(config.moe_intermediate_size or config.intermediate_size, layer_idx)
         self.experts = GroupedExperts(config.hidden_size, intermediate, shard, context.kernels, config.initializer_range)
-        self.dispatch = dispatcher_for(shard)
-        self.shared_mlp_stream = None           # set by the patched HunyuanImage3Model.__init__
+        self.dispatcher = dispatcher_for(shard, context, context.kernels)
+        # Inline until the patched HunyuanImage3Model.__init__ gives it the model's side stream.
+        self.shared = SharedMlp(getattr(self, "shared_mlp", None), context.kernels, context.device)
 
     return __init__
 
@@ -230,7 +233,12 @@ def moe_init(_original, device):
 def moe_forward(_original, _device):
     def forward(self, hidden_states):
         bsz, seq_len, hidden_size = hidden_states.shape
-        output = self.dispatch(self, hidden_states.reshape(-1, hidden_size))
-        return output.view(bsz, seq_len, hidden_size)
+        tokens = hidden_states.reshape(-1, hidden_size)
+        rows = self.dispatcher.local_rows(tokens)                   # EP: this rank's chunk
+        shared = self.shared.start(rows)                            # on the side stream, if any
+        topk_weight, topk_idx = route(self, rows)
+        routed = self.dispatcher.routed(self.experts, rows, topk_weight, topk_idx, add_to=shared.inline_output)
+        output = shared.join(routed)                                # after the side stream: the one add
+        return self.dispatcher.combine(output, tokens).view(bsz, seq_len, hidden_size)
 
     return forward

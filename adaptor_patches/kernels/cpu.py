@@ -19,6 +19,12 @@ activation and combine passes. The buffers only grow, to the largest layer call 
 accelerator's caching allocator; nothing in them outlives a call. One kernel set belongs to one
 model (kernels_for), so two models never share them; one model runs one forward at a time.
 
+Expert weights are stored with each expert's matrix [out, in]-major (expert_weight_storage: the
+same [E, in, out] tensor and values, transposed strides), the layout nn.Linear weights have. The
+CPU GEMMs read that one best: on a CPU without native bf16 (AVX2), `x @ w[e]` in bf16 ran 2.5-3x
+slower with [in, out]-major weights than with [out, in]-major ones (bench/profile_step.py,
+docs/BENCHMARKS.md), which made the adaptor's denoising step slower than upstream eager's.
+
 One host sync per layer (the counts), free on CPU where there is no device queue.
 """
 from __future__ import annotations
@@ -28,7 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .torch_kernels import GroupedMmKernels, expert_counts
+from .torch_kernels import GroupedMmKernels, LoopKernels, expert_counts, grouped_mm_applies
 
 MAX_PADDING = 0.25       # padded bmm only while E * largest_group <= (1 + MAX_PADDING) * T * K
 
@@ -47,6 +53,16 @@ class CpuKernels(GroupedMmKernels):
         if buffer is None or buffer.numel() < numel:
             buffer = self._scratch_buffers[key] = like.new_empty(numel)
         return buffer[:numel].view(shape)
+
+    def expert_weight_storage(self, w):
+        """[E, in, out] with each expert's matrix stored [out, in]-major (see the module docstring)."""
+        return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def grouped_matmul(self, x, w, counts):
+        """The grouped matmul reading w in whatever strides it is stored (no copy of the weights)."""
+        if x.shape[0] == 0 or not grouped_mm_applies(x, w):
+            return LoopKernels.grouped_matmul(self, x, w, counts)
+        return torch._grouped_mm(x.contiguous(), w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
 
     def routed_experts(self, x, topk_weight, topk_idx, w13, w2, add_to=None):
         if x.shape[0] == 0:

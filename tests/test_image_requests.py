@@ -87,8 +87,8 @@ def test_cli_refuses_a_bad_line_before_loading_and_writes_nothing(tiny_model, tm
     ([], "error: prompt: pass exactly one of"),
     (["--serve", "--save", "x.png"], "error: save: only with --prompt"),
     (["--prompts", "p.txt", "--rounds", "2"], "error: rounds: only with --prompt"),
-    (["--serve", "--port", "70000"], "error: port: 70000 is not in 0..65535"),
-    (["--serve", "--queue-size", "0"], "error: queue-size: must be >= 1"),
+    (["--serve", "--port", "70000"], "error: port: 70000 is not an integer in 0..65535"),
+    (["--serve", "--queue-size", "0"], "error: queue-size: 0 is not an integer >= 1"),
 ])
 def test_cli_mode_flags_are_checked(tiny_model, tmp_path, argv, message):
     (tmp_path / "p.txt").write_text("a fox\n")

@@ -56,6 +56,13 @@ def test_a_bad_line_names_its_number_and_field(tmp_path, line, message):
     assert str(info.value).startswith(message), str(info.value)
 
 
+def test_a_request_survives_the_broadcast_to_the_other_ranks():
+    """rank 0 hands requests to the others with broadcast_object_list, i.e. pickle."""
+    import pickle
+    request = ImageRequest("a fox", seed=3, image_size="64x48", label="line 2")
+    assert pickle.loads(pickle.dumps(request)) == request
+
+
 def test_an_empty_file_is_refused(tmp_path):
     with pytest.raises(RequestError, match="has no prompt"):
         read_prompts_file(write(tmp_path, "p.txt", "\n# only a comment\n"), DEFAULTS, tmp_path)

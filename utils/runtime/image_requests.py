@@ -24,8 +24,8 @@ from utils.runtime.output_rule import OutputRule, prompts_file_save
 from utils.runtime.request_schema import REQUEST, REQUEST_FIELDS, FieldError, is_int, request_type  # noqa: F401
 
 LINE_FIELDS = tuple(f.name for f in REQUEST_FIELDS)
-ImageRequest = request_type(extra=(("save_text", None),      # rank 0 writes the think / recaption text here
-                                   ("label", "prompt")))     # how messages name it: "line 3", "request 7"
+ImageRequest = request_type(__name__, extra=(("save_text", None),      # rank 0 writes the think / recaption text
+                                             ("label", "prompt")))     # how messages name it: "line 3", "request 7"
 
 
 class RequestError(FieldError):

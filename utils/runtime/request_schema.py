@@ -214,11 +214,14 @@ def add_arguments(parser: argparse.ArgumentParser, names, **defaults) -> None:
         parser.add_argument(f"--{spec.flag}", **kwargs)
 
 
-def request_type(extra=()):
-    """ImageRequest: one frozen dataclass attribute per request field, plus `extra` (name, default)."""
+def request_type(module: str, extra=()):
+    """ImageRequest: one frozen dataclass attribute per request field, plus `extra` (name, default).
+    `module` is where it is bound as `ImageRequest`: rank 0 pickles requests to the other ranks."""
     fields = [(f.name, Any, dataclass_field(default=f.default)) for f in REQUEST_FIELDS if f.name != "prompt"]
     fields = [("prompt", str)] + fields + [(name, Any, dataclass_field(default=default)) for name, default in extra]
-    return make_dataclass("ImageRequest", fields, frozen=True)
+    cls = make_dataclass("ImageRequest", fields, frozen=True)
+    cls.__module__ = module
+    return cls
 
 
 def first_problem(values: dict, rename: Callable[[str], str] = lambda name: name) -> None:

@@ -271,10 +271,14 @@ class ImageServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def error(self, code: int, message: str, param=None, kind="invalid_request_error", headers=()):
+            def error(self, code: int, message: str, param=None, kind="invalid_request_error", headers=(),
+                      refusal=None):
+                """OpenAI's error shape; a schema refusal also carries its problem and fix apart."""
                 server.metrics.count(code)
-                self.send_json(code, {"error": {"message": message, "type": kind, "param": param, "code": code}},
-                               headers)
+                body = {"message": message, "type": kind, "param": param, "code": code}
+                if refusal is not None:
+                    body.update(problem=refusal.problem, fix=refusal.fix)
+                self.send_json(code, {"error": body}, headers)
 
             def do_GET(self):
                 if self.path == "/health":
@@ -329,7 +333,7 @@ class ImageServer:
                 except RecursionError:
                     return self.error(400, "body is JSON nested too deep; send a flat object")
                 except BadRequest as exc:
-                    return self.error(400, str(exc), exc.param)
+                    return self.error(400, str(exc), exc.param, refusal=exc)
                 if server.stopping.is_set():
                     return self.error(503, "server is shutting down", kind="unavailable")
                 if not server.loaded.is_set():

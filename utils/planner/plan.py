@@ -20,6 +20,7 @@ from pathlib import Path
 
 
 from utils.planner.memory_plan import GiB, plan, shortfall
+from adaptor_patches.kernels.device import BACKEND_KINDS
 
 MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*\Z", re.I)
 UNITS = {None: 1, "mib": 2**20, "mb": 10**6, "gib": 2**30, "gb": 10**9, "tib": 2**40, "tb": 10**12}
@@ -48,10 +49,11 @@ def parse_size(text: str, config) -> tuple:
     if text in (None, "auto"):
         height = width = config.image_base_size
     else:
-        parts = text.replace(":", "x").split("x")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        from utils.runtime.request_schema import parse_image_size
+        sides = parse_image_size(text)
+        if sides is None:
             raise PlanError(f"image-size: {text!r} is not HxW; write e.g. 1024x1024")
-        height, width = int(parts[0]), int(parts[1])
+        height, width = sides
     snapped_width, snapped_height = ResolutionGroup(base_size=config.image_base_size).get_target_size(width, height)
     return snapped_height, snapped_width
 
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--moe-ep", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
     p.add_argument("--image-size", default=None, help="HxW (default: the model's base size)")
-    p.add_argument("--device", default="npu", choices=["npu", "cuda", "cpu"])
+    p.add_argument("--device", default="npu", choices=BACKEND_KINDS)
     p.add_argument("--device-memory", default=None, help="e.g. 64GiB: check the fit")
     p.add_argument("--fit-table", default=None, help="comma-separated memories: which layouts fit each")
     p.add_argument("--json", type=Path, default=None)

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 from utils.selfcheck.checks import SHAPES, Result
+from adaptor_patches.kernels.device import DEVICE_CHOICES
 
 SECTIONS = ("env", "kernels", "moe-stream", "collectives", "generation")
 ENV_PREFIXES = ("HCCL_", "NCCL_", "ASCEND_", "PYTORCH_NPU_", "PYTORCH_CUDA_", "TASK_QUEUE", "CPU_AFFINITY",
@@ -43,7 +44,7 @@ class UsageError(Exception):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="selfcheck", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     p.add_argument("--nproc", type=int, default=None, help="ranks for collectives and generation "
                    "(default: every device of the node; 2 on CPU)")
     p.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="default: real on accelerators, small on CPU")

@@ -220,7 +220,8 @@ def moe_init(_original, device):
             _shrink_shared_mlp(self.shared_mlp, shard)
         self.gate = upstream.HunyuanTopKGate(config, layer_idx=layer_idx)
         intermediate = per_layer(config.moe_intermediate_size or config.intermediate_size, layer_idx)
-        self.experts = GroupedExperts(config.hidden_size, intermediate, shard, context.kernels, config.initializer_range)
+        self.experts = GroupedExperts(config.hidden_size, intermediate, shard, context.kernels,
+                                      config.initializer_range, context.expert_format)
         self.dispatch = dispatcher_for(shard)
         self.shared_mlp_stream = None           # set by the patched HunyuanImage3Model.__init__
 

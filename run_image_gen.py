@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--multi-stream", choices=["on", "off"], default=None)
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
+    p.add_argument("--quantize", default=None, metavar="none|int8|fp8",
+                   help="routed experts in 8 bit, quantized while loading (default: an 8-bit converted folder's "
+                        "format, else none = bf16); docs/QUANTIZATION.md")
     p.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S,
                    help="seconds a collective may wait for the other ranks before the job ends with an error "
                         f"(default {DEFAULT_DIST_TIMEOUT_S:.0f}: a load can keep ranks apart for minutes)")
@@ -141,6 +144,10 @@ def validate(args):
     if args.seed is not None and not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
         raise UsageError(f"seed: {args.seed} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]}; pass a seed in that range "
                          f"or none (rank 0 picks one)")
+    from adaptor_patches.weights.quantized import QUANTIZE_CHOICES
+    if args.quantize is not None and args.quantize not in QUANTIZE_CHOICES:
+        raise UsageError(f"quantize: {args.quantize!r} is not one of {', '.join(QUANTIZE_CHOICES)}; pick one "
+                         f"(none keeps the experts bf16)")
     if args.dist_timeout <= 0:
         raise UsageError(f"dist-timeout: must be > 0 seconds, got {args.dist_timeout}")
     model_dir = Path(args.model_id)
@@ -355,6 +362,7 @@ def run(args, phase: "JobPhase | None" = None):
     layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
     checkpoint = open_checked_checkpoint(args, layout, rank, per_rank)
+    expert_format = check_checkpoint(checkpoint.directory, layout, rank, per_rank, args.quantize)
     if args.prompt is not None:
         check_prompt_length(args)
     log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
@@ -373,14 +381,14 @@ def run(args, phase: "JobPhase | None" = None):
     if args.reproduce:
         set_reproducibility(torch, seed)
     log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
-        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} seed={seed}")
+        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} experts={expert_format or 'bf16'} seed={seed}")
     attn_impl, moe_impl, notes = implementations(args, device.kind, context.kernels.name)
     for note in notes:
         log(note)
 
     with torch.no_grad():
         phase.name = "loading weights"
-        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank)
+        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank, quantize=args.quantize)
         if dist is not None:
             phase.name = "waiting for the other ranks to finish loading"
             dist.barrier()

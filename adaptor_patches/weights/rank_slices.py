@@ -41,6 +41,7 @@ class RankTensor:
     dtype: str                              # safetensors dtype name
     read: Callable                          # read(CheckpointFiles) -> torch.Tensor
     stored: Optional[StoredTensor] = None   # set when it is a stored tensor unchanged (a byte copy)
+    read_expert: Optional[Callable] = None  # expert stacks: read_expert(files, i) -> local expert i [in, out]
 
     @property
     def nbytes(self) -> int:
@@ -127,7 +128,10 @@ class _RankSplitter:
                 out[i] = piece(files, expert)
             return out
 
-        return RankTensor(f"model.layers.{layer}.mlp.experts.{name}", shape, first.dtype, read)
+        def read_expert(files, i):
+            return piece(files, shard.local_expert_ids[i])
+
+        return RankTensor(f"model.layers.{layer}.mlp.experts.{name}", shape, first.dtype, read, read_expert=read_expert)
 
 
 def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -> list:

@@ -14,8 +14,8 @@
 * bad inputs: one `error:` line each (unknown --quantize, a contradicting --quantize, a missing
   scale, a scale of the wrong shape or dtype, a manifest that disagrees with the tensors).
 * slow: images with --quantize int8 / fp8 vs bf16 on the replicated, CFG, MoE TP and MoE EP
-  layouts (PSNR >= 30 dB; measured below), each equal to the single-process 8-bit image within
-  test_layouts' parallel bounds; converted --int8 == quantized at load, the recipe's --int8
+  layouts (PSNR >= 30 dB; measured values in the tests), each as close to the single-process
+  8-bit image as bf16 is to its own; converted --int8 == quantized at load, the recipe's --int8
   folder == ours, image for image.
 """
 import contextlib
@@ -58,6 +58,7 @@ def assert_one_error(proc, start, code=2):
 
 # ---------------------------------------------------------------- formats
 
+@pytest.mark.compat
 def test_int8_is_within_half_a_step_and_fp8_within_its_rounding():
     from adaptor_patches.kernels.quant import dequantize, quantize_per_channel
     torch.manual_seed(0)
@@ -74,6 +75,7 @@ def test_int8_is_within_half_a_step_and_fp8_within_its_rounding():
     assert (err <= bound * (1 + 1e-4)).all()
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_an_all_zero_channel_dequantizes_to_zero(fmt):
     from adaptor_patches.kernels.quant import dequantize, quantize_per_channel
@@ -96,6 +98,7 @@ def routed_inputs(tokens, experts=6, hidden=64, inter=40, topk=2, seed=0):
     return x, torch.rand(tokens, topk), idx, w13, w2
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("form", ["loop", "grouped_mm", "cpu"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens", [96, 1], ids=["prefill", "decode"])
@@ -115,6 +118,7 @@ def test_w8a16_equals_the_kernel_set_on_dequantized_weights(form, fmt, tokens, m
                        kernels.expert_mlp(grouped_rows, dequantize(q13, s13), dequantize(q2, s2), counts))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("form", ["loop", "cpu"])
 def test_only_the_routed_experts_are_dequantized(form, monkeypatch):
     from adaptor_patches.kernels import cpu, make_kernels, torch_kernels
@@ -233,9 +237,14 @@ def split_layout(split):
 @pytest.mark.parametrize("split", [pytest.param("one", marks=pytest.mark.slow), "tp2",
                                    pytest.param("ep2", marks=pytest.mark.slow)])
 def test_every_way_in_gives_the_same_8bit_weights(tiny_model, folders, split):
+    from adaptor_patches.weights.rank_slices import rank_state_dict
     layout = split_layout(SPLITS[split])
+    full = {k: v for path in sorted(tiny_model.glob("*.safetensors")) for k, v in load_file(path).items()}
+    config = json.loads((tiny_model / "config.json").read_text())
     for rank in range(layout.tp):
         at_load = rank_tensors_read(tiny_model, layout, rank, "int8")
+        in_memory = rank_state_dict(full, config, layout, rank, "int8")       # the layer tests' route
+        assert_same_tensors(in_memory, {k: at_load[k] for k in in_memory})
         assert at_load["model.layers.0.mlp.experts.w13"].dtype == torch.int8
         assert_same_tensors(rank_tensors_read(folders[f"int8_{split}"], layout, rank), at_load)
         assert_same_tensors(rank_tensors_read(folders[f"recipe_int8_{split}"], layout, rank), at_load)
@@ -438,9 +447,9 @@ IMAGE_LAYOUTS = {"cfg2": (2, ["--cfg-parallel"]), "tp2_cfg2_moe_tp": (4, ["--cfg
 
 @pytest.fixture(scope="module")
 def images(gained, tmp_path_factory):
-    """{(layout, format): (png, latents)}: single process bf16 / int8 / fp8 and a converted --int8
-    folder, then every multi-rank layout in 8 bit and the recipe's --int8 EP2 folder vs ours, on one
-    pool per world size."""
+    """{(layout, format): (png, latents)}: bf16 / int8 / fp8 on one process and on every multi-rank
+    layout, a converted --int8 folder, and the recipe's --int8 EP2 folder vs ours, on one pool
+    per world size."""
     out = tmp_path_factory.mktemp("quant_images")
     converted = convert(gained, out / "int8_one", "--int8")
     recipe = make_recipe_checkpoint(gained, out / "recipe_int8_ep2", 2, 1, 2, int8=True)
@@ -449,7 +458,7 @@ def images(gained, tmp_path_factory):
     made[("converted", "int8")] = generate(converted, out, "converted_int8")[:2]
     jobs = {}
     for layout, (nproc, flags) in IMAGE_LAYOUTS.items():
-        for fmt in FORMATS:
+        for fmt in ("none",) + FORMATS:
             png, latents, args = generate_args(gained, out, f"{layout}_{fmt}", *flags, "--quantize", fmt)
             jobs.setdefault(nproc, []).append(((layout, fmt), (png, latents), args))
     for name, model in (("ours_ep2", gained), ("recipe_ep2", recipe)):
@@ -457,7 +466,7 @@ def images(gained, tmp_path_factory):
         jobs[2].append(((name, "int8"), (png, latents), args))
     for nproc, pool in sorted(jobs.items()):
         for (key, files, _), proc in zip(pool, run_in_pool(nproc, [args for _, _, args in pool])):
-            assert "experts=int8" in proc.stdout or "experts=fp8" in proc.stdout, proc.stdout[-2000:]
+            assert f"experts={'bf16' if key[1] == 'none' else key[1]}" in proc.stdout, proc.stdout[-2000:]
             made[key] = files
     return made
 
@@ -466,13 +475,32 @@ def images(gained, tmp_path_factory):
 @pytest.mark.parametrize("layout", ["single"] + list(IMAGE_LAYOUTS))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_8bit_image_is_close_to_bf16_on_every_layout(images, layout, fmt):
-    png, latents = images[(layout, fmt)]
-    db = psnr(png, images[("single", "none")][0])
-    same_db, same_err = psnr(png, images[("single", fmt)][0]), latent_rel_err(latents, images[("single", fmt)][1])
-    print(f"{layout} {fmt}: vs bf16 PSNR {db:.1f} dB; vs single-process {fmt} PSNR {same_db:.1f} dB, "
-          f"latent rel err {same_err:.2e}")
+    """8-bit vs bf16 on the same layout (the quantization alone): >= 30 dB. Measured: int8 45.3 /
+    45.0 / 51.4 / 52.2 dB (single, cfg2, tp2_cfg2_moe_tp, ep2_cfg2_moe_ep), fp8 44.5 / 44.1 / 48.2 /
+    45.7 dB. With the experts zeroed the image is 27 dB from bf16, so a broken 8-bit path fails."""
+    png = images[(layout, fmt)][0]
+    db = psnr(png, images[(layout, "none")][0])
+    print(f"{layout} {fmt}: vs bf16 on the same layout PSNR {db:.1f} dB")
     assert db >= IMAGE_PSNR_MIN_DB, (layout, fmt, db)
-    assert same_db >= PARALLEL_PSNR_MIN_DB and same_err <= PARALLEL_LATENT_ERR_MAX, (layout, fmt, same_db, same_err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(IMAGE_LAYOUTS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_8bit_image_on_each_layout_matches_single_process_as_bf16_does(images, layout, fmt):
+    """The 8-bit image of a layout vs the single-process 8-bit image, within test_layouts' bounds
+    (40 dB, latent rel err 3e-2), the latent bound widened to 1.5x what bf16 itself measures
+    between that layout and one process on this checkpoint (its decisive experts carry the TP
+    partial-sum rounding further: bf16 44.5 / 44.7 dB, 3.5e-2 on the TP2 layouts, 52.6 dB /
+    1.0e-2 on CFG2). Measured 8-bit: int8 52.9 / 49.7 / 50.0 dB, 1.1e-2 / 1.9e-2 / 1.8e-2 (cfg2,
+    tp2_cfg2_moe_tp, ep2_cfg2_moe_ep); fp8 52.5 / 49.4 / 46.9 dB, 1.2e-2 / 2.0e-2 / 2.8e-2."""
+    def difference(name):
+        return (psnr(images[(layout, name)][0], images[("single", name)][0]),
+                latent_rel_err(images[(layout, name)][1], images[("single", name)][1]))
+    (bf16_db, bf16_err), (db, err) = difference("none"), difference(fmt)
+    print(f"{layout}: vs single process, bf16 {bf16_db:.1f} dB / {bf16_err:.2e}, {fmt} {db:.1f} dB / {err:.2e}")
+    assert db >= min(PARALLEL_PSNR_MIN_DB, bf16_db - 3), (layout, fmt, db, bf16_db)
+    assert err <= max(PARALLEL_LATENT_ERR_MAX, 1.5 * bf16_err), (layout, fmt, err, bf16_err)
 
 
 @pytest.mark.slow

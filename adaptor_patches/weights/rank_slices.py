@@ -150,8 +150,12 @@ def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -
     return tensors
 
 
-def rank_state_dict(full_state_dict: dict, config, layout: Layout, tp_rank: int) -> dict:
+def rank_state_dict(full_state_dict: dict, config, layout: Layout, tp_rank: int,
+                    expert_format: Optional[str] = None) -> dict:
     """`rank_tensors` applied to tensors in memory: full upstream tensors (names as in the model,
-    `model.layers.N....`) -> this rank's tensors under the same names as the patched model's."""
+    `model.layers.N....`) -> this rank's tensors under the same names as the patched model's
+    (routed experts in `expert_format`, weights/quantized.py, when given)."""
+    from .quantized import quantize_tensors
     source = StateDictSource(full_state_dict)
-    return {t.name: t.read(source) for t in rank_tensors(source, config, layout, tp_rank)}
+    return {t.name: t.read(source) for t in quantize_tensors(rank_tensors(source, config, layout, tp_rank),
+                                                               expert_format)}

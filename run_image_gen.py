@@ -357,7 +357,7 @@ def run(args, phase: "JobPhase | None" = None):
     from adaptor_patches.metrics import PhaseTimer
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import load_model
+    from adaptor_patches.weights.load import check_checkpoint, load_model
 
     layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout

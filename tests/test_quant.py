@@ -305,6 +305,8 @@ class Book:
 def test_quantizing_while_loading_never_holds_a_layer_of_bf16_experts(tmp_path, monkeypatch):
     from adaptor_patches.weights import load as load_module
     from utils.make_tiny_model import make_tiny_model
+    import model_adaptor
+    model_adaptor.remove()                 # upstream's own classes write the checkpoint (load() applies it again)
     model = make_tiny_model(tmp_path / "sixteen", experts=16)
     config = json.loads((model / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["moe_intermediate_size"]

@@ -75,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--multi-stream", choices=["on", "off"], default=None)
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
-    schema.add_arguments(p, ["dist_timeout"])
+    schema.add_arguments(p, ["dist_timeout", "quantize"])
     return p.parse_args(argv)
 
 
@@ -340,11 +340,12 @@ def run(args, phase: "JobPhase | None" = None):
     from adaptor_patches.metrics import PhaseTimer
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import load_model
+    from adaptor_patches.weights.load import check_checkpoint, load_model
 
     layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
     checkpoint = open_checked_checkpoint(args, layout, rank, per_rank)
+    expert_format = check_checkpoint(checkpoint.directory, layout, rank, per_rank, args.quantize)
     if args.prompt is not None:
         check_prompt_length(args)
     log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
@@ -363,14 +364,14 @@ def run(args, phase: "JobPhase | None" = None):
     if args.reproduce:
         set_reproducibility(torch, seed)
     log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
-        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} seed={seed}")
+        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} experts={expert_format or 'bf16'} seed={seed}")
     attn_impl, moe_impl, notes = implementations(args, device.kind, context.kernels.name)
     for note in notes:
         log(note)
 
     with torch.no_grad():
         phase.name = "loading weights"
-        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank)
+        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank, quantize=args.quantize)
         if dist is not None:
             phase.name = "waiting for the other ranks to finish loading"
             dist.barrier()

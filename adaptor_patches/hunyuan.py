@@ -222,7 +222,8 @@ def moe_init(_original, device):
             _shrink_shared_mlp(self.shared_mlp, shard)
         self.gate = upstream.HunyuanTopKGate(config, layer_idx=layer_idx)
         intermediate = per_layer(config.moe_intermediate_size or config.intermediate_size, layer_idx)
-        self.experts = GroupedExperts(config.hidden_size, intermediate, shard, context.kernels, config.initializer_range)
+        self.experts = GroupedExperts(config.hidden_size, intermediate, shard, context.kernels,
+                                      config.initializer_range, context.expert_format)
         self.dispatcher = dispatcher_for(shard, context, context.kernels)
         # Inline until the patched HunyuanImage3Model.__init__ gives it the model's side stream.
         self.shared = SharedMlp(getattr(self, "shared_mlp", None), context.kernels, context.device)

@@ -451,4 +451,11 @@ def test_recipe_converted_folder_layout_is_checked_before_launch(tmp_path, base,
     assert_one_error(res, f"error: model_args.model-id: {recipe_ep2['ep2']} is converted (by cann-recipes) for "
                           f"tp_attn=2 tp_moe=1 ep=2 but this run is tp_attn=2 tp_moe=2 ep=1")
     base["model_args"].update({"model-id": str(recipe_ep2["int8"]), "moe-ep": True, "moe-tp": False})
-    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"), "holds int8-quantized experts")
+    res = run_launcher(write_yaml(tmp_path, base), "--dry-run")
+    assert res.returncode == 0, res.stderr               # an 8-bit folder runs 8-bit without a flag
+    base["model_args"]["quantize"] = "fp8"
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"),
+                     f"error: model_args.quantize: {recipe_ep2['int8']} holds int8 experts but --quantize is fp8")
+    base["model_args"]["quantize"] = "int4"
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"),
+                     "error: model_args.quantize: 'int4' is not one of none, int8, fp8")

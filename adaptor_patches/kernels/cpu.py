@@ -26,6 +26,10 @@ slower with [in, out]-major weights than with [out, in]-major ones (bench/profil
 docs/BENCHMARKS.md), which made the adaptor's denoising step slower than upstream eager's.
 
 One host sync per layer (the counts), free on CPU where there is no device queue.
+
+8-bit experts (`scales` given): both padded projections go through quantized_grouped_matmul with
+every group `largest` rows, which here runs as one bmm per chunk of experts, each chunk dequantized
+just before it (torch_kernels.dequant_chunks); the grouped path dequantizes the same way.
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .torch_kernels import GroupedMmKernels, LoopKernels, expert_counts, grouped_mm_applies
+from .torch_kernels import (GroupedMmKernels, LoopKernels, dequant_chunks, dequantize_experts, expert_counts,
+                            grouped_mm_applies)
 
 MAX_PADDING = 0.25       # padded bmm only while E * largest_group <= (1 + MAX_PADDING) * T * K
 
@@ -64,13 +69,13 @@ class CpuKernels(GroupedMmKernels):
             return LoopKernels.grouped_matmul(self, x, w, counts)
         return torch._grouped_mm(x.contiguous(), w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
 
-    def routed_experts(self, x, topk_weight, topk_idx, w13, w2, add_to=None):
+    def routed_experts(self, x, topk_weight, topk_idx, w13, w2, add_to=None, scales=None):
         if x.shape[0] == 0:
-            return super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to)
-        out = self.routed_padded(x, topk_weight, topk_idx, w13, w2, add_to)
-        return out if out is not None else super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to)
+            return super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to, scales)
+        out = self.routed_padded(x, topk_weight, topk_idx, w13, w2, add_to, scales)
+        return out if out is not None else super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to, scales)
 
-    def routed_padded(self, x, topk_weight, topk_idx, w13, w2, add_to=None):
+    def routed_padded(self, x, topk_weight, topk_idx, w13, w2, add_to=None, scales=None):
         """routed_experts as padded bmm, or None when padding would cost too much."""
         num_experts, rows = w13.shape[0], topk_idx.numel()
         flat = topk_idx.reshape(-1)
@@ -92,15 +97,35 @@ class CpuKernels(GroupedMmKernels):
         # Zero pad rows give exactly zero outputs, whatever the expert computes for real rows.
         padded = torch.index_select(x, 0, token_of_slot, out=self._scratch("rows", (slots, x.shape[1]), x))
         padded.index_fill_(0, is_pad.nonzero().squeeze(1), 0)
-        gate_up = torch.bmm(padded.view(num_experts, largest, -1), w13,
-                            out=self._scratch("gate_up", (num_experts, largest, w13.shape[2]), x))
+        if scales is None:
+            gate_up = torch.bmm(padded.view(num_experts, largest, -1), w13,
+                                out=self._scratch("gate_up", (num_experts, largest, w13.shape[2]), x))
+        else:
+            equal = torch.full((num_experts,), largest, dtype=torch.int64)
+            gate_up = self.quantized_grouped_matmul(padded, w13, scales[0], equal).view(num_experts, largest, -1)
         hidden = _swiglu_(gate_up).mul_(weight_of_slot.view(num_experts, largest, 1))
-        out = torch.bmm(hidden, w2, out=padded.view(num_experts, largest, -1)).view(slots, -1)    # rows are spent
+        if scales is None:
+            out = torch.bmm(hidden, w2, out=padded.view(num_experts, largest, -1)).view(slots, -1)  # rows are spent
+        else:
+            out = self.quantized_grouped_matmul(hidden.reshape(slots, -1), w2, scales[1], equal)
         acc = _accumulator(x, w2.shape[-1], add_to)
         acc.index_add_(0, token_of_slot, out if out.dtype == acc.dtype else out.float())
         if add_to is None:
             return acc.to(x.dtype)
         return add_to if acc is add_to else add_to.copy_(acc)
+
+    def quantized_grouped_matmul(self, x, q, scale, counts):
+        """Equal groups (the padded path): one bmm per chunk of dequantized experts; else the
+        grouped form of torch_kernels."""
+        sizes = counts.tolist()
+        if x.shape[0] == 0 or min(sizes) != max(sizes):
+            return super().quantized_grouped_matmul(x, q, scale, counts)
+        rows = sizes[0]
+        grouped, out = x.view(len(sizes), rows, -1), x.new_empty(len(sizes), rows, q.shape[-1])
+        for first, stop, _ in dequant_chunks(sizes, q, x.element_size()):
+            torch.bmm(grouped[first:stop], dequantize_experts(q[first:stop], scale[first:stop], x.dtype),
+                      out=out[first:stop])
+        return out.view(x.shape[0], -1)
 
     def shared_mlp(self, x, gate_and_up, down):
         """down(x1 * silu(x2)), [x1 | x2] = x @ gate_and_up^T (upstream's halves), gate/up in scratch."""

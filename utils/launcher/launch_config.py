@@ -244,7 +244,7 @@ def check_model_args(margs, build_tiny: bool, config_path: Path | None = None) -
         if value not in allowed:
             why = f" ({UNSUPPORTED_IMPLS[value]})" if value in UNSUPPORTED_IMPLS else ""
             fix = f"use one of {', '.join(allowed)}"
-            if key != "sys-deepseek-prompt":
+            if key in ("attn-impl", "moe-impl"):
                 fix += " (on an NPU the fused NPU kernels run with any of them)"
             raise ConfigError(f"model_args.{key}", f"{value!r} is not one of {'|'.join(allowed)}{why}", fix)
     if get("multi-stream") not in (None, True, False, "on", "off"):
@@ -351,7 +351,7 @@ def open_model(path: Path):
 def _config_error(e) -> "ConfigError":
     field, _, rest = str(e).partition(": ")
     problem, _, fix = rest.partition("; ")
-    field = f"model_args.{field}" if field == "model-id" else field
+    field = f"model_args.{field}" if field in ("model-id", "quantize") else field
     return ConfigError(field, problem, fix or "see config/README.md")
 
 
@@ -370,16 +370,20 @@ def check_parallel(job: dict, config: dict | None, env: dict):
         )
         if config is not None:
             layout.check(config)
-            check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims")
+            check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims",
+                            margs.get("quantize"))
         return layout
     except LayoutError as e:
         raise _config_error(e) from None
 
 
-def check_converted(model_dir: Path, layout, per_rank: bool) -> None:
+def check_converted(model_dir: Path, layout, per_rank: bool, quantize=None) -> None:
     """The checkpoint as the ranks will check it: converted (ours or the cann-recipes converter's)
-    for this layout, every index and shard header sound, an original's shapes as config.json says."""
+    for this layout, every index and shard header sound, an original's shapes as config.json says;
+    8-bit experts with their scales, and model_args.quantize agreeing with an 8-bit folder."""
+    from adaptor_patches.weights.load import check_checkpoint
     checkpoint = open_model(model_dir)
     checkpoint.check_run(layout, 0, per_rank=per_rank)
     if checkpoint.has_weights:          # a config.json alone is planned, not checked (the ranks refuse it)
         checkpoint.verify()
+        check_checkpoint(model_dir, layout, 0, per_rank=per_rank, quantize=quantize)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field as dataclass_field, make_dataclass
 from typing import Any, Callable, Optional
 
 from adaptor_patches.kernels.device import DEVICE_CHOICES
+from adaptor_patches.kernels.quant import FORMATS as EXPERT_FORMATS
 from utils.runtime.errors import FieldError, UsageError  # noqa: F401  (the schema's refusals)
 
 SEED_RANGE = (0, 2**32 - 1)
@@ -171,6 +172,9 @@ JOB_OPTIONS = (
     Field("dist_timeout", "float", 1200.0, "seconds a collective may wait for the other ranks before the job ends "
           "with an error (default 1200: a load can keep ranks apart for minutes)", 0, MAX_DIST_TIMEOUT_S,
           example="1200"),
+    Field("quantize", "choice", None, "routed experts in 8 bit, quantized while loading (default: an 8-bit "
+          "converted folder's format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS,
+          optional=True),
 )
 JOB = {f.name: f for f in JOB_OPTIONS}
 ALL = {**REQUEST, **JOB}

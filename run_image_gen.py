@@ -75,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--multi-stream", choices=["on", "off"], default=None)
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
-    schema.add_arguments(p, ["dist_timeout", "quantize"])
+    schema.add_arguments(p, ["dist_timeout", "quantize", "quant_compute"])
     return p.parse_args(argv)
 
 
@@ -355,8 +355,16 @@ def run(args, phase: "JobPhase | None" = None):
     device = resolve(args.device, int(os.environ.get("LOCAL_RANK", 0)), cpu_noise=args.noise_on_cpu)
     device = model_adaptor.apply(device, shims_only=args.adaptor == "shims")
     device.make_current()
+    from adaptor_patches.kernels import kernels_for, quant_compute_problem, quant_problem
+    problem = quant_compute_problem(device.kind, args.quant_compute)
+    if problem:
+        raise UsageError(problem)
     multi_stream = {"on": True, "off": False, None: None}[args.multi_stream]
-    context = RankContext(layout, rank, device, multi_stream, text_to_image_only=args.adaptor == "full")
+    context = RankContext(layout, rank, device, multi_stream, text_to_image_only=args.adaptor == "full",
+                          kernels=kernels_for(device.kind, quant_compute=args.quant_compute))
+    problem = quant_problem(device.kind, expert_format, args.quant_compute)
+    if problem:
+        raise UsageError(problem)
     phase.name = "joining the process group"
     dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
     phase.name = "agreeing on the seed"

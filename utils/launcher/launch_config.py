@@ -247,6 +247,9 @@ def check_model_args(margs, build_tiny: bool, config_path: Path | None = None) -
             if key in ("attn-impl", "moe-impl"):
                 fix += " (on an NPU the fused NPU kernels run with any of them)"
             raise ConfigError(f"model_args.{key}", f"{value!r} is not one of {'|'.join(allowed)}{why}", fix)
+    if get("quant-compute", "weight") == "8bit" and get("device", "auto") in ("cuda", "cpu"):
+        raise ConfigError("model_args.quant-compute", f"8bit (W8A8) runs only on npu, the job's device is "
+                          f"{get('device')}", "use quant-compute: weight")
     if get("multi-stream") not in (None, True, False, "on", "off"):
         raise ConfigError("model_args.multi-stream", f"{margs['multi-stream']!r} is not on|off", "use on or off")
     config = model_config(get("model-id"), build_tiny)

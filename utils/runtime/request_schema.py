@@ -175,6 +175,8 @@ JOB_OPTIONS = (
     Field("quantize", "choice", None, "routed experts in 8 bit, quantized while loading (default: an 8-bit "
           "converted folder's format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS,
           optional=True),
+    Field("quant_compute", "choice", "weight", "8-bit experts: weight = W8A16 (8-bit weights, bf16 activations; "
+          "every device), 8bit = W8A8 (activations per token too; NPU, int8 experts)", choices=("weight", "8bit")),
 )
 JOB = {f.name: f for f in JOB_OPTIONS}
 ALL = {**REQUEST, **JOB}

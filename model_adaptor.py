@@ -89,9 +89,10 @@ PATCHES = (
           "upstream's attention on the local heads through the kernel set; one all-reduce after o_proj"),
     Patch(f"{H}:HunyuanMoE", "__init__", hunyuan.moe_init,
           "experts stacked for grouped matmul (this rank's EP/TP share), shared MLP split under TP, "
-          "a dispatcher (replicated / TP all-reduce / EP all-to-all) and the kernel set chosen once"),
+          "a token dispatcher (replicated / TP all-reduce / EP all-to-all), the shared-MLP piece (its stream "
+          "and two events) and the kernel set chosen once"),
     Patch(f"{H}:HunyuanMoE", "forward", hunyuan.moe_forward,
-          "dropless sort-by-expert routing + grouped matmul through the dispatcher; shared MLP on the side stream"),
+          "shared MLP started (side stream), gate, dispatch, experts, combine, the one add of the shared output"),
     Patch(f"{VAE}:Decoder", "__init__", autoencoder_kl_3d.decoder_init,
           "the VAE decoder remembers the RankContext it is built for (its split)"),
     Patch(f"{VAE}:Decoder", "forward", autoencoder_kl_3d.decoder_forward,

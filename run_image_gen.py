@@ -12,7 +12,6 @@ prompts file: utils/runtime/batch_job.py) and `--serve` (an HTTP images API on r
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -24,58 +23,49 @@ from dataclasses import replace
 from pathlib import Path
 
 from utils.runtime import many_images
-from utils.runtime.image_requests import RequestError, add_step_cache_arguments, step_cache_from_flags
+from utils.runtime import request_schema as schema
 from utils.runtime.many_images import default_request
-from utils.runtime.outputs import UsageError, check_output_path, write_atomically
+from utils.runtime.outputs import OutputWriteError, UsageError, check_output_path, write_atomically
+from utils.runtime.request_schema import FieldError
 
 
-DEFAULT_DIST_TIMEOUT_S = 1200.0      # like the HCCL connect/exec timeouts cann-recipes sets
+DEFAULT_DIST_TIMEOUT_S = schema.JOB["dist_timeout"].default     # like the HCCL timeouts cann-recipes sets
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser("run_image_gen.py", description=__doc__.splitlines()[0])
-    p.add_argument("--prompt", type=str, default=None, help="one image (or --prompts / --serve)")
+    p = schema.OneLineParser("run_image_gen.py", description=__doc__.splitlines()[0])
+    schema.add_arguments(p, ["prompt"])
     p.add_argument("--prompts", type=str, default=None,
                    help="a prompts file: one prompt per line, or .jsonl lines with prompt and optionally seed, "
-                        "image_size, diff_infer_steps, bot_task, save")
+                        "image_size, diff_infer_steps, bot_task, save, step_cache")
     p.add_argument("--save-dir", type=str, default="outputs/batch", help="where --prompts writes its images")
     p.add_argument("--skip-existing", action="store_true", help="--prompts: skip lines whose image exists")
     p.add_argument("--serve", action="store_true", help="serve POST /v1/images/generations until SIGTERM")
     p.add_argument("--host", type=str, default="127.0.0.1", help="--serve's address (loopback by default)")
-    p.add_argument("--port", type=int, default=8000, help="--serve's port (0: any free one)")
-    p.add_argument("--queue-size", type=int, default=8, help="--serve: requests that may wait; more get 503")
-    p.add_argument("--max-n", type=int, default=4, help="--serve: most images one request may ask for")
+    schema.add_arguments(p, ["port", "queue_size", "max_n", "client_timeout"])
     p.add_argument("--model-id", type=str, default="./HunyuanImage-3")
     p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager", "npu"],
                    help="'npu' (the cann-recipes name): the fused NPU attention; on CPU / CUDA the plain form")
     p.add_argument("--moe-impl", default="eager", choices=["eager", "npu_grouped_matmul"],
                    help="'npu_grouped_matmul' (the cann-recipes name): the fused NPU expert kernels; on CPU / "
                         "CUDA the plain forms")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--diff-infer-steps", type=int, default=50)
-    p.add_argument("--image-size", type=str, default="auto", help="auto, HxW or H:W")
+    schema.add_arguments(p, ["seed", "diff_infer_steps", "image_size"])
     p.add_argument("--use-system-prompt", type=str, default=None,
                    choices=["None", "dynamic", "en_vanilla", "en_recaption", "en_think_recaption", "custom"])
     p.add_argument("--system-prompt", type=str, default=None)
-    p.add_argument("--bot-task", type=str, default=None, choices=["image", "auto", "think", "recaption"])
-    p.add_argument("--save", type=str, default=None, help="--prompt's image (default image.png)")
-    p.add_argument("--verbose", type=int, default=0)
+    schema.add_arguments(p, ["bot_task", "save", "verbose"])
     p.add_argument("--reproduce", action="store_true")
-    p.add_argument("--rewrite", type=int, default=0,
-                   help="accepted for cann-recipes YAMLs; no prompt is rewritten (nor is one in the recipe's script)")
+    schema.add_arguments(p, ["rewrite"])
     p.add_argument("--sys-deepseek-prompt", default="universal", choices=["universal", "text_rendering"],
                    help="accepted for cann-recipes YAMLs; only meaningful with a prompt rewrite, which does not run")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="most tokens the think / recaption text may have (upstream's default: 8192; the "
-                        "model's context bounds it too); the ratio token of --image-size auto is always one")
+    schema.add_arguments(p, ["max_new_tokens"])
     p.add_argument("--save-text", type=str, default=None,
                    help="write the think / recaption text the image is conditioned on (UTF-8) to this path")
-    p.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
+    schema.add_arguments(p, ["device"])
     p.add_argument("--noise-on-cpu", action="store_true",
                    help="draw the initial noise on the CPU (upstream draws it on the model's device): the same "
                         "seed then starts from the same latents on CPU, CUDA and NPU")
-    p.add_argument("--warmup", type=int, default=0, help="untimed generations before the timed ones")
-    p.add_argument("--rounds", type=int, default=1, help="timed generations")
+    schema.add_arguments(p, ["warmup", "rounds"])
     p.add_argument("--metrics-json", type=str, default=None)
     p.add_argument("--save-latents", type=str, default=None, help="also save the final latents (torch .pt)")
     p.add_argument("--adaptor", default="full", choices=["full", "shims"],
@@ -85,14 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--multi-stream", choices=["on", "off"], default=None)
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
-    add_step_cache_arguments(p)
-    p.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S,
-                   help="seconds a collective may wait for the other ranks before the job ends with an error "
-                        f"(default {DEFAULT_DIST_TIMEOUT_S:.0f}: a load can keep ranks apart for minutes)")
+    schema.add_arguments(p, ["dist_timeout", "quantize", "quant_compute", "step_cache", *schema.STEP_CACHE_SETTINGS])
     return p.parse_args(argv)
 
 
-SEED_RANGE = (0, 2**32 - 1)      # the launcher's rule too (utils/launcher/launch.py NUMBERS)
 # The cann-recipes names of the fused NPU forms -> the upstream choice our patched modules build; the
 # kernels then come from the device's kernel set (adaptor_patches/kernels: torch_npu ops on an NPU).
 RECIPE_IMPLS = {"attn_impl": ("npu", "sdpa"), "moe_impl": ("npu_grouped_matmul", "eager")}
@@ -100,6 +86,7 @@ OUTPUT_FLAGS = ("save", "metrics_json", "save_latents", "save_text")
 
 
 SINGLE_ONLY = {"save": None, "save_text": None, "save_latents": None, "metrics_json": None, "warmup": 0, "rounds": 1}
+PROMPTS_ONLY = {"skip_existing": False}
 
 
 def validate_mode(args):
@@ -113,72 +100,60 @@ def validate_mode(args):
             args.save = "image.png"
         if not args.prompt.strip():
             raise UsageError("prompt: empty; pass --prompt 'a description'")
+    if modes[0] != "--prompts":
+        for name, default in PROMPTS_ONLY.items():
+            if getattr(args, name) != default:
+                raise FieldError(name.replace("_", "-"), f"only with --prompts; {modes[0]} has no prompts file",
+                                 "drop it")
+    if modes[0] == "--prompt":
         return
     for name, default in SINGLE_ONLY.items():
         if getattr(args, name) != default:
             raise UsageError(f"{name.replace('_', '-')}: only with --prompt; {modes[0]} writes "
                              f"{'one file per image into --save-dir' if args.prompts else 'nothing'}, drop it")
     if args.serve:
-        if not 0 <= args.port <= 65535:
-            raise UsageError(f"port: {args.port} is not in 0..65535; use e.g. 8000")
         if not args.host.strip():
             raise UsageError("host: empty; use 127.0.0.1 (this machine only) or an address to listen on")
-        for name, lo in (("queue_size", 1), ("max_n", 1)):
-            if getattr(args, name) < lo:
-                raise UsageError(f"{name.replace('_', '-')}: must be >= {lo}, got {getattr(args, name)}")
 
 
-def read_requests(args) -> list:
+def output_rule(args):
+    """The job's outputs so far must not touch the checkpoint, an input, or each other (utils/runtime/output_rule.py)."""
+    from utils.runtime.output_rule import OutputRule
+    rule = OutputRule(args.model_id, [("prompts file", args.prompts)])
+    for flag in OUTPUT_FLAGS:
+        if getattr(args, flag) is not None:
+            rule.add(flag.replace("_", "-"), getattr(args, flag))
+    return rule
+
+
+def read_requests(args, rule) -> list:
     """--prompts: every line checked before any weight is read (rank 0; the others are handed them)."""
+    from utils.runtime.batch_job import METRICS_FILE
     from utils.runtime.image_requests import RequestChecker, RequestError, read_prompts_file
-    check_output_path("save-dir", str(Path(args.save_dir) / "metrics.jsonl"))
+    metrics = Path(args.save_dir) / METRICS_FILE
+    check_output_path("save-dir", str(metrics))
+    rule.add("save-dir", metrics)
     try:
-        return read_prompts_file(args.prompts, default_request(args), args.save_dir, RequestChecker(args.model_id))
+        return read_prompts_file(args.prompts, default_request(args), args.save_dir, RequestChecker(args.model_id),
+                                 rule)
     except RequestError as exc:
         raise UsageError(f"prompts: {args.prompts}: {exc}") from None
 
 
-def step_cache_settings(args):
-    """The CLI's step cache (every request's default), checked against the steps and the model's layers."""
-    config = Path(args.model_id) / "config.json"
-    layers = read_json(config).get("num_hidden_layers") if config.is_file() else None
-    if args.step_cache != "none" and args.adaptor != "full":
-        raise UsageError("step-cache: needs the adaptor's patches, not --adaptor shims; use --adaptor full or "
-                         "--step-cache none")
-    try:
-        return step_cache_from_flags(args, args.diff_infer_steps if args.prompt is not None else None, layers)
-    except RequestError as exc:
-        raise UsageError(str(exc)) from None
-
-
 def validate(args):
     validate_mode(args)
-    if args.seed is not None and not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
-        raise UsageError(f"seed: {args.seed} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]}; pass a seed in that range "
-                         f"or none (rank 0 picks one)")
-    if args.dist_timeout <= 0:
-        raise UsageError(f"dist-timeout: must be > 0 seconds, got {args.dist_timeout}")
     model_dir = Path(args.model_id)
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"model-id: {model_dir} has no config.json; pass a HunyuanImage-3 checkpoint dir "
                          f"(utils/make_tiny_model.py --out DIR makes a tiny one)")
-    if args.diff_infer_steps < 1:
-        raise UsageError(f"diff-infer-steps: must be >= 1, got {args.diff_infer_steps}")
-    args.step_cache_settings = step_cache_settings(args)
-    if args.warmup < 0 or args.rounds < 1:
-        raise UsageError("warmup/rounds: need warmup >= 0 and rounds >= 1")
-    if args.image_size != "auto":
-        parts = args.image_size.replace(":", "x").split("x")
-        if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
-            raise UsageError(f"image-size: '{args.image_size}' is not auto, HxW or H:W")
+    args.step_cache = many_images.job_step_cache(args)
     if args.use_system_prompt == "custom" and not args.system_prompt:
         raise UsageError("system-prompt: required with --use-system-prompt custom")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise UsageError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     check_text_task(args)
-    if args.prompts is not None and int(os.environ.get("RANK", "0")) == 0:
-        args.requests = read_requests(args)
     if int(os.environ.get("RANK", "0")) == 0:           # only rank 0 writes outputs
+        rule = output_rule(args)
+        if args.prompts is not None:
+            args.requests = read_requests(args, rule)
         for flag in OUTPUT_FLAGS:
             if getattr(args, flag) is not None:
                 check_output_path(flag.replace("_", "-"), getattr(args, flag))
@@ -371,11 +346,12 @@ def run(args, phase: "JobPhase | None" = None):
     from adaptor_patches.step_cache import round_record
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import load_model
+    from adaptor_patches.weights.load import check_checkpoint, load_model
 
     layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
     checkpoint = open_checked_checkpoint(args, layout, rank, per_rank)
+    expert_format = check_checkpoint(checkpoint.directory, layout, rank, per_rank, args.quantize)
     if args.prompt is not None:
         check_prompt_length(args)
     log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
@@ -385,8 +361,16 @@ def run(args, phase: "JobPhase | None" = None):
     device = resolve(args.device, int(os.environ.get("LOCAL_RANK", 0)), cpu_noise=args.noise_on_cpu)
     device = model_adaptor.apply(device, shims_only=args.adaptor == "shims")
     device.make_current()
+    from adaptor_patches.kernels import kernels_for, quant_compute_problem, quant_problem
+    problem = quant_compute_problem(device.kind, args.quant_compute)
+    if problem:
+        raise UsageError(problem)
     multi_stream = {"on": True, "off": False, None: None}[args.multi_stream]
-    context = RankContext(layout, rank, device, multi_stream, text_to_image_only=args.adaptor == "full")
+    context = RankContext(layout, rank, device, multi_stream, text_to_image_only=args.adaptor == "full",
+                          kernels=kernels_for(device.kind, quant_compute=args.quant_compute))
+    problem = quant_problem(device.kind, expert_format, args.quant_compute)
+    if problem:
+        raise UsageError(problem)
     phase.name = "joining the process group"
     dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
     phase.name = "agreeing on the seed"
@@ -394,14 +378,14 @@ def run(args, phase: "JobPhase | None" = None):
     if args.reproduce:
         set_reproducibility(torch, seed)
     log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
-        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} seed={seed}")
+        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} experts={expert_format or 'bf16'} seed={seed}")
     attn_impl, moe_impl, notes = implementations(args, device.kind, context.kernels.name)
     for note in notes:
         log(note)
 
     with torch.no_grad():
         phase.name = "loading weights"
-        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank)
+        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank, quantize=args.quantize)
         if dist is not None:
             phase.name = "waiting for the other ranks to finish loading"
             dist.barrier()
@@ -414,10 +398,7 @@ def run(args, phase: "JobPhase | None" = None):
         if args.prompts is not None or args.serve:
             phase.name = "serving requests" if args.serve else "generating the prompts file's images"
             code = many_images.run_many(args, model, dist, rank, server, log, generate, is_collective_failure)
-            if dist is not None:
-                dist.barrier()
-                if owns_group:
-                    dist.destroy_process_group()
+            end_job(dist, owns_group)
             return code
         # Phase timings synchronise the device around every forward: only when they are asked for.
         timer = PhaseTimer(device).attach(model) if args.metrics_json or args.save_latents else None
@@ -448,27 +429,33 @@ def run(args, phase: "JobPhase | None" = None):
         peaks = [None] * layout.world_size
         dist.all_gather_object(peaks, peak)
     if rank == 0:
-        write_atomically(Path(args.save), lambda tmp: image.save(tmp, format="PNG"))
+        from utils.runtime.batch_job import write_result
+        from utils.runtime.rank_loop import ImageResult
+        write_result(ImageResult(request, image, rounds[-1]["total_s"], None, rounds[-1]["text_phase"]))
         log(f"image saved to {args.save} ({image.width}x{image.height})")
         if args.save_text:
-            text = rounds[-1]["text_phase"]["text"] or ""
-            write_atomically(Path(args.save_text), lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
             log(f"text saved to {args.save_text}")
         if args.save_latents:
-            write_atomically(Path(args.save_latents), lambda tmp: torch.save(timer.last_latents, tmp))
+            write_atomically(Path(args.save_latents), lambda tmp: torch.save(timer.last_latents, tmp), "save-latents")
         if args.metrics_json:
             parallel = {**layout.describe(), "multi_stream": multi_stream}
             metrics = {"load_s": round(load_s, 6), "rounds": rounds, "peak_memory_bytes_per_rank": peaks,
                        "settings": {**vars(args), "seed": seed, "parallel": parallel, "device": str(device.torch_device),
-                                    "step_cache_settings": args.step_cache_settings.as_json()},
+                                    "step_cache": args.step_cache.as_json()},
                        "versions": versions(torch), "image_size": [image.height, image.width]}
-            write_atomically(Path(args.metrics_json), lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)))
+            write_atomically(Path(args.metrics_json), lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)),
+                             "metrics-json")
             log(f"metrics written to {args.metrics_json}")
+    end_job(dist, owns_group)
+    return 0
+
+
+def end_job(dist, owns_group: bool) -> None:
+    """Every mode's last step: the ranks leave together; a process group this job created is destroyed."""
     if dist is not None:
         dist.barrier()
         if owns_group:
             dist.destroy_process_group()
-    return 0
 
 
 def main(argv=None):
@@ -487,7 +474,7 @@ def main(argv=None):
             return run(args, phase)
         except (DeviceError, LayoutError, UpstreamMismatchError, ContextTooLongError) as exc:
             raise UsageError(str(exc)) from exc
-        except RankFailure as exc:
+        except (RankFailure, OutputWriteError) as exc:        # after the load: not a usage error
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
         except Exception as exc:

@@ -12,7 +12,7 @@ parallel/ (layout, groups, CFG split), moe/ (experts, dispatchers, shared-MLP st
                                            step-cache slot its layers share (step_cache.py)
   HunyuanImage3DecoderLayer.forward        adaptive step cache: layers past the probe skipped when agreed
   HunyuanImage3SDPAAttention.__init__/forward  attention TP: local heads, row-parallel o_proj
-  HunyuanMoE.__init__/forward              stacked experts + dispatcher + shared MLP
+  HunyuanMoE.__init__/forward              stacked experts, token dispatcher, shared MLP piece
 
 Every `make(original, device)` gets the device the adaptor was applied for: a model built outside
 `building(...)` is built for one process on it.
@@ -32,6 +32,8 @@ from torch import nn
 from . import step_cache
 from .moe.dispatch import dispatcher_for
 from .moe.experts import GroupedExperts
+from .moe.gate import route
+from .moe.shared_mlp import SharedMlp
 from .parallel import cfg_split
 from .parallel.context import building, context_being_built
 from .parallel.layout import per_layer
@@ -117,8 +119,8 @@ def model_init(original, device):
         self.step_cache_slot = step_cache.StepCacheSlot()       # the image's step-cache run, if any
         for layer in self.layers:
             layer.step_cache_slot = self.step_cache_slot
-            if hasattr(layer.mlp, "shared_mlp_stream"):
-                layer.mlp.shared_mlp_stream = stream
+            if isinstance(getattr(layer.mlp, "shared", None), SharedMlp):
+                layer.mlp.shared.use_stream(stream)
 
     return __init__
 
@@ -223,7 +225,7 @@ def _shrink_shared_mlp(mlp: nn.Module, shard) -> None:
 
 def moe_init(_original, device):
     """The original is not called: it would build E full experts. Upstream's `moe_impl` is ignored:
-    routing always follows its topkgating (moe/dispatch.py)."""
+    routing always follows its topkgating (moe/gate.py)."""
 
     def __init__(self, config, layer_idx=None):
         nn.Module.__init__(self)
@@ -241,9 +243,11 @@ def moe_init(_original, device):
             _shrink_shared_mlp(self.shared_mlp, shard)
         self.gate = upstream.HunyuanTopKGate(config, layer_idx=layer_idx)
         intermediate = per_layer(config.moe_intermediate_size or config.intermediate_size, layer_idx)
-        self.experts = GroupedExperts(config.hidden_size, intermediate, shard, context.kernels, config.initializer_range)
-        self.dispatch = dispatcher_for(shard)
-        self.shared_mlp_stream = None           # set by the patched HunyuanImage3Model.__init__
+        self.experts = GroupedExperts(config.hidden_size, intermediate, shard, context.kernels,
+                                      config.initializer_range, context.expert_format)
+        self.dispatcher = dispatcher_for(shard, context, context.kernels)
+        # Inline until the patched HunyuanImage3Model.__init__ gives it the model's side stream.
+        self.shared = SharedMlp(getattr(self, "shared_mlp", None), context.kernels, context.device)
 
     return __init__
 
@@ -251,7 +255,12 @@ def moe_init(_original, device):
 def moe_forward(_original, _device):
     def forward(self, hidden_states):
         bsz, seq_len, hidden_size = hidden_states.shape
-        output = self.dispatch(self, hidden_states.reshape(-1, hidden_size))
-        return output.view(bsz, seq_len, hidden_size)
+        tokens = hidden_states.reshape(-1, hidden_size)
+        rows = self.dispatcher.local_rows(tokens)                   # EP: this rank's chunk
+        shared = self.shared.start(rows)                            # on the side stream, if any
+        topk_weight, topk_idx = route(self, rows)
+        routed = self.dispatcher.routed(self.experts, rows, topk_weight, topk_idx, add_to=shared.inline_output)
+        output = shared.join(routed)                                # after the side stream: the one add
+        return self.dispatcher.combine(output, tokens).view(bsz, seq_len, hidden_size)
 
     return forward

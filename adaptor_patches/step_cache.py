@@ -95,23 +95,31 @@ def _is_int(value) -> bool:
 SETTING_FIELDS = tuple(f.name for f in fields(StepCacheSettings))
 
 
+class StepCacheError(ValueError):
+    """A `step_cache` value that cannot run: str() is `field: problem; fix`."""
+
+    def __init__(self, field: str, problem: str, fix: str):
+        super().__init__(f"{field}: {problem}; {fix}")
+        self.field, self.problem, self.fix = field, problem, fix
+
+
 def settings_from_value(value, defaults: StepCacheSettings) -> StepCacheSettings:
     """A request's `step_cache`: a mode name ("taylor") or an object of settings over `defaults`
-    ({"mode": "adaptive", "threshold": 0.1}). Raises ValueError("field: problem; fix")."""
+    ({"mode": "adaptive", "threshold": 0.1}). Raises StepCacheError."""
     if isinstance(value, StepCacheSettings):
         return value
     if isinstance(value, str):
         value = {"mode": value}
     if not isinstance(value, dict):
-        raise ValueError(f"step_cache: {value!r} is neither a mode name nor an object; use \"taylor\" or "
-                         f"{{\"mode\": \"taylor\", \"interval\": 3}}")
+        raise StepCacheError("step_cache", f"{value!r} is neither a mode name nor an object",
+                             'use "taylor" or {"mode": "taylor", "interval": 3}')
     unknown = sorted(set(value) - set(SETTING_FIELDS))
     if unknown:
-        raise ValueError(f"step_cache.{unknown[0]}: unknown setting; settings are {', '.join(SETTING_FIELDS)}")
+        raise StepCacheError(f"step_cache.{unknown[0]}", "unknown setting", f"settings are {', '.join(SETTING_FIELDS)}")
     settings = replace(defaults, **value)
     problem = next(iter(settings.problems()), None)
     if problem:
-        raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
+        raise StepCacheError(f"step_cache.{problem[0]}", problem[1], problem[2])
     return settings
 
 

@@ -55,7 +55,7 @@ def _gemms_alone(layer, tokens, routed=True):
     (routed=False: only the shared MLP's and the gate's)."""
     import torch
     from adaptor_patches.kernels.torch_kernels import expert_counts
-    from adaptor_patches.moe.dispatch import route
+    from adaptor_patches.moe.gate import route
     with torch.no_grad():
         _, topk_idx = route(layer, tokens)
     counts = expert_counts(topk_idx.reshape(-1), EXPERTS).tolist()

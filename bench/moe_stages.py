@@ -29,7 +29,7 @@ def stage_times(layer, x):
     import torch.nn.functional as F
     from adaptor_patches.kernels import cpu
     from adaptor_patches.kernels.torch_kernels import expert_counts
-    from adaptor_patches.moe.dispatch import route
+    from adaptor_patches.moe.gate import route
     kernels = layer.kernels
     times, clock = {}, [time.perf_counter()]
 

@@ -41,31 +41,120 @@ def npu_format_cast(tensor, acl_format, *, customize_dtype=None, input_dtype=Non
     return tensor.clone()
 
 
-def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, group_type=None, group_list_type=0,
-                       split_item=0, **unsupported):
-    """One matmul per contiguous row group of x[0] against weight[0][g] ([G, in, out])."""
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list=None, group_type=None,
+                       group_list_type=0, split_item=0, output_dtype=None, **unsupported):
+    """One matmul per contiguous row group of x[0] against weight[0][g] ([G, in, out]).
+
+    Modelled forms (docs table "group_list为Tensor", Atlas A2/A3; single x / weight / y tensor):
+      plain      x fp16/bf16/fp32, weight the same dtype: y = x @ w
+      W8A16      ("伪量化") x fp16/bf16, weight int8, antiquant_scale [G, N] in x's dtype, optional
+                 antiquant_offset of the same shape and dtype: y = x @ ((w + offset) * antiquant_scale)
+      W8A8       (pertoken) x int8, weight int8, scale [G, N] bf16 with output_dtype bf16 (or fp32 with
+                 fp16), per_token_scale fp32 [M]: y = (x @ w) * scale * per_token_scale, the product
+                 accumulated exactly (int32 on the device; float64 here)
+    The docs say "1-D" for scale tensors; for one weight tensor of G groups the reading taken is
+    [G, N] (the antiquant_scale rule stated for that case). int8 weights in the W8A16 form are
+    per-channel only (no per-group); float8 weights are not in the table and are rejected.
+    """
     _require(len(x) == 1 and len(weight) == 1, "only the single-tensor x / weight form is modelled")
     _require(group_type == 0, "group_type must be 0 (groups split the rows, M axis)")
     _require(split_item in (2, 3), "split_item 2/3 (one output tensor) is the modelled form")
-    _require(bias is None and not any(v is not None for v in unsupported.values()), "quant/bias not modelled")
+    _require(bias is None and offset is None and not any(v is not None for v in unsupported.values()),
+             "bias / offset / activation options are not modelled")
     _require(group_list is not None and group_list.dtype == torch.int64, "group_list must be int64")
     rows, w = x[0], weight[0]
     _require_rows(rows, "x")
     _require(w.dim() == 3 and w.shape[1] == rows.shape[1], "weight must be [G, in, out] matching x")
+    groups, n = w.shape[0], w.shape[2]
     counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    _require(group_list_type in (0, 1), "group_list_type 0 (cumsum) or 1 (counts) is the modelled form")
+    _require(group_list_type != 0 or bool((counts >= 0).all()), "group_list (cumsum) must be non-decreasing")
     counts = counts.tolist()
     _require(group_list_type != 1 or len(counts) > 1, "group_list of length 1 is unsupported with group_list_type=1")
-    _require(len(counts) == w.shape[0], "group_list must have one entry per weight group")
+    _require(len(counts) == groups, "group_list must have one entry per weight group")
     # Read strictly: the groups cover x exactly (the docs give no meaning to rows outside every group).
     _require(sum(counts) == rows.shape[0], f"group_list sums to {sum(counts)}, x has {rows.shape[0]} rows")
-    out = rows.new_zeros(rows.shape[0], w.shape[2])
+
+    def one(name, value):
+        _require(value is None or (isinstance(value, (list, tuple)) and len(value) == 1),
+                 f"{name} must be a list of one tensor (one weight tensor)")
+        return None if value is None else value[0]
+    scale, antiquant_scale, antiquant_offset, per_token_scale = (
+        one("scale", scale), one("antiquant_scale", antiquant_scale), one("antiquant_offset", antiquant_offset),
+        one("per_token_scale", per_token_scale))
+    if w.dtype == torch.int8 and rows.dtype in (torch.float16, torch.bfloat16):          # W8A16
+        _require(scale is None and per_token_scale is None, "W8A16 takes antiquant_scale, not scale/per_token_scale")
+        _require(antiquant_scale is not None, "int8 weight with a float x needs antiquant_scale")
+        _require(antiquant_scale.dtype == rows.dtype, f"antiquant_scale must be {rows.dtype} (x's dtype), "
+                                                      f"got {antiquant_scale.dtype}")
+        _require(tuple(antiquant_scale.shape) == (groups, n), f"antiquant_scale must be [g, n] = {[groups, n]} "
+                                                              f"(per channel), got {list(antiquant_scale.shape)}")
+        if antiquant_offset is not None:
+            _require(antiquant_offset.dtype == antiquant_scale.dtype and
+                     antiquant_offset.shape == antiquant_scale.shape, "antiquant_offset must match antiquant_scale")
+        _require(output_dtype in (None, rows.dtype), f"W8A16 output_dtype must be None or {rows.dtype}")
+        offset_w = 0.0 if antiquant_offset is None else antiquant_offset.float().unsqueeze(1)
+        w_real = (w.float() + offset_w) * antiquant_scale.float().unsqueeze(1)
+        return [_per_group(rows.float(), w_real, counts).to(rows.dtype)]
+    if w.dtype == torch.int8 and rows.dtype == torch.int8:                               # W8A8 per token
+        _require(antiquant_scale is None and antiquant_offset is None, "int8 x takes scale, not antiquant_scale")
+        _require(scale is not None and per_token_scale is not None,
+                 "the modelled int8 x int8 form is per token: scale and per_token_scale")
+        allowed = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}
+        _require(scale.dtype in allowed, f"scale must be bf16 or fp32, got {scale.dtype}")
+        _require(output_dtype == allowed[scale.dtype],
+                 f"scale {scale.dtype} goes with output_dtype {allowed[scale.dtype]}, got {output_dtype}")
+        _require(tuple(scale.shape) == (groups, n), f"scale must be [g, n] = {[groups, n]}, got {list(scale.shape)}")
+        _require(per_token_scale.dtype == torch.float32 and tuple(per_token_scale.shape) == (rows.shape[0],),
+                 f"per_token_scale must be fp32 [m] = [{rows.shape[0]}], got {per_token_scale.dtype} "
+                 f"{list(per_token_scale.shape)}")
+        acc = _per_group(rows.double(), w.double(), counts)
+        acc = acc * per_token_scale.double().unsqueeze(1)
+        bounds = _bounds(counts)
+        for g in range(groups):
+            acc[bounds[g]:bounds[g + 1]] *= scale[g].double()
+        return [acc.to(output_dtype)]
+    _require(w.dtype == rows.dtype and rows.dtype in (torch.float16, torch.bfloat16, torch.float32),
+             f"x {rows.dtype} with weight {w.dtype} is not a documented combination")
+    _require(scale is None and antiquant_scale is None and per_token_scale is None and antiquant_offset is None,
+             "a float weight takes no quantization scales")
+    _require(output_dtype in (None, rows.dtype), "output_dtype must be None or x's dtype")
+    return [_per_group(rows.float(), w.float(), counts).to(rows.dtype)]
+
+
+def _bounds(counts):
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
+    return bounds
+
+
+def _per_group(rows, w, counts):
+    out = rows.new_zeros(rows.shape[0], w.shape[2])
+    bounds = _bounds(counts)
     for g in range(len(counts)):
         lo, hi = bounds[g], bounds[g + 1]
-        out[lo:hi] = (rows[lo:hi].float() @ w[g].float()).to(rows.dtype)
-    return [out]
+        out[lo:hi] = rows[lo:hi] @ w[g]
+    return out
+
+
+def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
+                      dst_type_max=0.0):
+    """Symmetric per-token int8 quantization: scale = rowMax(|x|) / 127 (fp32, x.shape[:-1]),
+    y = round(x / scale) as int8. x fp16/bf16 with more than one dim; dst_type None (= int8).
+    Not modelled: smooth_scales / group_index (SmoothQuant), int4. A row of zeros has scale 0 in
+    the formula; here its y is 0 (the device's value for 0/0 is not documented)."""
+    _require(x.dtype in (torch.float16, torch.bfloat16), f"x must be fp16/bf16, got {x.dtype}")
+    _require(x.dim() > 1, "x must have more than one dimension")
+    _require_rows(x, "x")
+    _require(smooth_scales is None and group_index is None, "smooth_scales / group_index are not modelled")
+    _require(dst_type in (None, torch.int8), "only int8 output (dst_type None / torch.int8) is modelled")
+    _require(quant_mode == "pertoken", "only quant_mode 'pertoken' is modelled")
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1) / 127.0
+    y = torch.where(scale.unsqueeze(-1) > 0, x32 / scale.unsqueeze(-1), torch.zeros_like(x32))
+    return y.round().clamp(-127, 127).to(torch.int8), scale
 
 
 def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,

@@ -102,7 +102,7 @@ def test_the_device_is_synchronised_per_forward_only_when_timings_are_asked_for(
     (["--model-id", "/nonexistent/model"], "model-id"),
     (["--diff-infer-steps", "0"], "diff-infer-steps"),
     (["--image-size", "64by64"], "image-size"),
-    (["--rounds", "0"], "warmup/rounds"),
+    (["--rounds", "0"], "rounds"),
 ])
 def test_bad_input_is_one_error_line(tiny_model, tmp_path, args, field):
     save = tmp_path / "never.png"

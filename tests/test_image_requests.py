@@ -56,6 +56,13 @@ def test_a_bad_line_names_its_number_and_field(tmp_path, line, message):
     assert str(info.value).startswith(message), str(info.value)
 
 
+def test_a_request_survives_the_broadcast_to_the_other_ranks():
+    """rank 0 hands requests to the others with broadcast_object_list, i.e. pickle."""
+    import pickle
+    request = ImageRequest("a fox", seed=3, image_size="64x48", label="line 2")
+    assert pickle.loads(pickle.dumps(request)) == request
+
+
 def test_an_empty_file_is_refused(tmp_path):
     with pytest.raises(RequestError, match="has no prompt"):
         read_prompts_file(write(tmp_path, "p.txt", "\n# only a comment\n"), DEFAULTS, tmp_path)
@@ -87,8 +94,8 @@ def test_cli_refuses_a_bad_line_before_loading_and_writes_nothing(tiny_model, tm
     ([], "error: prompt: pass exactly one of"),
     (["--serve", "--save", "x.png"], "error: save: only with --prompt"),
     (["--prompts", "p.txt", "--rounds", "2"], "error: rounds: only with --prompt"),
-    (["--serve", "--port", "70000"], "error: port: 70000 is not in 0..65535"),
-    (["--serve", "--queue-size", "0"], "error: queue-size: must be >= 1"),
+    (["--serve", "--port", "70000"], "error: port: 70000 is not an integer in 0..65535"),
+    (["--serve", "--queue-size", "0"], "error: queue-size: 0 is not an integer >= 1"),
 ])
 def test_cli_mode_flags_are_checked(tiny_model, tmp_path, argv, message):
     (tmp_path / "p.txt").write_text("a fox\n")

@@ -165,6 +165,9 @@ BAD_CONFIGS = {
     "warmup_negative": (arg("warmup", -1), "model_args.warmup:"),
     "rounds_zero": (arg("rounds", 0), "model_args.rounds:"),
     "multi_stream_bad": (arg("multi-stream", "maybe"), "model_args.multi-stream:"),
+    "quant_compute_unknown": (arg("quant-compute", "w4a4"), "model_args.quant-compute:"),
+    "quant_compute_8bit_on_cpu": (lambda cfg: cfg["model_args"].update({"device": "cpu", "quant-compute": "8bit"}),
+                                  "model_args.quant-compute: 8bit (W8A8) runs only on npu"),
     "prompt_empty": (arg("prompt", "  "), "model_args.prompt:"),
     # cann-recipes keys: theirs are taken, a misspelt one and their launcher's keys for other models are not
     "model_name_misspelt": (top("model_nmae", "x"), "model_nmae: unknown top-level key; did you mean 'model_name'"),
@@ -451,4 +454,11 @@ def test_recipe_converted_folder_layout_is_checked_before_launch(tmp_path, base,
     assert_one_error(res, f"error: model_args.model-id: {recipe_ep2['ep2']} is converted (by cann-recipes) for "
                           f"tp_attn=2 tp_moe=1 ep=2 but this run is tp_attn=2 tp_moe=2 ep=1")
     base["model_args"].update({"model-id": str(recipe_ep2["int8"]), "moe-ep": True, "moe-tp": False})
-    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"), "holds int8-quantized experts")
+    res = run_launcher(write_yaml(tmp_path, base), "--dry-run")
+    assert res.returncode == 0, res.stderr               # an 8-bit folder runs 8-bit without a flag
+    base["model_args"]["quantize"] = "fp8"
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"),
+                     f"error: model_args.quantize: {recipe_ep2['int8']} holds int8 experts but --quantize is fp8")
+    base["model_args"]["quantize"] = "int4"
+    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"),
+                     "error: model_args.quantize: 'int4' is not one of none, int8, fp8")

@@ -19,11 +19,11 @@ import torch
 import model_adaptor
 import npu_double
 from adaptor_patches.kernels import make_kernels
-from adaptor_patches.kernels.device import Device
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import Layout
 from adaptor_patches.weights.rank_slices import rank_state_dict
 from multirank import run_ranks
+from stream_double import RecordingDevice
 
 HIDDEN, INTERMEDIATE, SHARED_EXPERTS = 64, 32, 2
 DTYPES = ("float32", "bfloat16")
@@ -177,10 +177,10 @@ def test_apply_remove_round_trip_restores_upstream_moe():
     model_adaptor.apply("cpu", shims_only=True)
     state, x, ref = upstream_case(0, ("float32", 4, 2, 7))
     model_adaptor.apply("cpu")
-    assert hasattr(_upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0), "shared_mlp_stream")
+    assert hasattr(_upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0), "dispatcher")
     model_adaptor.apply("cpu", shims_only=True)      # removes, then shims again
     layer = _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0)
-    assert isinstance(layer.experts, torch.nn.ModuleList) and not hasattr(layer, "shared_mlp_stream")
+    assert isinstance(layer.experts, torch.nn.ModuleList) and not hasattr(layer, "dispatcher")
     layer.load_state_dict(state, strict=True)
     with torch.no_grad():
         assert torch.equal(layer(x), ref)
@@ -255,19 +255,6 @@ def test_from_pretrained_tp2_and_ep2_each_rank_holds_its_share(tiny_model):
 
 # ---------------------------------------------------------------- the shared-MLP side stream
 
-class _StreamDevice(Device):
-    """Stands in for an accelerator Device at __init__ time only: counts the streams it makes."""
-    has_streams = True
-
-    def __init__(self):
-        super().__init__("cuda")
-        object.__setattr__(self, "streams", [])
-
-    def new_stream(self):
-        self.streams.append(object())
-        return self.streams[-1]
-
-
 def _tiny_model_config():
     config = moe_config(4, 2)
     config.vocab_size, config.num_hidden_layers, config.rope_scaling = 64, 3, {"type": "custom"}
@@ -277,21 +264,22 @@ def _tiny_model_config():
 
 def test_model_injects_one_side_stream_into_every_moe_layer():
     model_adaptor.apply("cpu")
-    device = _StreamDevice()
+    device = RecordingDevice()
     with building(RankContext(device=device, kernels=make_kernels("loop"))):
         model = _upstream().HunyuanImage3Model(_tiny_model_config())
-    streams = [layer.mlp.shared_mlp_stream for layer in model.layers]
-    assert len(device.streams) == 1 and all(s is device.streams[0] for s in streams)
+    streams = [layer.mlp.shared.stream for layer in model.layers]
+    assert [e for e in device.log if e[0] == "new_stream"] == [("new_stream", "side0")]
+    assert all(s is streams[0] for s in streams) and streams[0].name == "side0"
     w13 = model.layers[0].mlp.experts.w13        # upstream's post_init left our parameters initialised
     assert torch.isfinite(w13).all() and 0 < w13.std() < 1
-    assert _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0).shared_mlp_stream is None
+    assert _upstream().HunyuanMoE(moe_config(4, 2), layer_idx=0).shared.stream is None
 
 
 @pytest.mark.parametrize("multi_stream", [False, None, True])
 def test_no_side_stream_when_switched_off_or_on_cpu(multi_stream):
     device = model_adaptor.apply("cpu")
     if multi_stream is False:
-        device = _StreamDevice()
+        device = RecordingDevice()
     with building(RankContext(device=device, multi_stream=multi_stream, kernels=make_kernels("loop"))):
         model = _upstream().HunyuanImage3Model(_tiny_model_config())
-    assert all(layer.mlp.shared_mlp_stream is None for layer in model.layers)
+    assert all(layer.mlp.shared.stream is None and layer.mlp.shared.input_ready is None for layer in model.layers)

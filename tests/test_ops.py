@@ -281,9 +281,9 @@ def test_shared_mlp_every_form_equals_upstream_mlp_and_survives_buffer_reuse(dty
 
 
 def test_form_is_chosen_per_device_kind_and_can_be_forced(monkeypatch):
-    assert FORMS == ("npu", "grouped_mm", "cpu", "loop")
+    assert FORMS == ("npu", "cuda", "grouped_mm", "cpu", "loop")
     assert kernels_for("cpu").name == "cpu"
-    assert kernels_for("cuda").name == ("grouped_mm" if hasattr(torch, "_grouped_mm") else "loop")
+    assert kernels_for("cuda").name == "cuda"
     monkeypatch.setitem(sys.modules, "torch_npu", npu_double)      # kernels_for imports torch_npu itself
     npu = kernels_for("npu")
     assert npu.name == "npu" and npu.npu is npu_double

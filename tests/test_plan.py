@@ -116,3 +116,68 @@ def test_plan_json_has_every_role(tiny_model, tmp_path):
     roles = json.loads((tmp_path / "plan.json").read_text())
     assert code == 0 and sorted(r for role in roles for r in role["ranks"]) == [0, 1, 2, 3]
     assert all(role["total_bytes"] > role["param_bytes"] > 0 for role in roles)
+
+
+EXPERT_PARAMS = 77_309_411_328                 # the real model's routed expert parameters (32 layers x 64 experts)
+EXPERT_SCALES = 32 * 64 * (2 * 3072 + 4096)    # float32 per output channel: w13 [2I] + w2 [H] per expert
+
+
+def test_8bit_experts_plan_at_one_byte_per_parameter_plus_scales():
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.memory_plan import GiB, plan
+    for fmt in ("int8", "fp8"):
+        whole = plan("config/real_model", Layout(1), (1024, 1024), "npu", fmt)[0]
+        assert whole.params["routed experts"] == EXPERT_PARAMS + EXPERT_SCALES * 4, fmt
+        assert 80 * GiB < whole.param_bytes < 82 * GiB, fmt           # 153 GiB in bf16, less 72 GiB of experts
+        assert whole.read_bytes > whole.param_bytes                   # a bf16 checkpoint quantized while loading
+
+
+def test_8bit_plan_of_the_tiny_model_equals_the_model_built_for_real(tiny_model):
+    """The meta model the planner sums is the same module tree, dtypes and all, as one built on the CPU."""
+    import torch
+    import model_adaptor
+    from adaptor_patches.kernels.device import Device
+    from adaptor_patches.parallel.context import RankContext, building
+    from adaptor_patches.parallel.layout import Layout
+    from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
+    from utils.planner.memory_plan import parameter_bytes, plan, read_config
+    config, _ = read_config(tiny_model)
+    planned = plan(tiny_model, Layout(1), (64, 64), "cpu", "int8")[0].params
+    model_adaptor.apply(Device("cpu"))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with building(RankContext(Layout(1), 0, Device("cpu"), text_to_image_only=True, expert_format="int8")):
+            built = HunyuanImage3ForCausalMM(config)
+    finally:
+        torch.set_default_dtype(default)
+        model_adaptor.remove()
+    assert parameter_bytes(built) == planned
+    experts = {name: t.dtype for name, t in built.state_dict().items() if ".mlp.experts." in name}
+    assert set(experts.values()) == {torch.int8, torch.float32}
+
+
+@pytest.mark.slow
+def test_8bit_experts_halve_the_fewest_cards_of_the_real_model():
+    """The targets of issue 22: in 8 bit the real model fits one 141 GB device and two 64 GB devices;
+    in bf16 it needs two and four."""
+    from utils.planner.plan import fewest_cards, parse_memory
+    fewest = {(q, m): fewest_cards("config/real_model", parse_memory(m), (1024, 1024), "npu", q)[0]
+              for q in (None, "int8") for m in ("64GB", "141GB")}
+    assert fewest == {(None, "64GB"): 4, (None, "141GB"): 2, ("int8", "64GB"): 2, ("int8", "141GB"): 1}
+
+
+def test_run_sh_plans_with_the_jobs_quantize(tiny_model, tmp_path):
+    from adaptor_patches.parallel.layout import Layout
+    from test_launcher import run_launcher, write_yaml
+    from utils.planner.memory_plan import plan
+    bf16, int8 = (plan(tiny_model, Layout(1), (64, 64), "cpu", q)[0].total() for q in (None, "int8"))
+    assert int8 < bf16
+    memory = int((bf16 + int8) / 2 / 0.95)                  # between the two, after the 5 % headroom
+    job = {"world_size": 1, "master_port": 29611, "entry_script": "run_image_gen.py", "device_memory": memory,
+           "model_args": {"prompt": "x", "model-id": str(tiny_model), "device": "cpu", "image-size": "64x64"}}
+    res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
+    assert res.returncode == 2 and "error: device_memory: ranks [0] need" in res.stderr
+    job["model_args"]["quantize"] = "int8"
+    res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
+    assert res.returncode == 0 and "plan: " in res.stderr, res.stderr

@@ -10,7 +10,7 @@ tiny checkpoint (4 heads, 2 KV heads, 4 experts, intermediate 128).
 * Images: one process from a one-rank recipe folder, and two gloo ranks (attention TP2 + MoE EP2 /
   MoE TP2, and CFG parallel over four ranks) from the recipe folders, equal the original
   checkpoint's image on the same layout byte for byte (tolerance: none; the weights are identical).
-* --int8 folders, splits this project does not run, a layout other than the run's and a missing
+* splits this project does not run, a layout other than the run's and a missing
   rank folder are refused with one `error:` line and exit code 2, before any weight is read.
 * `--attn-impl npu --moe-impl npu_grouped_matmul` (the recipe's names) run on CPU with a note and
   give the image of the plain names.
@@ -32,7 +32,6 @@ RECIPE_SPLITS = {"ep2": (2, 1, 2), "tp2": (2, 2, 1), "tp2_moe_whole": (2, 1, 1),
 def recipe(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("recipe")
     folders = {name: make_recipe_checkpoint(tiny_model, root / name, *split) for name, split in RECIPE_SPLITS.items()}
-    folders["int8"] = make_recipe_checkpoint(tiny_model, root / "int8", 2, 1, 2, int8=True)
     folders["attn1_ep2"] = make_recipe_checkpoint(tiny_model, root / "attn1_ep2", 1, 1, 2)
     return folders
 
@@ -90,12 +89,6 @@ def refused(model_dir, tmp_path, *extra, env=None):
                               env=env)
     assert not png.exists()
     return proc
-
-
-def test_int8_conversion_is_refused(recipe, tmp_path):
-    line = assert_one_error(refused(recipe["int8"], tmp_path, "--moe-ep", env={"WORLD_SIZE": "2"}),
-                            f"error: model-id: {recipe['int8']}/rank-00 holds int8-quantized experts")
-    assert "--int8" in line and "without --int8" in line
 
 
 def test_layout_mismatch_names_both_layouts(recipe, tmp_path):

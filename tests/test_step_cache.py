@@ -107,7 +107,8 @@ def test_request_values_parse_over_the_defaults_or_say_what_is_wrong():
 def test_prompts_line_http_body_and_yaml_refuse_a_bad_step_cache(tiny_model, tmp_path):
     from utils.runtime.image_requests import ImageRequest, RequestChecker, RequestError, read_prompts_file
     from utils.runtime.image_server import BadRequest, parse_body
-    from utils.launcher.launch_config import ConfigError, check_model_args
+    from utils.launcher.launch_config import check_model_args
+    from utils.runtime.errors import FieldError
     checker = RequestChecker(tiny_model)
     lines = tmp_path / "p.jsonl"
     lines.write_text('{"prompt": "a", "step_cache": "taylor"}\n'
@@ -122,14 +123,47 @@ def test_prompts_line_http_body_and_yaml_refuse_a_bad_step_cache(tiny_model, tmp
         read_prompts_file(lines, ImageRequest(""), tmp_path, checker)
     with pytest.raises(BadRequest, match=r"step_cache\.order: 3 is not 1 or 2") as info:
         parse_body({"prompt": "a", "step_cache": {"mode": "taylor", "order": 3}}, ImageRequest(""), checker, 4)
-    assert info.value.param == "step_cache"
+    assert info.value.param == "step_cache.order"
     body = parse_body({"prompt": "a", "step_cache": {"mode": "adaptive", "blocks": 1}}, ImageRequest(""), checker, 4)
     assert body[0].step_cache.mode == "adaptive"
     with pytest.raises(BadRequest, match=r"step_cache\.blocks: 2 always-run layers leave none of the model's 2"):
         parse_body({"prompt": "a", "step_cache": "adaptive"}, ImageRequest(""), checker, 4)     # default blocks 2
-    with pytest.raises(ConfigError, match=r"^model_args\.step-cache-threshold: -1 must be a number >= 0"):
+    with pytest.raises(FieldError, match=r"^model_args\.step-cache-threshold: -1 must be a number >= 0"):
         check_model_args({"model-id": str(tiny_model), "prompt": "a", "step-cache": "adaptive",
                           "step-cache-threshold": -1}, build_tiny=False)
+
+
+def test_one_schema_field_refuses_a_bad_setting_with_the_same_words_everywhere(tiny_model, tmp_path):
+    """step_cache is one field of utils/runtime/request_schema.py: the CLI flag, the YAML key, a
+    prompts line and an HTTP body give the same problem and fix for the same bad interval."""
+    from utils.launcher.launch_config import check_model_args
+    from utils.runtime import request_schema as schema
+    from utils.runtime.errors import FieldError
+    from utils.runtime.image_requests import ImageRequest, RequestChecker, read_prompts_file
+    from utils.runtime.image_server import BadRequest, parse_body
+    assert "step_cache" in schema.REQUEST and schema.REQUEST["step_cache"].api_name == "step_cache"
+    assert {f"step_cache_{name}" for name in ("warmup", "interval", "order", "blocks", "threshold", "max_skip")} \
+        <= set(schema.JOB)
+    refusals = []
+    proc = run_cli_in_process(["--prompt", "a", "--model-id", str(tiny_model),
+                               "--step-cache", "taylor", "--step-cache-interval", "0"])
+    assert proc.returncode == 2 and proc.stderr.startswith("error: step-cache-interval: "), proc.stderr
+    refusals.append(proc.stderr.strip().split(": ", 2)[2])
+    with pytest.raises(FieldError) as yaml_error:
+        check_model_args({"model-id": str(tiny_model), "prompt": "a", "step-cache": "taylor",
+                          "step-cache-interval": 0}, build_tiny=False)
+    assert yaml_error.value.field == "model_args.step-cache-interval"
+    lines = tmp_path / "p.jsonl"
+    lines.write_text('{"prompt": "a", "step_cache": {"mode": "taylor", "interval": 0}}\n')
+    with pytest.raises(FieldError) as line_error:
+        read_prompts_file(lines, ImageRequest(""), tmp_path, RequestChecker(tiny_model))
+    assert line_error.value.field == "line 1: step_cache.interval"
+    with pytest.raises(BadRequest) as body_error:
+        parse_body({"prompt": "a", "step_cache": {"mode": "taylor", "interval": 0}}, ImageRequest(""),
+                   RequestChecker(tiny_model), 4)
+    assert body_error.value.param == "step_cache.interval"
+    refusals += [f"{e.value.problem}; {e.value.fix}" for e in (yaml_error, line_error, body_error)]
+    assert refusals == ["0 must be an integer >= 1; use e.g. 3"] * 4, refusals
 
 
 # ---------------------------------------------------------------- images, one process

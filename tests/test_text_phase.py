@@ -124,7 +124,7 @@ def test_tp2_ranks_with_different_rng_states_write_one_text_and_keep_local_kv_he
     (["--bot-task", "think"], "error: bot-task: 'think' needs a checkpoint with the instruct chat template"),
     (["--bot-task", "recaption"], "error: bot-task: 'recaption' needs a checkpoint with the instruct chat template"),
     (["--save-text", "t.txt"], "error: save-text: bot-task 'image' writes no text"),
-    (["--max-new-tokens", "0"], "error: max-new-tokens: must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "error: max-new-tokens: 0 is not an integer >= 1"),
 ])
 def test_text_mode_misuse_is_one_error_line_before_loading(tiny_model, tmp_path, args, message):
     save = tmp_path / "never.png"

@@ -1,7 +1,7 @@
 """Split an original HunyuanImage-3 checkpoint into one ready-to-load checkpoint per TP/EP rank.
 
     python utils/convert_model.py --model-path IN --output-path OUT --tp-attn N --tp-moe N --ep N \
-        [--max-shard-size GB (5; 0.001..1000)] [--max-workers N (1)] [--overwrite]
+        [--int8 | --fp8] [--max-shard-size GB (5; 0.001..1000)] [--max-workers N (1)] [--overwrite]
     python utils/convert_model.py --verify OUT [--max-workers N]
 
 OUT/rank-XX/ (XX = rank in the "tp" group) is an ordinary checkpoint in the runtime layout of the
@@ -11,7 +11,9 @@ shared MLP cut under MoE TP; everything else whole. Each holds size-capped shard
 tokenizer and generation files, and a config.json with a `parallel_layout` block; OUT holds the
 same small files and manifest.json (size and sha256 of every file written). The tensors come from
 adaptor_patches/weights/rank_slices.py's `rank_tensors`, which the loader also reads an original checkpoint
-with, so both routes give identical weights.
+with, so both routes give identical weights. `--int8` / `--fp8` (adaptor_patches/weights/quantized.py)
+write the routed experts in 8 bit with their `*_scale` tensors, exactly what `run_image_gen.py
+--quantize` makes while loading; the manifest records the format and --verify checks the scales.
 
 Streaming: a worker makes one output tensor at a time (positioned reads of only the needed bytes)
 and writes it behind a header planned up front, hashing on the way out, the write overlapping the
@@ -53,6 +55,7 @@ if __name__ == "__main__":      # run by its documented path (python utils/conve
 from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402
 from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_FILE, MANIFEST_FORMAT, ORIGINAL,  # noqa: E402
                                                 CheckpointError, open_checkpoint, rank_dir_name, read_manifest)
+from adaptor_patches.weights.quantized import MANIFEST_KEY, our_rank_format, quantize_tensors  # noqa: E402
 from adaptor_patches.weights.rank_slices import rank_tensors  # noqa: E402
 from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles, LoadingError  # noqa: E402
 from utils.safetensors_stream import StreamingWriter, copy_file, copy_with_sha256, file_sha256  # noqa: E402
@@ -107,13 +110,14 @@ def rank_shards(tensors: list, max_bytes: int) -> list:
     return split_into_shards(unchanged, max_bytes) + split_into_shards(made, max_bytes)
 
 
-def plan_jobs(files: CheckpointFiles, config: dict, layout: Layout, max_bytes: int) -> list:
+def plan_jobs(files: CheckpointFiles, config: dict, layout: Layout, max_bytes: int,
+              expert_format: Optional[str] = None) -> list:
     """Every shard of every rank, ordered shard-major so the ranks read the same source bytes together.
     Ranks > 0 copy rank 0's shards of unchanged tensors instead of making them again; those copies
     come last, so that no worker waits for the shard it copies while others could be made."""
     jobs, rank0 = [], []
     for rank in range(layout.tp):
-        shards = rank_shards(rank_tensors(files, config, layout, rank), max_bytes)
+        shards = rank_shards(quantize_tensors(rank_tensors(files, config, layout, rank), expert_format), max_bytes)
         for k, shard in enumerate(shards, 1):
             unchanged = all(t.stored is not None for t in shard)
             twin = rank0[k - 1].relpath if rank and unchanged else None   # every rank has the same shard plan
@@ -382,7 +386,7 @@ def convert(args) -> str:
     config = checkpoint.config
     max_bytes = int(args.max_shard_size * GB)
     files = checkpoint.files()
-    jobs = plan_jobs(files, config, layout, max_bytes)
+    jobs = plan_jobs(files, config, layout, max_bytes, args.expert_format)
     for note in oversized_notes(jobs, max_bytes):
         print(note, file=sys.stderr)
     partial = sibling(out, PARTIAL_SUFFIX)
@@ -397,6 +401,8 @@ def convert(args) -> str:
         written.update(run_jobs(jobs, files, partial, args.max_workers, ByteBudget(max_bytes)))
         manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
                     "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(written.items())}}
+        if args.expert_format:
+            manifest[MANIFEST_KEY] = args.expert_format
         write_json(partial / MANIFEST_FILE, manifest)
         commit(partial, out)
     except OSError as exc:
@@ -407,7 +413,9 @@ def convert(args) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     total = sum(size for size, _ in written.values())
-    return f"wrote {out}: {layout.tp} rank dirs ({layout}), {len(jobs)} shards, {len(written)} files, {human(total)}"
+    experts = f", experts {args.expert_format}" if args.expert_format else ""
+    return (f"wrote {out}: {layout.tp} rank dirs ({layout}{experts}), {len(jobs)} shards, {len(written)} files, "
+            f"{human(total)}")
 
 
 # ---------------------------------------------------------------- verify
@@ -419,7 +427,7 @@ def verify(out: Path, workers: int = 1) -> str:
         raise ConvertError(f"verify: {out} has no {MANIFEST_FILE}; it is not a converted checkpoint (or its "
                            f"conversion did not finish), convert it again")
     try:
-        _, records, layout = read_manifest(path)
+        manifest, records, layout = read_manifest(path)
     except CheckpointError as exc:
         raise ConvertError(exc.for_field("verify"), exit_code=1) from None
     for rel, record in records.items():
@@ -441,7 +449,22 @@ def verify(out: Path, workers: int = 1) -> str:
             raise ConvertError(f"verify: {rel} has sha256 {digests[rel][:16]}…, the manifest says "
                                f"{record['sha256'][:16]}…; the file is damaged, convert again", exit_code=1)
     total = sum(r["size"] for r in records.values())
-    return f"verified {out}: {len(records)} files, {human(total)}, {layout}: all match {MANIFEST_FILE}"
+    experts = verify_expert_format(out, manifest, layout)
+    return f"verified {out}: {len(records)} files, {human(total)}, {layout}, experts {experts}: all match {MANIFEST_FILE}"
+
+
+def verify_expert_format(out: Path, manifest: dict, layout: Layout) -> str:
+    """Every rank's experts in the manifest's format, 8-bit ones with float32 scales of their shape."""
+    recorded = manifest.get(MANIFEST_KEY)
+    for rank in range(layout.tp):
+        try:
+            held = our_rank_format(out / rank_dir_name(rank))
+        except LoadingError as exc:
+            raise ConvertError(f"verify: {str(exc).partition(': ')[2]}", exit_code=1) from None
+        if held != recorded:
+            raise ConvertError(f"verify: {rank_dir_name(rank)} holds {held or 'bf16'} experts, the manifest says "
+                               f"{recorded or 'bf16'}; convert again", exit_code=1)
+    return recorded or "bf16"
 
 
 # ---------------------------------------------------------------- CLI
@@ -458,12 +481,19 @@ def parse_args(argv):
     p.add_argument("--tp-attn", type=int, default=1, help="attention tensor-parallel degree")
     p.add_argument("--tp-moe", type=int, default=1, help="MoE tensor-parallel degree")
     p.add_argument("--ep", type=int, default=1, help="MoE expert-parallel degree")
+    p.add_argument("--int8", action="store_true", help="routed experts int8, per-output-channel float32 scales")
+    p.add_argument("--fp8", action="store_true", help="routed experts float8_e4m3fn, per-output-channel scales")
     p.add_argument("--max-shard-size", type=float, default=5.0, help="GB (10^9 bytes) per output shard, "
                    f"{SHARD_SIZE_RANGE_GB[0]:g}..{SHARD_SIZE_RANGE_GB[1]:g} (default 5)")
     p.add_argument("--max-workers", type=int, default=1, help="shards written in parallel")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--verify", metavar="OUT", help="check OUT's files against its manifest and exit")
     args = p.parse_args(argv)
+    if args.int8 and args.fp8:
+        raise ConvertError("int8/fp8: both given; the experts have one format, pass one of them")
+    if args.verify is not None and (args.int8 or args.fp8):
+        raise ConvertError("verify: --verify reads the format from the manifest; drop --int8 / --fp8")
+    args.expert_format = "int8" if args.int8 else "fp8" if args.fp8 else None
     if args.verify is None:
         for flag in ("model_path", "output_path"):
             if getattr(args, flag) is None:

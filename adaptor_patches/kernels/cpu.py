@@ -19,7 +19,17 @@ activation and combine passes. The buffers only grow, to the largest layer call 
 accelerator's caching allocator; nothing in them outlives a call. One kernel set belongs to one
 model (kernels_for), so two models never share them; one model runs one forward at a time.
 
+Expert weights are stored with each expert's matrix [out, in]-major (expert_weight_storage: the
+same [E, in, out] tensor and values, transposed strides), the layout nn.Linear weights have. The
+CPU GEMMs read that one best: on a CPU without native bf16 (AVX2), `x @ w[e]` in bf16 ran 2.5-3x
+slower with [in, out]-major weights than with [out, in]-major ones (bench/profile_step.py,
+docs/BENCHMARKS.md), which made the adaptor's denoising step slower than upstream eager's.
+
 One host sync per layer (the counts), free on CPU where there is no device queue.
+
+8-bit experts (`scales` given): both padded projections go through quantized_grouped_matmul with
+every group `largest` rows, which here runs as one bmm per chunk of experts, each chunk dequantized
+just before it (torch_kernels.dequant_chunks); the grouped path dequantizes the same way.
 """
 from __future__ import annotations
 
@@ -28,7 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .torch_kernels import GroupedMmKernels, expert_counts
+from .torch_kernels import (GroupedMmKernels, LoopKernels, dequant_chunks, dequantize_experts, expert_counts,
+                            grouped_mm_applies)
 
 MAX_PADDING = 0.25       # padded bmm only while E * largest_group <= (1 + MAX_PADDING) * T * K
 
@@ -48,13 +59,23 @@ class CpuKernels(GroupedMmKernels):
             buffer = self._scratch_buffers[key] = like.new_empty(numel)
         return buffer[:numel].view(shape)
 
-    def routed_experts(self, x, topk_weight, topk_idx, w13, w2, add_to=None):
-        if x.shape[0] == 0:
-            return super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to)
-        out = self.routed_padded(x, topk_weight, topk_idx, w13, w2, add_to)
-        return out if out is not None else super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to)
+    def expert_weight_storage(self, w):
+        """[E, in, out] with each expert's matrix stored [out, in]-major (see the module docstring)."""
+        return w.transpose(1, 2).contiguous().transpose(1, 2)
 
-    def routed_padded(self, x, topk_weight, topk_idx, w13, w2, add_to=None):
+    def grouped_matmul(self, x, w, counts):
+        """The grouped matmul reading w in whatever strides it is stored (no copy of the weights)."""
+        if x.shape[0] == 0 or not grouped_mm_applies(x, w):
+            return LoopKernels.grouped_matmul(self, x, w, counts)
+        return torch._grouped_mm(x.contiguous(), w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+
+    def routed_experts(self, x, topk_weight, topk_idx, w13, w2, add_to=None, scales=None):
+        if x.shape[0] == 0:
+            return super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to, scales)
+        out = self.routed_padded(x, topk_weight, topk_idx, w13, w2, add_to, scales)
+        return out if out is not None else super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to, scales)
+
+    def routed_padded(self, x, topk_weight, topk_idx, w13, w2, add_to=None, scales=None):
         """routed_experts as padded bmm, or None when padding would cost too much."""
         num_experts, rows = w13.shape[0], topk_idx.numel()
         flat = topk_idx.reshape(-1)
@@ -76,15 +97,48 @@ class CpuKernels(GroupedMmKernels):
         # Zero pad rows give exactly zero outputs, whatever the expert computes for real rows.
         padded = torch.index_select(x, 0, token_of_slot, out=self._scratch("rows", (slots, x.shape[1]), x))
         padded.index_fill_(0, is_pad.nonzero().squeeze(1), 0)
-        gate_up = torch.bmm(padded.view(num_experts, largest, -1), w13,
-                            out=self._scratch("gate_up", (num_experts, largest, w13.shape[2]), x))
+        if scales is None:
+            gate_up = torch.bmm(padded.view(num_experts, largest, -1), w13,
+                                out=self._scratch("gate_up", (num_experts, largest, w13.shape[2]), x))
+        else:
+            equal = torch.full((num_experts,), largest, dtype=torch.int64)
+            gate_up = self.quantized_grouped_matmul(padded, w13, scales[0], equal).view(num_experts, largest, -1)
         hidden = _swiglu_(gate_up).mul_(weight_of_slot.view(num_experts, largest, 1))
-        out = torch.bmm(hidden, w2, out=padded.view(num_experts, largest, -1)).view(slots, -1)    # rows are spent
+        if scales is None:
+            out = torch.bmm(hidden, w2, out=padded.view(num_experts, largest, -1)).view(slots, -1)  # rows are spent
+        else:
+            out = self.quantized_grouped_matmul(hidden.reshape(slots, -1), w2, scales[1], equal)
         acc = _accumulator(x, w2.shape[-1], add_to)
         acc.index_add_(0, token_of_slot, out if out.dtype == acc.dtype else out.float())
         if add_to is None:
             return acc.to(x.dtype)
         return add_to if acc is add_to else add_to.copy_(acc)
+
+    def quantized_grouped_matmul(self, x, q, scale, counts):
+        """Equal groups (the padded path): one bmm per chunk of dequantized experts; else the
+        grouped form of torch_kernels."""
+        sizes = counts.tolist()
+        if x.shape[0] == 0 or min(sizes) != max(sizes):
+            return super().quantized_grouped_matmul(x, q, scale, counts)
+        rows = sizes[0]
+        grouped, out = x.view(len(sizes), rows, -1), x.new_empty(len(sizes), rows, q.shape[-1])
+        for first, stop, _ in dequant_chunks(sizes, q, x.element_size()):
+            torch.bmm(grouped[first:stop], self._dequantized(q[first:stop], scale[first:stop], x),
+                      out=out[first:stop])
+        return out.view(x.shape[0], -1)
+
+    def _dequantized(self, q, scale, like):
+        """dequantize_experts into this set's scratch (same values: q * scale in fp32, rounded once to
+        like's dtype). A fresh 64 MiB tensor per chunk page-faults on first touch; the reused buffer
+        does not: int8 -> fp32 dequantization of 16 x 1024 x 1024 experts 254 -> 56 ms here. fp8 has no
+        fast CPU conversion (copy_ from float8_e4m3fn ~0.8 s for the same), so it keeps the plain form."""
+        if q.dtype != torch.int8:
+            return dequantize_experts(q, scale, like.dtype)
+        wide = self._scratch("dequant_fp32", tuple(q.shape), like.new_empty(0, dtype=torch.float32))
+        wide.copy_(q).mul_(scale.to(torch.float32).unsqueeze(-2))
+        if like.dtype == torch.float32:
+            return wide
+        return self._scratch("dequant", tuple(q.shape), like).copy_(wide)
 
     def shared_mlp(self, x, gate_and_up, down):
         """down(x1 * silu(x2)), [x1 | x2] = x @ gate_and_up^T (upstream's halves), gate/up in scratch."""

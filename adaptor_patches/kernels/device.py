@@ -86,6 +86,11 @@ class Device:
     def new_event(self):
         return self._module().Event() if self.has_streams else None
 
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Mark `tensor` as used on `stream`: its block is not reused before that stream's queued work."""
+        if stream is not None:
+            tensor.record_stream(stream)
+
     def synchronize(self) -> None:
         if self.is_accelerator:
             self._module().synchronize()

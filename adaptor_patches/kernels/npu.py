@@ -8,6 +8,10 @@
     regroup          npu_moe_re_routing (fp16/bf16 rows)
     swiglu           npu_swiglu (silu of the first half)
     attention        npu_fused_infer_attention_score (BNSD, mask inverted: the op masks where True)
+    8-bit experts    quantized_grouped_matmul, int8 weights only (the op takes no float8 weight):
+                     weight (W8A16): npu_grouped_matmul, int8 `weight` + bf16 `antiquant_scale` [E, N]
+                     8bit (W8A8): npu_dynamic_quant per token, then npu_grouped_matmul int8 x int8
+                     with bf16 `scale` [E, N], fp32 `per_token_scale` [M], output_dtype bf16
 
 Considered and not adopted (issue 13): fusing the shared-MLP add into finalize_routing (skip1)
 rounds once where upstream rounds twice (routed sum, then + shared), so it is not the same math,
@@ -26,6 +30,7 @@ import importlib
 
 import torch
 
+from .quant import format_of
 from .torch_kernels import LoopKernels
 
 
@@ -35,8 +40,9 @@ ACL_FORMAT_FRACTAL_NZ = 29
 class NpuKernels(LoopKernels):
     name = "npu"
 
-    def __init__(self, npu=None):
+    def __init__(self, npu=None, quant_compute: str = "weight"):
         self.npu = npu if npu is not None else importlib.import_module("torch_npu")
+        self.quant_compute = quant_compute
         self._mask_in, self._mask_out = None, None      # (mask, its version), inverted: _masked_positions
 
     def expert_weight_storage(self, w):
@@ -51,6 +57,30 @@ class NpuKernels(LoopKernels):
         # group_list_type=1: group_list holds per-group counts; split_item=2: one output tensor.
         return self.npu.npu_grouped_matmul([x], [w], group_list=counts.to(torch.int64), group_type=0,
                                            group_list_type=1, split_item=2)[0]
+
+    def quantized_grouped_matmul(self, x, q, scale, counts):
+        """x [M, K] bf16 grouped by expert (counts [E]) @ dequantize(q [E, K, N] int8, scale [E, N] fp32).
+
+        Docs (npu_grouped_matmul, group_list a Tensor, Atlas A2/A3): the weight-only form ("伪量化")
+        takes x bf16, weight int8, antiquant_scale bf16 shaped [g, n] for one weight tensor, output
+        bf16, y = x @ (weight * antiquant_scale); the per-token form takes x int8, weight int8,
+        scale bf16 [g, n] with per_token_scale fp32 [m] and output_dtype bf16, y = (x @ weight) *
+        scale * per_token_scale. The scales go to bf16 (the op's dtype rule): a relative change of at
+        most 2^-9 per channel. group_list_type=1 rejects a length-1 list, so one local expert passes
+        its cumsum (type 0, which has no length rule)."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, q.shape[-1])
+        fmt = format_of(q.dtype)
+        if fmt != "int8":
+            raise ValueError(f"quantize: {fmt or q.dtype} experts do not run on npu (npu_grouped_matmul takes int8 "
+                             f"weights only); use --quantize int8")
+        group_list, list_type = (counts.to(torch.int64), 1) if q.shape[0] > 1 else (counts.to(torch.int64).cumsum(0), 0)
+        common = dict(group_list=group_list, group_type=0, group_list_type=list_type, split_item=2)
+        if self.quant_compute == "8bit":
+            x_q, x_scale = self.npu.npu_dynamic_quant(x.contiguous())
+            return self.npu.npu_grouped_matmul([x_q], [q], scale=[scale.to(torch.bfloat16)],
+                                               per_token_scale=[x_scale], output_dtype=torch.bfloat16, **common)[0]
+        return self.npu.npu_grouped_matmul([x], [q], antiquant_scale=[scale.to(x.dtype)], **common)[0]
 
     def permute(self, x, topk_idx, num_experts):
         if x.shape[0] == 0:

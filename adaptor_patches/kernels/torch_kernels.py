@@ -1,10 +1,11 @@
 """The kernels of the MoE and attention in plain torch: the reference every other set is tested against.
 
-    routed_experts(x, topk_weight, topk_idx, w13, w2)   the whole routed path of one MoE layer
+    routed_experts(x, topk_weight, topk_idx, w13, w2, scales=None)   the whole routed path of one MoE layer
     expert_weight_storage(w)               how stacked expert weights are stored (once, after loading)
-    expert_mlp(sorted_x, w13, w2, counts)  down(SwiGLU(gate/up(rows))) per expert group
+    expert_mlp(sorted_x, w13, w2, counts, scales=None)  down(SwiGLU(gate/up(rows))) per expert group
     shared_mlp(x, gate_and_up, down)       upstream HunyuanMLP's math on its nn.Linear weights
     grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
+    quantized_grouped_matmul(x, q, scale, counts)   the same with 8-bit w (int8 / fp8) and its scales
     route(logits, topk, norm, scale)       upstream topkgating's combine weights, dropless
     permute(x, topk_idx, num_experts)      token copies sorted by expert (+ per-expert counts)
     unpermute(y, row_idx, topk_weight)     weighted sum of each token's K expert rows
@@ -28,6 +29,13 @@ computes x1 * silu(x2) (second half activated); the expert weights are stored wi
 swapped (moe/experts.py), so stacked experts produce [x2 | x1] and equal upstream's.
 Host syncs: one `.tolist()` of the counts per grouped matmul in the loop, none with grouped_mm.
 Inference only: outputs are written with out= and in place; nothing keeps an autograd graph.
+
+8-bit experts (kernels/quant.py): `scales` is (w13_scale [E, 2I], w2_scale [E, H]) float32, or None
+for bf16 experts. Every expert matmul with scales goes through `quantized_grouped_matmul`, the one
+seam a device's fused 8-bit form overrides. Here it is weight-only (W8A16): each expert's weight
+is dequantized (q * scale in fp32, rounded once to the activations' dtype, exactly
+quant.dequantize) just before its matmul, a few experts at a time (DEQUANT_CHUNK_BYTES), and an
+expert that gets no rows is never dequantized.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 _ALIGN_BYTES = 16
+DEQUANT_CHUNK_BYTES = 64 << 20     # dequantized expert weights alive at once in one 8-bit grouped matmul
 _GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
 
@@ -51,24 +60,52 @@ class LoopKernels:
         return w
 
     def routed_experts(self, x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       w13: torch.Tensor, w2: torch.Tensor, add_to: Optional[torch.Tensor] = None,
+                       scales: Optional[tuple] = None) -> torch.Tensor:
         """sum_k topk_weight[t, k] * MLP_{topk_idx[t, k]}(x[t]) for every token t of x [T, H].
 
         Returned in x's dtype; with `add_to` ([T, H], x's dtype) the sum is added into it in place
-        and add_to is returned (the MoE passes its finished shared-MLP output).
+        and add_to is returned (the MoE passes its finished shared-MLP output). `scales`: see the
+        module docstring (8-bit w13 / w2).
         """
         if x.shape[0] == 0:
             return add_to if add_to is not None else x.new_empty(0, w2.shape[-1])
         sorted_x, row_idx, counts = self.permute(x, topk_idx, w13.shape[0])
-        routed = self.unpermute(self.expert_mlp(sorted_x, w13, w2, counts), row_idx, topk_weight)
+        routed = self.unpermute(self.expert_mlp(sorted_x, w13, w2, counts, scales), row_idx, topk_weight)
         return routed if add_to is None else add_to.add_(routed)
 
     def expert_mlp(self, sorted_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   counts: torch.Tensor) -> torch.Tensor:
+                   counts: torch.Tensor, scales: Optional[tuple] = None) -> torch.Tensor:
         """Rows grouped by expert (counts [E]) -> down(swiglu(rows @ w13[e])) per group, same row order."""
         if sorted_x.shape[0] == 0:
             return sorted_x.new_empty(0, w2.shape[-1])
-        return self.grouped_matmul(self.swiglu(self.grouped_matmul(sorted_x, w13, counts)), w2, counts)
+        w13_scale, w2_scale = scales if scales is not None else (None, None)
+        hidden = self.swiglu(self.expert_matmul(sorted_x, w13, w13_scale, counts))
+        return self.expert_matmul(hidden, w2, w2_scale, counts)
+
+    def expert_matmul(self, x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor],
+                      counts: torch.Tensor) -> torch.Tensor:
+        """grouped_matmul for bf16 experts, quantized_grouped_matmul for 8-bit ones (scale given)."""
+        if scale is None:
+            return self.grouped_matmul(x, w, counts)
+        return self.quantized_grouped_matmul(x, w, scale, counts)
+
+    def quantized_grouped_matmul(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                                 counts: torch.Tensor) -> torch.Tensor:
+        """grouped_matmul with 8-bit weights: x [N, in] (bf16 rows grouped by expert), q [E, in, out]
+        int8 / float8_e4m3fn, scale [E, out] float32, counts [E] -> [N, out] in x's dtype.
+
+        W8A16 reference: the experts that get rows are dequantized a chunk at a time (at most
+        DEQUANT_CHUNK_BYTES of them) into grouped_matmul over that chunk's rows."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, q.shape[-1])
+        out, start = x.new_empty(x.shape[0], q.shape[-1]), 0
+        for first, stop, rows in dequant_chunks(counts.tolist(), q, x.element_size()):
+            if rows:
+                weights = dequantize_experts(q[first:stop], scale[first:stop], x.dtype)
+                out[start:start + rows] = self.grouped_matmul(x[start:start + rows], weights, counts[first:stop])
+            start += rows
+        return out
 
     def shared_mlp(self, x: torch.Tensor, gate_and_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """down(x1 * silu(x2)) with [x1 | x2] = x @ gate_and_up^T: upstream HunyuanMLP (silu), x [T, H].
@@ -198,6 +235,28 @@ def grouped_mm_applies(x, w) -> bool:
         return False
     size = x.element_size()
     return (x.shape[-1] * size) % _ALIGN_BYTES == 0 and (w.shape[-1] * size) % _ALIGN_BYTES == 0
+
+
+def dequant_chunks(counts: list, q: torch.Tensor, element_size: int):
+    """(first expert, stop expert, rows) runs of experts to dequantize together: consecutive experts
+    with rows, each run's dequantized weights at most DEQUANT_CHUNK_BYTES (at least one expert);
+    experts without rows form row-less runs that are skipped."""
+    per_expert = max(1, q[0].numel() * element_size)
+    most = max(1, DEQUANT_CHUNK_BYTES // per_expert)
+    first = 0
+    while first < len(counts):
+        stop = first + 1
+        if counts[first]:
+            while stop < len(counts) and counts[stop] and stop - first < most:
+                stop += 1
+        yield first, stop, sum(counts[first:stop])
+        first = stop
+
+
+def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quant.dequantize of a few experts [e, in, out]: q * scale in fp32, rounded once to `dtype`."""
+    wide = q.to(torch.float32)
+    return wide.mul_(scale.to(torch.float32).unsqueeze(-2)).to(dtype)
 
 
 def expert_counts(flat_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

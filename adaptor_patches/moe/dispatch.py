@@ -1,18 +1,24 @@
-"""How a MoE layer's tokens reach its experts across ranks: replicated, TP all-reduce, EP all-to-all.
+"""How a MoE layer's tokens move between ranks: replicated, TP all-reduce, EP all-to-all.
 
-One dispatcher per layer, chosen at __init__ from the layer's MoeShard. Each runs the whole
-layer for the rank's token rows: gate -> route -> experts (the layer's kernel set) and meets the
-shared MLP (moe/shared_mlp.py, on its side stream) at one merge point:
+A dispatcher moves tokens only; the layer (hunyuan.py's HunyuanMoE.forward) runs the steps:
 
-  Replicated  every expert whole on every rank; no collective.
-  TensorParallel  every expert's intermediate split over the "tp" group, the shared MLP too;
-              routed and shared partial sums leave through ONE all-reduce.
-  ExpertParallel  experts split contiguously over the "tp" group. The (replicated) token rows
-              are cut into contiguous per-rank chunks (layout.token_chunks: uneven and empty
-              allowed); each rank routes its chunk: all_to_all of per-expert counts,
-              all_to_all_single of the rows, local grouped matmul, all_to_all_single back,
-              weighted combine, + the shared MLP of the chunk; one all-gather (rows padded to the
-              largest chunk) replicates the output again.
+    rows    = dispatcher.local_rows(tokens)                 EP: this rank's chunk
+    shared  = layer.shared.start(rows)                      side stream (moe/shared_mlp.py)
+    weights = route(layer, rows)                            the gate (moe/gate.py)
+    routed  = dispatcher.routed(experts, rows, weights)     EP: all-to-alls around the local experts
+    output  = shared.join(routed)                           the one add
+    return dispatcher.combine(output, tokens)               TP all-reduce, EP all-gather
+
+  Replicated      every expert whole on every rank; nothing moves.
+  TensorParallel  every expert's intermediate split over the "tp" group, the shared MLP too; the
+                  routed and shared partial sums are added first and leave through ONE all-reduce
+                  (as the recipe's non-EP path adds before its all_reduce).
+  ExpertParallel  experts split contiguously over the "tp" group. The (replicated) token rows are
+                  cut into contiguous per-rank chunks (layout.token_chunks: uneven and empty
+                  allowed); each rank routes its chunk: all_to_all of per-expert counts,
+                  all_to_all_single of the rows, local grouped matmul, all_to_all_single back,
+                  weighted combine; one all-gather (rows padded to the largest chunk) replicates the
+                  output again.
 
 Host syncs per layer: replicated 0, tp 0, ep 1 (one `.tolist()` of the exchanged counts, which
 the all-to-all split sizes need); the loop and CPU kernel sets add theirs (kernels/).
@@ -24,54 +30,54 @@ import torch.distributed as dist
 
 from ..parallel.collectives import all_gather_rows
 from ..parallel.layout import split_evenly
-from . import shared_mlp
-
-
-def route(moe, tokens):
-    """(topk_weight fp32 [T, K], topk_idx [T, K]) from upstream's gate weights, dropless."""
-    gate = moe.gate
-    if tokens.shape[0] == 0:        # an empty EP chunk: no gate matmul on zero rows
-        return (torch.empty(0, gate.moe_topk, dtype=torch.float32, device=tokens.device),
-                torch.empty(0, gate.moe_topk, dtype=torch.int64, device=tokens.device))
-    gate_input = tokens.float() if gate.wg.weight.dtype == torch.float32 else tokens
-    return moe.kernels.route(gate.wg(gate_input), gate.moe_topk, gate.norm_topk_prob, gate.routed_scaling_factor)
 
 
 class Replicated:
-    def __call__(self, moe, tokens):
-        shared = shared_mlp.launch(moe, tokens)
-        topk_weight, topk_idx = route(moe, tokens)
-        if shared is not None and shared.ready:
-            # No side stream: the shared output is complete, so the routed sum goes straight into it.
-            return moe.experts.routed(tokens, topk_weight, topk_idx, add_to=shared.output)
-        return shared_mlp.merge(moe.experts.routed(tokens, topk_weight, topk_idx), shared, moe.rank_context.device)
+    def __init__(self, shard, rank_context, kernels):
+        self.shard, self.rank_context, self.kernels = shard, rank_context, kernels
 
+    def local_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows this rank routes."""
+        return tokens
 
-class TensorParallel(Replicated):
-    def __call__(self, moe, tokens):
-        output = super().__call__(moe, tokens)
-        dist.all_reduce(output, group=moe.rank_context.group("tp"))
+    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
+        """The weighted sum of each row's experts (added into `add_to` in place when given)."""
+        return experts.routed(rows, topk_weight, topk_idx, add_to=add_to)
+
+    def combine(self, output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's output rows -> the layer's output for every token."""
         return output
 
 
-class ExpertParallel:
-    def __call__(self, moe, tokens):
-        group, shard = moe.rank_context.group("tp"), moe.experts.shard
-        sizes = split_evenly(tokens.shape[0], shard.ep_degree)
-        start = sum(sizes[:shard.ep_rank])
-        chunk = tokens[start:start + sizes[shard.ep_rank]]
-        shared = shared_mlp.launch(moe, chunk)
-        topk_weight, topk_idx = route(moe, chunk)
-        sorted_x, row_idx, counts = moe.kernels.permute(chunk, topk_idx, moe.num_experts)
-        expert_out = self._experts_across_ranks(moe, sorted_x, counts, group)
-        output = shared_mlp.merge(moe.kernels.unpermute(expert_out, row_idx, topk_weight), shared,
-                                  moe.rank_context.device)
-        return all_gather_rows(output, sizes, group)
+class TensorParallel(Replicated):
+    def combine(self, output, tokens):
+        dist.all_reduce(output, group=self.rank_context.group("tp"))
+        return output
 
-    @staticmethod
-    def _experts_across_ranks(moe, sorted_x, counts, group):
+
+class ExpertParallel(Replicated):
+    def _chunks(self, tokens) -> list:
+        return split_evenly(tokens.shape[0], self.shard.ep_degree)
+
+    def local_rows(self, tokens):
+        sizes = self._chunks(tokens)
+        start = sum(sizes[:self.shard.ep_rank])
+        return tokens[start:start + sizes[self.shard.ep_rank]]
+
+    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None):
+        kernels = self.kernels
+        sorted_x, row_idx, counts = kernels.permute(rows, topk_idx, self.shard.num_experts)
+        expert_out = self._experts_across_ranks(experts, sorted_x, counts)
+        routed = kernels.unpermute(expert_out, row_idx, topk_weight)
+        return routed if add_to is None else add_to.add_(routed)
+
+    def combine(self, output, tokens):
+        return all_gather_rows(output, self._chunks(tokens), self.rank_context.group("tp"))
+
+    def _experts_across_ranks(self, experts, sorted_x, counts):
         """Double routing: rows sorted by global expert go to the expert's owner and come back computed."""
-        ep_size, local_experts = dist.get_world_size(group), moe.experts.shard.local_experts
+        group, kernels = self.rank_context.group("tp"), self.kernels
+        ep_size, local_experts = dist.get_world_size(group), self.shard.local_experts
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)
         received_counts = received_counts.view(ep_size, local_experts)        # [source rank, local expert]
@@ -80,12 +86,12 @@ class ExpertParallel:
                                                 received_counts.sum(1)]).tolist()
         received = sorted_x.new_empty(sum(recv_splits), sorted_x.shape[1])
         dist.all_to_all_single(received, sorted_x.contiguous(), recv_splits, send_splits, group=group)
-        grouped, order, local_counts = moe.kernels.regroup(received, received_counts)
-        computed = moe.kernels.ungroup(moe.experts(grouped, local_counts), order)
+        grouped, order, local_counts = kernels.regroup(received, received_counts)
+        computed = kernels.ungroup(experts(grouped, local_counts), order)
         returned = computed.new_empty(sorted_x.shape[0], computed.shape[1])
         dist.all_to_all_single(returned, computed.contiguous(), send_splits, recv_splits, group=group)
         return returned
 
 
-def dispatcher_for(shard):
-    return {"ep": ExpertParallel, "tp": TensorParallel}.get(shard.mode, Replicated)()
+def dispatcher_for(shard, rank_context, kernels):
+    return {"ep": ExpertParallel, "tp": TensorParallel}.get(shard.mode, Replicated)(shard, rank_context, kernels)

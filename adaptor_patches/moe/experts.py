@@ -14,25 +14,49 @@ w13/w2 are `[E, in, out]`, what both npu_grouped_matmul and torch._grouped_mm ta
 half comes first so the expert SwiGLU is npu_swiglu's silu(first) * second; the shared MLP stays
 upstream's own module and keeps upstream's order. Which experts or which slice: layout.MoeShard.
 How a checkpoint's per-expert tensors become these: weights/rank_slices.py.
+
+8-bit experts (`expert_format` "int8" / "fp8", kernels/quant.py): w13 / w2 are held in the format's
+storage dtype, same shapes, with float32 per-output-channel scales beside them, loaded like the
+weights: w13_scale [E_local, 2*I_local] (its columns), w2_scale [E_local, H]. All four are frozen
+parameters. This module only passes the scales on: the kernel set decides how 8-bit runs.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
+from ..kernels.quant import STORAGE_DTYPES, check_format, quantize_per_channel
 from ..parallel.layout import MoeShard
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, shard: MoeShard, kernels, init_std: float):
+    def __init__(self, hidden: int, intermediate: int, shard: MoeShard, kernels, init_std: float,
+                 expert_format: Optional[str] = None):
         super().__init__()
         self.shard = shard
         self.kernels = kernels
+        self.expert_format = expert_format
         local = shard.local_size(intermediate)
-        self.w13 = nn.Parameter(torch.empty(shard.local_experts, hidden, 2 * local))
-        self.w2 = nn.Parameter(torch.empty(shard.local_experts, local, hidden))
-        nn.init.normal_(self.w13, std=init_std)
-        nn.init.normal_(self.w2, std=init_std)
+        w13 = torch.empty(shard.local_experts, hidden, 2 * local)
+        w2 = torch.empty(shard.local_experts, local, hidden)
+        nn.init.normal_(w13, std=init_std)
+        nn.init.normal_(w2, std=init_std)
+        if expert_format is None:
+            self.w13, self.w2 = nn.Parameter(w13), nn.Parameter(w2)
+            return
+        check_format(expert_format)
+        for name, weight in (("w13", w13), ("w2", w2)):
+            # an initial value only (replaced by the checkpoint's); quantized so it is in range
+            q, scale = quantize_per_channel(weight, expert_format)
+            setattr(self, name, nn.Parameter(q.to(STORAGE_DTYPES[expert_format]), requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale.to(torch.float32), requires_grad=False))
+
+    @property
+    def scales(self) -> Optional[tuple]:
+        """(w13_scale, w2_scale) of 8-bit experts, None for bf16 ones."""
+        return None if self.expert_format is None else (self.w13_scale, self.w2_scale)
 
     def adopt_kernel_storage(self) -> None:
         """Store w13 / w2 as the kernel set's grouped matmul reads them best (NPU: FRACTAL_NZ); the
@@ -43,8 +67,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows already grouped by local expert (EP, after the all-to-all)."""
-        return self.kernels.expert_mlp(sorted_x, self.w13, self.w2, counts)
+        return self.kernels.expert_mlp(sorted_x, self.w13, self.w2, counts, scales=self.scales)
 
     def routed(self, tokens, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
         """The weighted sum of each token's experts (every expert is local: replicated or TP)."""
-        return self.kernels.routed_experts(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to)
+        return self.kernels.routed_experts(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to,
+                                           scales=self.scales)

@@ -1,13 +1,20 @@
 """The shared MLP of a MoE layer, on its own stream while the routed experts run on the main one.
 
-Streams: "input ready" is recorded on the main stream, the side stream waits on it and runs the
-shared MLP, then records "shared done"; at the merge point the main stream waits on that before
-the add. `record_stream` marks the input as used by the side stream and the shared output as used
-by the main stream so the caching allocator cannot hand either block out early. Without a side
-stream (CPU, multi-stream off, a layer built alone) the shared MLP runs inline, before the routed
-experts, and the routed sum is added straight into its output. The NPU and CUDA stream paths have
-not been run on hardware here. The side stream is created once per model (hunyuan.py's
-HunyuanImage3Model.__init__) and shared by every layer.
+One `SharedMlp` per layer owns the layer's side stream and its two events. The stream is made once
+per model (RankContext.shared_mlp_stream, injected by hunyuan.py's HunyuanImage3Model.__init__) and
+shared by every layer; the events are made when the stream is attached, once per layer and not per
+call (an event is re-recorded each call: a wait orders against the latest record, and every record
+and wait of a layer is issued from the host in program order). One call:
+
+    main:  record(input_ready) ............ routed path ........ wait(shared_done) -> routed + shared
+    side:      wait(input_ready) -> shared MLP -> record(shared_done)
+
+`record_stream` marks the input as used by the side stream and the shared output as used by the
+main stream, so the caching allocator cannot hand either block out while the other stream may still
+read it. Without a side stream (CPU, multi-stream off, a layer built alone) the shared MLP runs
+inline, before the routed experts, and the routed sum is added straight into its output (no extra
+[T, H] tensor). The NPU and CUDA stream paths have not run on hardware here; on CPU they are driven
+by tests/stream_double.py, which records the order of every stream operation.
 """
 from __future__ import annotations
 
@@ -16,45 +23,55 @@ from typing import Optional
 import torch
 
 
-class SharedOutput:
-    """The shared MLP's output for one layer call, and the event that says it is complete."""
+class SharedMlp:
+    def __init__(self, mlp: Optional[torch.nn.Module], kernels, device):
+        self.mlp, self.kernels, self.device = mlp, kernels, device      # mlp: upstream's HunyuanMLP, or None
+        self.stream = self.input_ready = self.shared_done = None
 
-    def __init__(self, output: torch.Tensor, done=None):
-        self.output, self.done = output, done
+    def use_stream(self, stream) -> None:
+        """Run on `stream` from now on (None: inline); its two events are made here, once."""
+        self.stream = stream
+        if stream is None:
+            self.input_ready = self.shared_done = None
+        else:
+            self.input_ready, self.shared_done = self.device.new_event(), self.device.new_event()
+
+    def start(self, tokens: torch.Tensor) -> "SharedCall":
+        """Start the shared MLP on `tokens` [T, H] (on the side stream when there is one)."""
+        if self.mlp is None:
+            return SharedCall(self, None, on_side_stream=False)
+        weights = (self.mlp.gate_and_up_proj.weight, self.mlp.down_proj.weight)
+        if self.stream is None:
+            return SharedCall(self, self.kernels.shared_mlp(tokens, *weights), on_side_stream=False)
+        device = self.device
+        self.input_ready.record(device.current_stream())
+        with device.stream_context(self.stream):
+            self.input_ready.wait(self.stream)
+            output = self.kernels.shared_mlp(tokens, *weights)
+            self.shared_done.record(self.stream)
+        device.record_stream(tokens, self.stream)
+        return SharedCall(self, output, on_side_stream=True)
+
+
+class SharedCall:
+    """One call's shared output, and where the routed sum meets it."""
+
+    def __init__(self, owner: SharedMlp, output: Optional[torch.Tensor], on_side_stream: bool):
+        self.owner, self.output, self.on_side_stream = owner, output, on_side_stream
 
     @property
-    def ready(self) -> bool:
-        """True when the output can be used now (no side stream): the routed sum may go into it."""
-        return self.done is None
+    def inline_output(self) -> Optional[torch.Tensor]:
+        """The finished shared output when it ran inline: the routed sum may be added straight into it."""
+        return None if self.on_side_stream else self.output
 
-
-def launch(moe, tokens: torch.Tensor) -> Optional[SharedOutput]:
-    """Start the shared MLP of `moe` on `tokens` (on the side stream when the layer has one)."""
-    shared_mlp = getattr(moe, "shared_mlp", None)
-    if shared_mlp is None:
-        return None
-    weights = (shared_mlp.gate_and_up_proj.weight, shared_mlp.down_proj.weight)
-    stream = moe.shared_mlp_stream
-    if stream is None:
-        return SharedOutput(moe.kernels.shared_mlp(tokens, *weights))
-    device = moe.rank_context.device
-    input_ready = device.new_event()
-    input_ready.record(device.current_stream())
-    with device.stream_context(stream):
-        input_ready.wait(stream)
-        output = moe.kernels.shared_mlp(tokens, *weights)
-        done = device.new_event()
-        done.record(stream)
-    tokens.record_stream(stream)
-    return SharedOutput(output, done)
-
-
-def merge(routed: torch.Tensor, shared: Optional[SharedOutput], device) -> torch.Tensor:
-    """routed + shared, after the shared MLP's stream finished (routed is the layer's own fresh tensor)."""
-    if shared is None:
-        return routed
-    if shared.done is not None:
-        main = device.current_stream()
-        shared.done.wait(main)
-        shared.output.record_stream(main)
-    return routed.add_(shared.output)
+    def join(self, routed: torch.Tensor) -> torch.Tensor:
+        """routed + shared: the layer's one add, after the side stream finished. `routed` is the
+        layer's own fresh tensor, or `inline_output` itself when the routed sum already went into it."""
+        if self.output is None or routed is self.output:
+            return routed
+        if self.on_side_stream:
+            device = self.owner.device
+            main = device.current_stream()
+            self.owner.shared_done.wait(main)
+            device.record_stream(self.output, main)
+        return routed.add_(self.output)

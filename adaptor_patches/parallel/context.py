@@ -40,6 +40,7 @@ class RankContext:
     kernels: object = None                   # the kernel set; default: the device's (kernels.kernels_for)
     text_to_image_only: bool = False         # leave out UNUSED_IN_TEXT_TO_IMAGE (run_image_gen's jobs)
     planning: bool = False                   # built on the meta device to be measured (utils/planner/plan.py), never run
+    expert_format: Optional[str] = None      # routed experts in 8 bit: "int8" / "fp8" (kernels/quant.py); None: bf16
     _mesh: object = field(default=None, repr=False)
 
     def __post_init__(self):

@@ -39,9 +39,16 @@ def split_evenly(total: int, parts: int) -> list:
     return [base + (part < extra) for part in range(parts)]
 
 
+ENV_ON, ENV_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def env_flag(name: str, env=None) -> bool:
-    """An on/off environment variable (CFG_PARALLEL, USE_VAE_PARALLEL: the cann-recipes names)."""
-    return (os.environ if env is None else env).get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """An on/off environment variable (CFG_PARALLEL, USE_VAE_PARALLEL: the cann-recipes names); any
+    other value is refused rather than read as off."""
+    value = (os.environ if env is None else env).get(name, "").strip().lower()
+    if value not in ENV_ON + ENV_OFF:
+        raise LayoutError(f"{name}: {value!r} is not on or off; set it to 1 or 0 (or unset it)")
+    return value in ENV_ON
 
 
 def per_layer(value, layer: int):

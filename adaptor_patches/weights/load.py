@@ -17,7 +17,8 @@
 
 All are the same path (a plan of RankTensors over a source, a lazy state dict, the same checks; a
 converted folder of ours is planned with the single-process layout, i.e. every tensor whole) and
-give bit-identical weights.
+give bit-identical weights. 8-bit experts (quantized.py) ride on the same plan: a folder in 8 bit
+is read as it is; `quantize` makes the plan's bf16 expert stacks 8-bit while they load.
 
 Why not upstream's `from_pretrained(dir)` with weight converters: transformers 5 materialises every
 checkpoint tensor whole (`get_slice(k)[...]`, 4 reader threads, all reads queued at once) before a
@@ -38,7 +39,8 @@ from ..parallel.layout import Layout
 from .checkpoint import (CONVERTED, LAYOUT_KEY, MANIFEST_FILE, RECIPE, Checkpoint,  # noqa: F401
                          open_checkpoint, rank_dir_name)
 from .rank_slices import RankTensor, rank_tensors
-from .recipe_format import recipe_rank_tensors
+from .quantized import manifest_format, our_rank_format, quantize_tensors, resolve_expert_format
+from .recipe_format import recipe_expert_format, recipe_rank_tensors
 from .safetensors_io import CheckpointFiles, LoadingError
 
 
@@ -53,10 +55,36 @@ def checkpoint_layout(model_dir) -> Optional[Layout]:
     return open_checkpoint(model_dir).weight_layout
 
 
-def check_checkpoint(model_dir, layout: Layout, rank: int, per_rank: bool = True) -> None:
-    """Refuse, from JSON files and safetensors headers alone (before any collective), a converted
-    checkpoint this run cannot load (Checkpoint.check_run)."""
-    open_checkpoint(model_dir).check_run(layout, rank, per_rank)
+def folder_expert_format(checkpoint: Checkpoint, rank_dir: Optional[Path] = None) -> Optional[str]:
+    """The experts' format a per-rank folder holds ("int8" / "fp8"; None: bf16 or an original),
+    its scales checked (in `rank_dir`, else rank-00); ours must also agree with its manifest."""
+    if checkpoint.format == CONVERTED:
+        rank_dir = rank_dir or checkpoint.weights_dir(0)
+        recorded, held = manifest_format(checkpoint.directory), our_rank_format(rank_dir)
+        if recorded != held:
+            raise LoadingError(f"model-id: {checkpoint.directory}'s {MANIFEST_FILE} records {recorded or 'bf16'} "
+                               f"experts but {rank_dir} holds {held or 'bf16'} ones; convert it again")
+        return held
+    if checkpoint.format == RECIPE:
+        return recipe_expert_format(checkpoint.directory)
+    return None
+
+
+def check_checkpoint(model_dir, layout: Layout, rank: int, per_rank: bool = True,
+                     quantize: Optional[str] = None) -> Optional[str]:
+    """Refuse, from JSON files and safetensors headers alone (before any collective), a checkpoint
+    this run cannot load (Checkpoint.check_run; 8-bit experts' scales); return the format its
+    experts run in (`quantize`: the job's --quantize, None when not given; quantized.resolve_expert_format)."""
+    checkpoint = open_checkpoint(model_dir)
+    checkpoint.check_run(layout, rank, per_rank)
+    if not checkpoint.per_rank:
+        expert_format = resolve_expert_format(None, quantize, model_dir)
+        if expert_format is not None and not per_rank:
+            raise LoadingError(f"quantize: 8-bit experts ({expert_format}) need the full adaptor; drop --adaptor "
+                               f"shims or --quantize")
+        return expert_format
+    rank_dir = checkpoint.weights_dir(layout.tp_rank(rank)) if checkpoint.format == CONVERTED else None
+    return resolve_expert_format(folder_expert_format(checkpoint, rank_dir), quantize, model_dir)
 
 
 @dataclass(frozen=True)
@@ -68,12 +96,13 @@ class WeightsSource:
     tp_rank: int
     planner: Callable = rank_tensors
     files: Optional[CheckpointFiles] = None
+    expert_format: Optional[str] = None     # bf16 expert stacks of the plan are quantized to it as they load
 
     def plan(self) -> tuple:
         """(CheckpointFiles, this rank's RankTensors)."""
         files = self.files if self.files is not None else CheckpointFiles(self.directory)
-        return files, self.planner(files, json.loads((self.directory / "config.json").read_text()), self.layout,
-                                   self.tp_rank)
+        config = json.loads((self.directory / "config.json").read_text())
+        return files, quantize_tensors(self.planner(files, config, self.layout, self.tp_rank), self.expert_format)
 
 
 def weights_source(checkpoint, context: RankContext) -> WeightsSource:
@@ -82,12 +111,12 @@ def weights_source(checkpoint, context: RankContext) -> WeightsSource:
     whole); a recipe rank folder is mapped to them by recipe_format."""
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = open_checkpoint(checkpoint)
-    files = checkpoint.files(context.tp_rank)
+    files, fmt = checkpoint.files(context.tp_rank), context.expert_format
     if checkpoint.format == CONVERTED:
-        return WeightsSource(files.directory, Layout(), 0, files=files)
+        return WeightsSource(files.directory, Layout(), 0, files=files, expert_format=fmt)
     if checkpoint.format == RECIPE:
-        return WeightsSource(files.directory, context.layout, context.tp_rank, recipe_rank_tensors, files)
-    return WeightsSource(files.directory, context.layout, context.tp_rank, files=files)
+        return WeightsSource(files.directory, context.layout, context.tp_rank, recipe_rank_tensors, files, fmt)
+    return WeightsSource(files.directory, context.layout, context.tp_rank, files=files, expert_format=fmt)
 
 
 def plan_rank(weights_dir: Path, layout: Layout, tp_rank: int):
@@ -122,8 +151,8 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
     """`from_pretrained` (transformers', bound to model class `cls`) fed this rank's tensors lazily,
     then spot-checked against the checkpoint."""
     from transformers import GenerationConfig
+    context.expert_format = check_checkpoint(model_dir, context.layout, context.rank, quantize=context.expert_format)
     checkpoint = open_checkpoint(model_dir)
-    checkpoint.check_run(context.layout, context.rank)
     source = weights_source(checkpoint, context)
     weights_dir = source.directory
     files, tensors = source.plan()
@@ -147,13 +176,16 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
 
 
 def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_impl: str = "eager",
-               per_rank: bool = True):
+               per_rank: bool = True, quantize: Optional[str] = None):
     """Upstream's model with this rank's weights (the context's layout and rank decide which).
-    per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole."""
+    per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole.
+    quantize: the job's --quantize ("none" / "int8" / "fp8"; None: not given, an 8-bit folder's own
+    format or bf16); the experts' format is set on the context."""
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM as cls
     model_dir = Path(model_dir)
+    asked = quantize if quantize is not None else context.expert_format
+    context.expert_format = check_checkpoint(model_dir, context.layout, context.rank, per_rank, asked)
     checkpoint = open_checkpoint(model_dir)       # the CLI's check opened it already: the same object
-    checkpoint.check_run(context.layout, context.rank, per_rank)
     kwargs = dict(attn_implementation=attn_impl, dtype="auto", moe_impl=moe_impl, output_loading_info=True)
     if context.device.is_accelerator:
         kwargs["device_map"] = {"": context.device.torch_device}

@@ -41,6 +41,7 @@ class RankTensor:
     dtype: str                              # safetensors dtype name
     read: Callable                          # read(CheckpointFiles) -> torch.Tensor
     stored: Optional[StoredTensor] = None   # set when it is a stored tensor unchanged (a byte copy)
+    read_expert: Optional[Callable] = None  # expert stacks: read_expert(files, i) -> local expert i [in, out]
 
     @property
     def nbytes(self) -> int:
@@ -127,7 +128,10 @@ class _RankSplitter:
                 out[i] = piece(files, expert)
             return out
 
-        return RankTensor(f"model.layers.{layer}.mlp.experts.{name}", shape, first.dtype, read)
+        def read_expert(files, i):
+            return piece(files, shard.local_expert_ids[i])
+
+        return RankTensor(f"model.layers.{layer}.mlp.experts.{name}", shape, first.dtype, read, read_expert=read_expert)
 
 
 def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -> list:
@@ -146,8 +150,12 @@ def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -
     return tensors
 
 
-def rank_state_dict(full_state_dict: dict, config, layout: Layout, tp_rank: int) -> dict:
+def rank_state_dict(full_state_dict: dict, config, layout: Layout, tp_rank: int,
+                    expert_format: Optional[str] = None) -> dict:
     """`rank_tensors` applied to tensors in memory: full upstream tensors (names as in the model,
-    `model.layers.N....`) -> this rank's tensors under the same names as the patched model's."""
+    `model.layers.N....`) -> this rank's tensors under the same names as the patched model's
+    (routed experts in `expert_format`, weights/quantized.py, when given)."""
+    from .quantized import quantize_tensors
     source = StateDictSource(full_state_dict)
-    return {t.name: t.read(source) for t in rank_tensors(source, config, layout, tp_rank)}
+    return {t.name: t.read(source) for t in quantize_tensors(rank_tensors(source, config, layout, tp_rank),
+                                                               expert_format)}

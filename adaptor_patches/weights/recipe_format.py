@@ -25,18 +25,22 @@ turns it into our `Layout`, which the loader compares with the run's exactly as 
 converted folders. `recipe_rank_tensors` plans one rank's tensors in the runtime layout of
 rank_slices (experts.w13 [E, H, 2I] x2 first, experts.w2 [E, I, H], the shared MLP in upstream's
 order, cut under MoE TP): the experts are transposed, the shared MLP's halves put back, the rest
-read as stored. Int8 folders are recognised and refused: the experts here run in bf16 only.
+read as stored. Int8 folders (the recipe's --int8: int8 stacks with float32 `*_scale` [E, out]
+per output row) are read as 8-bit experts: the weights transposed like bf16 ones, the scales as
+stored (their rows are our output columns); weights/quantized.py checks the scales.
 """
 from __future__ import annotations
 
 import json
 import re
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..parallel.layout import HeadShard, Layout, LayoutError, attention_sizes, moe_layers
+from .quantized import stacked_format
 from .rank_slices import LAYER_KEY, RankTensor, cut_tensor, pair_rows, whole_tensor
 from .safetensors_io import CheckpointFiles, LoadingError
 
@@ -122,14 +126,27 @@ def _expert_degrees(files: CheckpointFiles, config: dict, folder: Path) -> tuple
     return sizes.intermediate // w2[2], sizes.experts // w13[0]
 
 
-def _refuse_int8(files: CheckpointFiles, folder: Path) -> None:
+def _recipe_scale_name(weight_key: str) -> str:
+    return weight_key[:-len("_weight")] + "_scale"
+
+
+def recipe_folder_format(files: CheckpointFiles, folder: Path):
+    """"int8" for a folder converted with the recipe's --int8 (scales checked), None for bf16."""
+    weights = [k for k in files.keys() if (m := LAYER_KEY.match(k)) and (s := STACKED_EXPERTS.match(m[2]))
+               and s[2] == "weight"]
     for key in files.keys():
         match = LAYER_KEY.match(key)
         stacked = STACKED_EXPERTS.match(match[2]) if match else None
-        if stacked and (stacked[2] == "scale" or files.info(key).dtype == "I8"):
-            raise LoadingError(f"model-id: {folder} holds int8-quantized experts ({key}: converted with the recipe's "
-                               f"--int8), which this project does not run yet (its experts are bf16); convert the "
-                               f"original checkpoint without --int8")
+        if stacked and stacked[2] == "scale" and key[:-len("_scale")] + "_weight" not in files.weight_map:
+            raise LoadingError(f"model-id: {folder} has {key} but no {key[:-len('_scale')]}_weight; {RECONVERT}")
+    return stacked_format(files, weights, folder, _recipe_scale_name, out_dim=1)
+
+
+def recipe_expert_format(model_dir):
+    """The expert format of a recipe folder, from rank-00 (the converter quantizes every rank alike)."""
+    model_dir = Path(model_dir)
+    _, files = _read_first_rank(model_dir)
+    return recipe_folder_format(files, model_dir / "rank-00")
 
 
 def recipe_degrees(model_dir) -> tuple:
@@ -141,7 +158,7 @@ def recipe_degrees(model_dir) -> tuple:
     config, files = _read_first_rank(model_dir)
     folder = model_dir / "rank-00"
     try:
-        _refuse_int8(files, folder)
+        recipe_folder_format(files, folder)
         tp_attn = _attention_degree(files, config, folder)
         tp_moe, ep = _expert_degrees(files, config, folder)
     except LoadingError:
@@ -179,7 +196,8 @@ def _stacked(files: CheckpointFiles, key: str, name: str) -> RankTensor:
     """A recipe expert stack [E, out, in] as the runtime's [E, in, out]."""
     info = files.info(key)
     shape = (info.shape[0], info.shape[2], info.shape[1])
-    return RankTensor(name, shape, info.dtype, lambda source: source.read_rows(key).transpose(1, 2).contiguous())
+    return RankTensor(name, shape, info.dtype, lambda source: source.read_rows(key).transpose(1, 2).contiguous(),
+                      read_expert=lambda source, i: source.read_rows(key, i, i + 1)[0].t())
 
 
 def recipe_rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -> list:
@@ -192,7 +210,9 @@ def recipe_rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank:
         match = LAYER_KEY.match(key)
         layer, rest = (int(match[1]), match[2]) if match else (None, "")
         stacked = STACKED_EXPERTS.match(rest)
-        if stacked:
+        if stacked and stacked[2] == "scale":        # [E, out rows] = our [E, out columns]: as stored
+            tensors.append(replace(whole_tensor(files, key), name=f"model.layers.{layer}.mlp.experts.{stacked[1]}_scale"))
+        elif stacked:
             tensors.append(_stacked(files, key, f"model.layers.{layer}.mlp.experts.{stacked[1]}"))
         elif rest in (SHARED_GATE_AND_UP, SHARED_DOWN) and layer in moe:
             half = moe[layer].shared_intermediate

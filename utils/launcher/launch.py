@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_model_args,  # noqa: F401
                                  check_parallel, check_top, env_string, load_config, model_config, resolve_path)
 from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, RendezvousError, meet
+from utils.runtime.errors import FieldError
 from utils.runtime.rank_console import RANK_LOG_DIR
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
@@ -344,7 +345,7 @@ def run(argv: list[str]) -> int:
         return selfcheck.main(argv[1:])
     path, options = parse_argv(argv)
     job = check_top(load_config(path))
-    config = check_model_args(job["model_args"], job["build_tiny_model"])
+    config = check_model_args(job["model_args"], job["build_tiny_model"], path)
     layout = check_parallel(job, config, {**os.environ, **job["env_vars"]})
     env = exports(job)
     if not options["dry_run"] and not options["plan"]:
@@ -365,7 +366,7 @@ def run(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     try:
         return run(argv)
-    except ConfigError as e:
+    except FieldError as e:            # ConfigError and the request schema's refusals
         message, code = str(e), 2
     except KeyboardInterrupt:
         message, code = "launcher: interrupted before the job started; run it again", 130

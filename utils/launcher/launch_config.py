@@ -13,6 +13,9 @@ import socket
 import warnings
 from pathlib import Path
 
+from utils.runtime import request_schema as schema
+from utils.runtime.request_schema import FieldError, is_int
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
 REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
@@ -27,34 +30,46 @@ RECIPE_OTHER_KEYS = {
     "dit_cache": "a DiT cache of the cann-recipes video models; HunyuanImage-3.0 has no such option",
     "sparse": "sparse attention of the cann-recipes video models; HunyuanImage-3.0 has no such option",
 }
+MAX_YAML_DEPTH = 50              # a config is a few levels deep; 5000 would exhaust Python's stack
+MAX_YAML_NODES = 20000           # nodes after alias expansion: a few lines of aliases can mean 2^26
+OUTPUT_KEYS = ("save", "metrics-json", "save-latents", "save-text")
 ATTN_IMPLS = ("sdpa", "eager", "npu")
 MOE_IMPLS = ("eager", "npu_grouped_matmul")
 UNSUPPORTED_IMPLS = {"flash_attention_2": "the flash-attn package's kernel has no attention-TP path here",
                      "flashinfer": "the FlashInfer package's MoE has no TP / EP path here"}
 REWRITE_PROMPTS = ("universal", "text_rendering")
-DEVICES = ("auto", "npu", "cuda", "cpu")
 SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce", "noise-on-cpu", "skip-existing", "serve")
-NUMBERS = {"diff-infer-steps": (1, None), "seed": (0, 2**32 - 1), "warmup": (0, None), "rounds": (1, None),
-           "port": (0, 65535), "queue-size": (1, None), "max-n": (1, None),
-           "verbose": (0, None), "max-new-tokens": (1, None), "rewrite": (0, None)}
 SCALARS = (str, int, float, bool)
+ENV_SWITCHES = ("CFG_PARALLEL", "USE_VAE_PARALLEL")
 FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-IMAGE_SIZE = re.compile(r"(\d+)[x:](\d+)\Z")
 
 
-class ConfigError(Exception):
-    def __init__(self, field: str, problem: str, fix: str):
-        super().__init__(f"{field}: {problem}; {fix}")
+class ConfigError(FieldError):
+    """A refusal of the YAML: str() is `field: problem; fix`."""
 
 
 def load_config(path: Path) -> dict:
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
-        """Refuses a key given twice, naming it by its path (e.g. model_args.seed)."""
+        """Refuses a key given twice, naming it by its path (e.g. model_args.seed); nesting beyond
+        MAX_YAML_DEPTH and documents that aliases expand beyond MAX_YAML_NODES."""
+        depth = 0
+
+        def compose_node(self, parent, index):
+            self.depth += 1
+            if self.depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ConfigError("config", f"nested deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1})",
+                                  "write a flat `key: value` file as in config/tiny_cpu.yaml")
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
 
         def construct_document(self, node):
+            expanded_size(node, {})
             self._check_unique(node, "")
             return super().construct_document(node)
 
@@ -71,6 +86,17 @@ def load_config(path: Path) -> dict:
             elif isinstance(node, yaml.SequenceNode):
                 for item in node.value:
                     self._check_unique(item, prefix)
+
+    def expanded_size(node, sizes: dict) -> int:
+        """Nodes the document has once every alias is expanded (a shared node counts each time)."""
+        if id(node) not in sizes:
+            children = node.value if isinstance(node, yaml.SequenceNode) else \
+                [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+            sizes[id(node)] = 1 + sum(expanded_size(child, sizes) for child in children)
+            if sizes[id(node)] > MAX_YAML_NODES:
+                raise ConfigError("config", f"aliases expand it to more than {MAX_YAML_NODES} values (line "
+                                            f"{node.start_mark.line + 1})", "write the values out; drop the aliases")
+        return sizes[id(node)]
 
     if not path.is_file():
         raise ConfigError("config", f"'{path}' does not exist", "pass an existing YAML file (see config/)")
@@ -136,10 +162,8 @@ def check_top(cfg: dict) -> dict:
     except (socket.gaierror, UnicodeError) as e:
         raise ConfigError("master_addr", f"{addr!r} does not resolve ({e})", "use the master node's IP or a "
                                                                              "host name this machine resolves") from None
-    timeout = job["dist_timeout"]
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-        raise ConfigError("dist_timeout", f"{timeout!r} is not a number of seconds > 0",
-                          "use e.g. 1200, or leave it out for the default")
+    if job["dist_timeout"] is not None:
+        schema.JOB["dist_timeout"].check(job["dist_timeout"], field="dist_timeout")
     if job["rendezvous_timeout"] is not None:
         need_int(job["rendezvous_timeout"], "rendezvous_timeout", 1,
                  fix="use whole seconds, e.g. 600 (the default), the longest one node may wait for the others")
@@ -147,6 +171,9 @@ def check_top(cfg: dict) -> dict:
     if not isinstance(script, str) or not script or not resolve_path(script).is_file():
         raise ConfigError("entry_script", f"{script!r} is not a file under {ROOT}",
                           "point it at an existing script, e.g. run_image_gen.py")
+    if resolve_path(script).suffix != ".py":
+        raise ConfigError("entry_script", f"{script!r} is not a Python file (.py)",
+                          "point it at a Python script, e.g. run_image_gen.py")
     if not isinstance(job["build_tiny_model"], bool):
         raise ConfigError("build_tiny_model", f"{job['build_tiny_model']!r} is not true/false", "use true or false")
     name = job["model_name"]
@@ -172,10 +199,19 @@ def check_env_vars(value) -> dict:
                               "use letters, digits and '_', not starting with a digit")
         if not isinstance(val, SCALARS):
             raise ConfigError(f"env_vars.{name}", f"value {val!r} is not a scalar", "use a string or a number")
-    return {name: env_string(val) for name, val in value.items()}
+    env = {name: env_string(val) for name, val in value.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from adaptor_patches.parallel.layout import LayoutError, env_flag
+    for name in ENV_SWITCHES:
+        try:
+            env_flag(name, env)
+        except LayoutError as exc:
+            raise ConfigError(f"env_vars.{name}", *str(exc).split(": ", 1)[1].split("; ", 1)) from None
+    return env
 
 
-def check_model_args(margs, build_tiny: bool) -> dict | None:
+def check_model_args(margs, build_tiny: bool, config_path: Path | None = None) -> dict | None:
     """Validate model_args; return the checkpoint's config.json (None if it is yet to be built)."""
     if not isinstance(margs, dict):
         raise ConfigError("model_args", f"is {type(margs).__name__}, not a mapping",
@@ -186,31 +222,35 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
     def get(key, default=None):
         return default if margs.get(key) is None else margs[key]
 
-    prompt = get("prompt")
-    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
-        raise ConfigError("model_args.prompt", f"{prompt!r} is empty or not text", "write the prompt as a string")
-    check_prompts_file(get("prompts"))
-    if get("device", "auto") not in DEVICES:
-        raise ConfigError("model_args.device", f"{margs['device']!r} is not one of {'|'.join(DEVICES)}",
-                          "use auto, npu, cuda or cpu")
+    for key, val in margs.items():            # the run's own rules (utils/runtime/request_schema.py)
+        spec = schema.by_flag(key)
+        if spec is not None and val is not None and spec.cli:
+            if key == "image-size" and is_int(val):
+                raise ConfigError("model_args.image-size", f"{val!r} is not auto, HxW or H:W (YAML reads an unquoted "
+                                  f"H:W of small numbers as one base-60 number)", 'use a quoted size such as "1024x1024"')
+            try:
+                spec.check(val)
+            except FieldError as exc:
+                raise exc.renamed(f"model_args.{key}") from None
+    rule = output_rule(margs, config_path)
+    check_prompts_file(get("prompts"), resolve_path(get("save-dir", "outputs/batch")), rule)
     for key in SWITCHES:
         if not isinstance(get(key, False), bool):
             raise ConfigError(f"model_args.{key}", f"{margs[key]!r} is not true/false", "use true or false")
     if get("moe-tp") and get("moe-ep"):
         raise ConfigError("model_args.moe-tp/moe-ep", "both true; they are exclusive", "keep one of them")
-    for key, (lo, hi) in NUMBERS.items():
-        if get(key) is not None:
-            need_int(margs[key], f"model_args.{key}", lo, hi)
-    check_image_size(get("image-size", "auto"))
     check_step_cache(get)
     for key, allowed in (("attn-impl", ATTN_IMPLS), ("moe-impl", MOE_IMPLS), ("sys-deepseek-prompt", REWRITE_PROMPTS)):
         value = get(key, allowed[0])
         if value not in allowed:
             why = f" ({UNSUPPORTED_IMPLS[value]})" if value in UNSUPPORTED_IMPLS else ""
             fix = f"use one of {', '.join(allowed)}"
-            if key != "sys-deepseek-prompt":
+            if key in ("attn-impl", "moe-impl"):
                 fix += " (on an NPU the fused NPU kernels run with any of them)"
             raise ConfigError(f"model_args.{key}", f"{value!r} is not one of {'|'.join(allowed)}{why}", fix)
+    if get("quant-compute", "weight") == "8bit" and get("device", "auto") in ("cuda", "cpu"):
+        raise ConfigError("model_args.quant-compute", f"8bit (W8A8) runs only on npu, the job's device is "
+                          f"{get('device')}", "use quant-compute: weight")
     if get("multi-stream") not in (None, True, False, "on", "off"):
         raise ConfigError("model_args.multi-stream", f"{margs['multi-stream']!r} is not on|off", "use on or off")
     config = model_config(get("model-id"), build_tiny)
@@ -220,15 +260,12 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
 
 
 def check_step_cache(get) -> None:
-    """model_args.step-cache and its step-cache-* settings, by StepCacheSettings.problems."""
-    from adaptor_patches.step_cache import SETTING_FIELDS, StepCacheSettings
-    names = {field: "step-cache" if field == "mode" else f"step-cache-{field.replace('_', '-')}"
-             for field in SETTING_FIELDS}
-    settings = StepCacheSettings(**{field: get(flag, getattr(StepCacheSettings, field))
-                                    for field, flag in names.items()})
+    """The step-cache keys together (each alone is checked by the schema), against the steps."""
     steps = get("diff-infer-steps", 50) if get("prompts") is None and not get("serve") else None
-    for field, problem, fix in settings.problems(steps):
-        raise ConfigError(f"model_args.{names[field]}", problem, fix)
+    try:
+        schema.step_cache_of(lambda name: get(name.replace("_", "-")), steps)
+    except FieldError as exc:
+        raise exc.renamed(f"model_args.{exc.field}") from None
 
 
 def check_text_task(bot_task, save_text: bool, model_dir: Path) -> None:
@@ -258,29 +295,41 @@ def check_flag(key, val) -> None:
                       "use a string, number, true/false, null or a list of those")
 
 
-def check_prompts_file(value) -> None:
+def output_rule(margs: dict, config_path: Path | None):
+    """run_image_gen's output rule, from the YAML: no output in the model dir, on the YAML or prompts file,
+    or on another output."""
+    from utils.runtime.output_rule import OutputRule
+    model_id = margs.get("model-id")
+    inputs = [("config YAML", config_path)]
+    if isinstance(margs.get("prompts"), str):
+        inputs.append(("prompts file", resolve_path(margs["prompts"])))
+    rule = OutputRule(resolve_path(model_id) if isinstance(model_id, str) and model_id.strip() else None, inputs)
+    for key in OUTPUT_KEYS:
+        if isinstance(margs.get(key), str):
+            try:
+                rule.add(key, resolve_path(margs[key]))
+            except FieldError as exc:
+                raise exc.renamed(f"model_args.{key}") from None
+    return rule
+
+
+def check_prompts_file(value, save_dir: Path, rule) -> None:
     """model_args.prompts: the file's lines, checked as run_image_gen.py will (the checks that need the
     tokenizer run there, before the weights load)."""
     if value is None:
         return
+    from utils.runtime.batch_job import METRICS_FILE
     from utils.runtime.image_requests import ImageRequest, RequestError, read_prompts_file
     path = resolve_path(str(value))
     if not path.is_file():
         raise ConfigError("model_args.prompts", f"{path} is not a file", "point it at a prompts file (.txt or .jsonl)")
     try:
-        read_prompts_file(path, ImageRequest(prompt=""), ROOT / "outputs")
+        rule.add("save-dir", save_dir / METRICS_FILE)
+        read_prompts_file(path, ImageRequest(prompt=""), save_dir, rule=rule)
     except RequestError as exc:
         raise ConfigError("model_args.prompts", f"{path}: {exc}", "fix that line") from None
-
-
-def check_image_size(value) -> None:
-    match = IMAGE_SIZE.match(value) if isinstance(value, str) else None
-    if value == "auto" or (match and all(int(g) > 0 for g in match.groups())):
-        return
-    problem = f"{value!r} is not auto, HxW or H:W with positive integers"
-    if isinstance(value, int) and not isinstance(value, bool):
-        problem += " (YAML reads an unquoted H:W of small numbers as one base-60 number)"
-    raise ConfigError("model_args.image-size", problem, 'use auto or a quoted size such as "1024x1024"')
+    except FieldError as exc:
+        raise exc.renamed(f"model_args.{exc.field}") from None
 
 
 def model_config(model_id, build_tiny: bool) -> dict | None:
@@ -315,7 +364,7 @@ def open_model(path: Path):
 def _config_error(e) -> "ConfigError":
     field, _, rest = str(e).partition(": ")
     problem, _, fix = rest.partition("; ")
-    field = f"model_args.{field}" if field == "model-id" else field
+    field = f"model_args.{field}" if field in ("model-id", "quantize") else field
     return ConfigError(field, problem, fix or "see config/README.md")
 
 
@@ -334,16 +383,20 @@ def check_parallel(job: dict, config: dict | None, env: dict):
         )
         if config is not None:
             layout.check(config)
-            check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims")
+            check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims",
+                            margs.get("quantize"))
         return layout
     except LayoutError as e:
         raise _config_error(e) from None
 
 
-def check_converted(model_dir: Path, layout, per_rank: bool) -> None:
+def check_converted(model_dir: Path, layout, per_rank: bool, quantize=None) -> None:
     """The checkpoint as the ranks will check it: converted (ours or the cann-recipes converter's)
-    for this layout, every index and shard header sound, an original's shapes as config.json says."""
+    for this layout, every index and shard header sound, an original's shapes as config.json says;
+    8-bit experts with their scales, and model_args.quantize agreeing with an 8-bit folder."""
+    from adaptor_patches.weights.load import check_checkpoint
     checkpoint = open_model(model_dir)
     checkpoint.check_run(layout, 0, per_rank=per_rank)
     if checkpoint.has_weights:          # a config.json alone is planned, not checked (the ranks refuse it)
         checkpoint.verify()
+        check_checkpoint(model_dir, layout, 0, per_rank=per_rank, quantize=quantize)

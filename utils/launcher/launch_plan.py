@@ -69,11 +69,12 @@ def _plan_job(job: dict, layout, options: dict) -> None:
             memory = device_memory_of(kind, job["world_size"])             # its RAM is not what the job is for
         config, _ = read_config(model_dir)
         size = planner.parse_size(margs.get("image-size"), config)
-        roles = planner.plan(model_dir, layout, size, kind)
+        quantize = margs.get("quantize") if margs.get("quantize") not in (None, "none") else None
+        roles = planner.plan(model_dir, layout, size, kind, quantize)
         if options["plan"]:
-            print(planner.report(roles, layout, size, memory), file=sys.stderr)
+            print(planner.report(roles, layout, size, memory, quantize=quantize), file=sys.stderr)
         if memory:
-            planner.check_fit(roles, model_dir, layout, size, kind, memory)     # a refusal is the only line
+            planner.check_fit(roles, model_dir, layout, size, kind, memory, quantize=quantize)     # a refusal: one line
         if not options["plan"]:
             worst = max(roles, key=lambda r: r.total())
             budget = f" of {planner.gib(memory * (1 - planner.HEADROOM))} GiB usable" if memory else ""

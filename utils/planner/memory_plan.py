@@ -10,6 +10,13 @@ Activations are an estimate from the config, the layout and the image size (the 
 step, the largest: every text and image token; see activation_bytes), calibrated against measured
 CPU peaks (bench/plan_accuracy.py, docs/BENCHMARKS.md). Communication is per denoising step,
 summed over the layers, in bytes this rank sends.
+
+8-bit experts (`quantize` "int8" / "fp8"): the meta model is built with that expert format, so
+the routed experts count 1 byte per parameter plus their float32 per-channel scales, exactly as
+loaded. Their compute adds the dequantized experts the torch W8A16 path holds at once
+(DEQUANT_CHUNK_BYTES, CPU and CUDA; the NPU's fused op dequantizes on chip). Checkpoint reads
+assume a bf16 checkpoint quantized while it loads (the larger read); an 8-bit folder reads about
+half the expert bytes.
 """
 from __future__ import annotations
 
@@ -66,7 +73,7 @@ def read_config(model_dir):
     return config, raw
 
 
-def build_meta_model(config, layout, tp_rank: int):
+def build_meta_model(config, layout, tp_rank: int, quantize=None):
     """The patched model of global rank `tp_rank` (CFG branch 0) on the meta device."""
     import torch
     import model_adaptor
@@ -76,7 +83,8 @@ def build_meta_model(config, layout, tp_rank: int):
     was_applied = model_adaptor.is_applied()           # leave the process as it was (the launcher, tests)
     if not was_applied:
         model_adaptor.apply(Device("cpu"))
-    context = RankContext(layout, tp_rank, Device("cpu"), text_to_image_only=True, planning=True)
+    context = RankContext(layout, tp_rank, Device("cpu"), text_to_image_only=True, planning=True,
+                          expert_format=quantize)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)           # dtype "auto": the checkpoint's bf16 (the router stays fp32)
     try:
@@ -108,6 +116,8 @@ def checkpoint_read_bytes(model, layout, stored_itemsize: int = 2) -> int:
     rows (row-major storage puts every rank's columns on every page), so its full size."""
     total = 0
     for name, tensor in model.state_dict().items():
+        if name.endswith("_scale") and ".mlp.experts." in name:
+            continue                                # made while loading a bf16 checkpoint, not read
         size = tensor.numel() * stored_itemsize
         total += size * layout.tp if name.endswith("self_attn.o_proj.weight") and layout.tp > 1 else size
     return total
@@ -119,7 +129,8 @@ def image_tokens(config, image_size) -> int:
     return (height // (down[0] * config.patch_size)) * (width // (down[1] * config.patch_size))
 
 
-def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "npu", text_tokens: int = TEXT_TOKENS):
+def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "npu", text_tokens: int = TEXT_TOKENS,
+                     quantize=None):
     """Peak transient bytes of one rank: the first denoising step (the longest sequence) and the VAE
     decode, plus the KV cache that lives through the denoising."""
     bf16, fp32 = 2, 4
@@ -142,10 +153,23 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
     if device_kind == "cpu":
         rows *= 1.25                                                # padded bmm pads groups up to 25 %
     moe = int(rows * (2 * hidden + 3 * inter_local) * bf16 + chunk * hidden * fp32 + tokens * hidden * bf16)
+    if quantize and device_kind != "npu":
+        moe += dequantized_expert_bytes(config, layout, hidden, inter_local)
     residual = 4 * tokens * hidden * bf16
     denoise = residual + max(attention, moe)          # image steps produce no LM logits
     return {"KV cache": kv_cache, "denoise step": int(denoise), "VAE decode": vae_decode_bytes(raw, layout, image_size,
                                                                                             device_kind)}
+
+
+def dequantized_expert_bytes(config, layout, hidden: int, inter_local: int) -> int:
+    """The torch W8A16 path's dequantized experts alive at once: as many of the largest projection's
+    (gate/up) experts as fit DEQUANT_CHUNK_BYTES (at least one, at most the rank's experts), in bf16."""
+    from adaptor_patches.kernels.torch_kernels import DEQUANT_CHUNK_BYTES
+    from adaptor_patches.parallel.layout import per_layer
+    experts = max(per_layer(config.num_experts, i) for i in range(config.num_hidden_layers))
+    local = experts // layout.tp if layout.moe_mode == "ep" else experts
+    per_expert = hidden * 2 * inter_local * 2
+    return min(max(1, DEQUANT_CHUNK_BYTES // per_expert), local) * per_expert
 
 
 def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
@@ -195,19 +219,19 @@ def comm_per_step(config, raw: dict, layout, image_size, text_tokens: int = TEXT
     return out
 
 
-def plan(model_dir, layout, image_size, device_kind: str = "npu") -> list:
-    """One RolePlan per distinct "tp" rank. Layout.check admits only even splits, so every tp rank
+def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None) -> list:
+    """One RolePlan per distinct "tp" rank (experts in `quantize`'s 8-bit format, None: bf16). Layout.check admits only even splits, so every tp rank
     holds tensors of the same shapes (only which slice differs): rank 0 is built, and the last one
     too as a check; ranks whose numbers are equal are grouped."""
     config, raw = read_config(model_dir)
     roles = []
     for tp_rank in sorted({0, layout.tp - 1}):
-        model = build_meta_model(config, layout, tp_rank)
+        model = build_meta_model(config, layout, tp_rank, quantize)
         params = parameter_bytes(model)
         same = next((r for r in roles if r.params == params), None)
         if same is None:
             roles.append(RolePlan(tp_rank, [], params, checkpoint_read_bytes(model, layout),
-                                  activation_bytes(config, raw, layout, image_size, device_kind),
+                                  activation_bytes(config, raw, layout, image_size, device_kind, quantize=quantize),
                                   comm_per_step(config, raw, layout, image_size), WORKSPACE_BYTES[device_kind]))
     for tp_rank in range(layout.tp):            # the ranks each role stands for
         role = roles[-1] if tp_rank == layout.tp - 1 else roles[0]

@@ -2,7 +2,8 @@
 
     python -m utils.planner --model-id DIR --world-size 16 --cfg-parallel --moe-ep --vae-parallel \\
         [--image-size 1024x1024] [--device npu|cuda|cpu] [--device-memory 64GiB] [--json PATH]
-    python -m utils.planner --model-id config/real_model --fit-table 64GiB,80GiB,141GiB
+        [--quantize none|int8|fp8]
+    python -m utils.planner --model-id config/real_model --fit-table 64GiB,80GiB,141GiB [--quantize int8]
     bash run.sh CONFIG --plan                 (the same, from a launch config; run.sh plans every launch)
 
 Only the checkpoint's config.json is read (config/real_model/ holds the published model's, for
@@ -20,6 +21,7 @@ from pathlib import Path
 
 
 from utils.planner.memory_plan import GiB, plan, shortfall
+from adaptor_patches.kernels.device import BACKEND_KINDS
 
 MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*\Z", re.I)
 UNITS = {None: 1, "mib": 2**20, "mb": 10**6, "gib": 2**30, "gb": 10**9, "tib": 2**40, "tb": 10**12}
@@ -48,10 +50,11 @@ def parse_size(text: str, config) -> tuple:
     if text in (None, "auto"):
         height = width = config.image_base_size
     else:
-        parts = text.replace(":", "x").split("x")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        from utils.runtime.request_schema import parse_image_size
+        sides = parse_image_size(text)
+        if sides is None:
             raise PlanError(f"image-size: {text!r} is not HxW; write e.g. 1024x1024")
-        height, width = int(parts[0]), int(parts[1])
+        height, width = sides
     snapped_width, snapped_height = ResolutionGroup(base_size=config.image_base_size).get_target_size(width, height)
     return snapped_height, snapped_width
 
@@ -66,8 +69,9 @@ def gib(n) -> str:
     return f"{n / GiB:.2f}"
 
 
-def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM) -> str:
-    lines = [f"plan: {layout.world_size} ranks, {layout_words(layout)}, image {image_size[0]}x{image_size[1]} "
+def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM, quantize=None) -> str:
+    experts = f", routed experts {quantize}" if quantize else ""
+    lines = [f"plan: {layout.world_size} ranks, {layout_words(layout)}{experts}, image {image_size[0]}x{image_size[1]} "
              f"(GiB per rank)"]
     for role in roles:
         lines.append(f"  ranks {role.ranks} (tp rank {role.tp_rank}):")
@@ -95,7 +99,7 @@ def layout_words(layout) -> str:
     return f"{cfg}attention TP{layout.tp}, {moe}" + (", VAE parallel" if layout.vae_parallel else "")
 
 
-def candidate_plans(model_dir, world_size: int, image_size, device_kind: str) -> list:
+def candidate_plans(model_dir, world_size: int, image_size, device_kind: str, quantize=None) -> list:
     """(flags text, worst role total) of every layout of `world_size` ranks this config runs."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     out = []
@@ -105,19 +109,31 @@ def candidate_plans(model_dir, world_size: int, image_size, device_kind: str) ->
         except ValueError:
             continue
         if layout.problem(config) is None:
-            roles = plan(model_dir, layout, image_size, device_kind)
+            roles = plan(model_dir, layout, image_size, device_kind, quantize)
             out.append((" ".join(flags + ("--vae-parallel",)), max(r.total() for r in roles)))
     return out
 
 
 def layouts_that_fit(model_dir, world_size: int, image_size, device_kind: str, device_memory: int,
-                     headroom=HEADROOM) -> list:
-    return [flags for flags, total in candidate_plans(model_dir, world_size, image_size, device_kind)
+                     headroom=HEADROOM, quantize=None) -> list:
+    return [flags for flags, total in candidate_plans(model_dir, world_size, image_size, device_kind, quantize)
             if total <= device_memory * (1 - headroom)]
 
 
-def fit_table(model_dir, memories: list, image_size, device_kind: str, world_sizes=(2, 4, 8, 16, 32)) -> str:
-    candidates = {n: candidate_plans(model_dir, n, image_size, device_kind) for n in world_sizes}
+def fewest_cards(model_dir, memory: int, image_size, device_kind: str, quantize=None,
+                 world_sizes=(1, 2, 4, 8, 16, 32)):
+    """(cards, flags) of the smallest world size with a layout that fits `memory`, or None."""
+    budget = memory * (1 - HEADROOM)
+    for n in world_sizes:
+        fits = [f for f, total in candidate_plans(model_dir, n, image_size, device_kind, quantize) if total <= budget]
+        if fits:
+            return n, fits[0]
+    return None
+
+
+def fit_table(model_dir, memories: list, image_size, device_kind: str, world_sizes=(1, 2, 4, 8, 16, 32),
+              quantize=None) -> str:
+    candidates = {n: candidate_plans(model_dir, n, image_size, device_kind, quantize) for n in world_sizes}
     rows = ["| device memory | fewest cards (a layout) | layouts that fit 8 cards | layouts that fit 16 cards |",
             "|---|---|---|---|"]
     for text in memories:
@@ -129,14 +145,15 @@ def fit_table(model_dir, memories: list, image_size, device_kind: str, world_siz
     return "\n".join(rows)
 
 
-def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_memory: int, headroom=HEADROOM):
+def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_memory: int, headroom=HEADROOM,
+              quantize=None):
     """Nothing when the planned `roles` fit; else PlanError naming the role over budget, the
     shortfall and the layouts of the same world size that fit (planned only then)."""
     over = shortfall(roles, device_memory, headroom)
     if over is None:
         return
     role, needed, budget = over
-    fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom)
+    fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom, quantize)
     instead = (f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}" if fits else
                f"no layout of {layout.world_size} ranks fits; use more devices (python -m utils.planner --fit-table)")
     raise PlanError(f"device_memory: ranks {role.ranks} need {gib(needed)} GiB (parameters {gib(role.param_bytes)}, "
@@ -154,11 +171,14 @@ def main(argv=None) -> int:
     p.add_argument("--moe-ep", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
     p.add_argument("--image-size", default=None, help="HxW (default: the model's base size)")
-    p.add_argument("--device", default="npu", choices=["npu", "cuda", "cpu"])
+    p.add_argument("--device", default="npu", choices=BACKEND_KINDS)
     p.add_argument("--device-memory", default=None, help="e.g. 64GiB: check the fit")
     p.add_argument("--fit-table", default=None, help="comma-separated memories: which layouts fit each")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "fp8"],
+                   help="routed experts in 8 bit (1 byte per parameter + float32 scales)")
     args = p.parse_args(argv)
+    quantize = None if args.quantize == "none" else args.quantize
     try:
         from adaptor_patches.parallel.layout import Layout, LayoutError
         from utils.planner.memory_plan import read_config
@@ -167,17 +187,17 @@ def main(argv=None) -> int:
         config, raw = read_config(args.model_id)
         size = parse_size(args.image_size, config)
         if args.fit_table:
-            print(fit_table(args.model_id, args.fit_table.split(","), size, args.device))
+            print(fit_table(args.model_id, args.fit_table.split(","), size, args.device, quantize=quantize))
             return 0
         layout = Layout.from_flags(args.world_size, args.cfg_parallel, args.moe_tp, args.moe_ep, args.vae_parallel)
         layout.check(raw)
         memory = parse_memory(args.device_memory) if args.device_memory else None
-        roles = plan(args.model_id, layout, size, args.device)
-        print(report(roles, layout, size, memory))
+        roles = plan(args.model_id, layout, size, args.device, quantize)
+        print(report(roles, layout, size, memory, quantize=quantize))
         if args.json:
             args.json.write_text(json.dumps([r.as_json() for r in roles], indent=2))
         if memory:
-            check_fit(roles, args.model_id, layout, size, args.device, memory)
+            check_fit(roles, args.model_id, layout, size, args.device, memory, quantize=quantize)
     except (PlanError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

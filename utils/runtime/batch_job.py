@@ -28,8 +28,8 @@ def choose_seed(request):
 
 
 def append_line(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    from utils.runtime.outputs import append_line as append
+    append(path, json.dumps(record))
 
 
 def image_record(result) -> dict:
@@ -59,7 +59,16 @@ def forwards_saved(results) -> dict:
             "forwards_saved": round(cached / total, 4) if total else 0.0}
 
 
-def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, write_image, write_text, log) -> int:
+def write_result(result) -> None:
+    """Rank 0's files of one finished image (the one writer of --prompt, --prompts): the PNG, and the
+    think / recaption text where the request asks for it."""
+    from utils.runtime.outputs import save_png, save_text
+    save_png(result.request.save, result.image)
+    if result.request.save_text and result.text is not None:
+        save_text(result.request.save_text, result.text)
+
+
+def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, log) -> int:
     """Every rank calls this; only rank 0 uses `requests` and writes. Returns the exit code."""
     if loop.rank != 0:
         loop.run(pull=None, deliver=None)
@@ -82,9 +91,7 @@ def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, write_i
     def deliver(results):
         for result in results:
             if result.ok:
-                write_image(Path(result.request.save), result.image)
-                if result.request.save_text and result.text is not None:
-                    write_text(Path(result.request.save_text), result.text)
+                write_result(result)
                 done.append(result)
             else:
                 failed.append(result)

@@ -22,27 +22,33 @@ import collections
 import io
 import json
 import queue
+import re
 import signal
 import threading
 import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from adaptor_patches.step_cache import StepCacheSettings, settings_from_value
-from utils.runtime.image_requests import RequestChecker, field_problem, is_int
+from utils.runtime.image_requests import RequestChecker
 from utils.runtime.rank_loop import HEARTBEAT_S
+from utils.runtime.request_schema import REQUEST, REQUEST_FIELDS, FieldError, is_int, parse_image_size
 
 MAX_BODY_BYTES = 1 << 20
 OPENAI_IGNORED = ("model", "quality", "style", "user", "background", "moderation")
-FIELDS = ("prompt", "n", "size", "response_format", "seed", "steps", "bot_task", "output_format",
-          "step_cache") + OPENAI_IGNORED
+SCHEMA_KEYS = tuple(f.api_name for f in REQUEST_FIELDS if f.api_name)
+FIELDS = SCHEMA_KEYS + ("n", "size", "response_format", "output_format") + OPENAI_IGNORED
 LATENCY_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800)
+DIGITS = re.compile(r"[0-9]{1,12}\Z")          # str.isdigit() also takes '²' and other scripts' digits
+ANSWER_GRACE_S = 60.0                          # how long close() waits for a finished request's response
+CLIENT_GONE = (ConnectionError, TimeoutError)
 
 
-class BadRequest(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+class BadRequest(FieldError):
+    """A request this server refuses: `param` is the body's key (OpenAI's error shape)."""
+
+    @property
+    def param(self):
+        return self.field                        # a setting inside an object: step_cache.interval
 
 
 class Job:
@@ -50,6 +56,7 @@ class Job:
         self.requests, self.results, self.done = requests, None, threading.Event()
         self.created = time.time()
         self.error = None                       # set when the server stops before running it
+        self.answered = threading.Event()       # its response is written (or its client is gone)
 
 
 class Metrics:
@@ -114,47 +121,37 @@ def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int) -> lis
     """The ImageRequests of one API body (n of them, seeds seed, seed+1, ...) or BadRequest."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
-        raise BadRequest(unknown[0], f"unknown field '{unknown[0]}'; fields: {', '.join(FIELDS[:8])}")
+        raise BadRequest(unknown[0], f"unknown field '{unknown[0]}'", f"fields: {', '.join(FIELDS[:8])}")
     if "prompt" not in body:
-        raise BadRequest("prompt", "prompt: missing; send the image's description")
+        raise BadRequest("prompt", "missing", "send the image's description")
     n = body.get("n", 1)
     if not is_int(n) or not 1 <= n <= max_n:
-        raise BadRequest("n", f"n: {n!r} is not an integer in 1..{max_n} (--max-n)")
+        raise BadRequest("n", f"{n!r} is not an integer in 1..{max_n}", "ask for fewer images (--max-n)")
     if body.get("response_format", "b64_json") != "b64_json":
-        raise BadRequest("response_format", f"response_format: {body['response_format']!r} is not supported; "
-                                            f"use b64_json (this server keeps no files to link to)")
+        raise BadRequest("response_format", f"{body['response_format']!r} is not supported",
+                         "use b64_json (this server keeps no files to link to)")
     if body.get("output_format", "png") != "png":
-        raise BadRequest("output_format", "output_format: only png is produced")
-    size = body.get("size")            # absent: the server's --image-size
-    if size is not None and (not isinstance(size, str) or not (size == "auto" or _wxh(size))):
-        raise BadRequest("size", f"size: {size!r} is not WIDTHxHEIGHT or auto; use e.g. 1024x1024")
-    fields = {"prompt": body["prompt"], "seed": body.get("seed", defaults.seed),
-              "diff_infer_steps": body.get("steps", defaults.diff_infer_steps),
-              "bot_task": body.get("bot_task", defaults.bot_task),
-              "image_size": defaults.image_size if size is None else "auto" if size == "auto"
-              else "{1}x{0}".format(*_wxh(size))}
-    for name, value in fields.items():
-        problem = field_problem(name, value)
-        if problem:
-            raise BadRequest({"diff_infer_steps": "steps"}.get(name, name), problem)
-    if body.get("step_cache") is not None:
-        try:
-            fields["step_cache"] = settings_from_value(body["step_cache"], defaults.step_cache or StepCacheSettings())
-        except ValueError as exc:
-            raise BadRequest("step_cache", str(exc)) from None
-    request = replace(defaults, **fields, save=None, save_text=None)
-    problem = checker.problem(request)
+        raise BadRequest("output_format", f"{body['output_format']!r} is not produced", "use png")
+    size = body.get("size")            # absent: the server's --image-size; OpenAI's WIDTHxHEIGHT, ours HxW
+    sides = parse_image_size(size) if isinstance(size, str) and "x" in size else None
+    if size is not None and size != "auto" and sides is None:
+        raise BadRequest("size", f"{size!r} is not WIDTHxHEIGHT or auto", "use e.g. 1024x1024")
+    fields = {spec.name: body.get(spec.api_name, getattr(defaults, spec.name)) for spec in REQUEST_FIELDS
+              if spec.api_name}
+    fields["image_size"] = defaults.image_size if size is None else "auto" if size == "auto" else \
+        f"{sides[1]}x{sides[0]}"
+    api_names = {**{spec.name: spec.api_name or spec.name for spec in REQUEST_FIELDS}, "image_size": "size"}
+    try:
+        if body.get("step_cache") is not None:       # a mode or an object of settings over the server's
+            fields["step_cache"] = REQUEST["step_cache"].check(body["step_cache"], base=defaults.step_cache)
+        request = replace(defaults, **fields, save=None, save_text=None)
+        problem = checker.problem(request)
+    except FieldError as exc:
+        problem = exc
     if problem:
-        raise BadRequest(problem.split(":", 1)[0], problem)
+        raise BadRequest(api_names.get(problem.field, problem.field), problem.problem, problem.fix)
     seeds = [None] * n if request.seed is None else [(request.seed + i) % 2**32 for i in range(n)]
     return [replace(request, seed=s) for s in seeds]
-
-
-def _wxh(size: str):
-    parts = size.split("x")
-    if len(parts) == 2 and all(p.isdigit() and int(p) > 0 for p in parts):
-        return int(parts[0]), int(parts[1])
-    return None
 
 
 def png_b64(image) -> str:
@@ -164,14 +161,18 @@ def png_b64(image) -> str:
 
 
 class ImageServer:
-    def __init__(self, host: str, port: int, defaults, checker: RequestChecker, queue_size: int, max_n: int, log):
+    def __init__(self, host: str, port: int, defaults, checker: RequestChecker, queue_size: int, max_n: int, log,
+                 client_timeout: float = 30.0):
         self.defaults, self.checker, self.max_n, self.log = defaults, checker, max_n, log
+        self.client_timeout = client_timeout          # a client silent this long is dropped (slow or half-open)
+        self.unanswered: list = []                    # jobs delivered whose response is not written yet
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.metrics, self.loaded, self.stopping = Metrics(), threading.Event(), threading.Event()
         self.closed = threading.Event()
         self.running, self.check_lock = None, threading.Lock()
         self.httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self.httpd.daemon_threads = True
+        self.httpd.handle_error = self._connection_failed
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
 
     @property
@@ -215,7 +216,14 @@ class ImageServer:
     def deliver(self, results) -> None:
         job, self.running = self.running, None
         job.results = results
+        self.unanswered = [j for j in self.unanswered if not j.answered.is_set()] + [job]
         job.done.set()
+
+    def _connection_failed(self, _request, client_address) -> None:
+        """socketserver would print a traceback; a client that vanished is one log line."""
+        import sys
+        exc = sys.exc_info()[1]
+        self.log(f"http {client_address[0]} connection dropped: {type(exc).__name__}: {exc}")
 
     def _refuse_queued(self) -> None:
         while True:
@@ -230,6 +238,9 @@ class ImageServer:
         self.stopping.set()
         self.closed.set()
         self._refuse_queued()
+        deadline = time.monotonic() + ANSWER_GRACE_S
+        for job in self.unanswered:             # the running request's response, before the process exits
+            job.answered.wait(max(0.0, deadline - time.monotonic()))
         if self.thread.is_alive():
             self.httpd.shutdown()
         self.httpd.server_close()
@@ -242,12 +253,32 @@ class ImageServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             server_version = "hunyuan-image-adaptor"
+            timeout = server.client_timeout           # socket timeout: a silent client frees its thread
+
+            def send_error(self, code, message=None, explain=None):
+                """http.server's own refusals (a garbage request line, an unknown method, an oversized
+                header) as the same JSON errors, with a 4xx status."""
+                code = {501: 405, 505: 400}.get(code, code)
+                self.close_connection = True
+                kind = "method_not_allowed" if code == 405 else "invalid_request_error"
+                text = message or self.responses.get(code, ("error",))[0]
+                headers = [("Allow", "GET, POST"), ("Connection", "close")] if code == 405 else [("Connection", "close")]
+                if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":     # unparsed: no status line
+                    self.request_version = "HTTP/1.0"
+                self.error(code, text, kind=kind, headers=headers)
+
+            def method_not_allowed(self):
+                self.send_error(405, f"method {self.command} is not allowed; use GET or POST")
+
+            do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = method_not_allowed
 
             def log_message(self, fmt, *args):       # one line per request in the job log, not stderr noise
                 server.log(f"http {self.address_string()} {fmt % args}")
 
             def send_json(self, code: int, payload: dict, headers=()):
                 data = json.dumps(payload).encode()
+                if self.command == "HEAD":
+                    data = b""
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -256,10 +287,14 @@ class ImageServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def error(self, code: int, message: str, param=None, kind="invalid_request_error", headers=()):
+            def error(self, code: int, message: str, param=None, kind="invalid_request_error", headers=(),
+                      refusal=None):
+                """OpenAI's error shape; a schema refusal also carries its problem and fix apart."""
                 server.metrics.count(code)
-                self.send_json(code, {"error": {"message": message, "type": kind, "param": param, "code": code}},
-                               headers)
+                body = {"message": message, "type": kind, "param": param, "code": code}
+                if refusal is not None:
+                    body.update(problem=refusal.problem, fix=refusal.fix)
+                self.send_json(code, {"error": body}, headers)
 
             def do_GET(self):
                 if self.path == "/health":
@@ -279,26 +314,42 @@ class ImageServer:
                                     f"GET /metrics", kind="not_found")
 
             def do_POST(self):
+                try:
+                    self.post()
+                except CLIENT_GONE as exc:
+                    self.close_connection = True
+                    server.log(f"http {self.address_string()} client gone mid-request ({type(exc).__name__}); "
+                               f"dropped")
+
+            def post(self):
                 if self.path != "/v1/images/generations":
                     return self.error(404, f"no such path {self.path}", kind="not_found")
                 start = time.perf_counter()
                 length = self.headers.get("Content-Length")
-                if length is None or not length.isdigit():
+                if length is None:
                     return self.error(411, "Content-Length required")
+                if not DIGITS.match(length.strip()):
+                    self.close_connection = True
+                    return self.error(400, f"Content-Length {ascii(length)} is not a byte count")
                 if int(length) > MAX_BODY_BYTES:
                     self.close_connection = True
                     return self.error(413, f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
                 raw = self.rfile.read(int(length))
+                if len(raw) < int(length):
+                    self.close_connection = True
+                    return self.error(400, f"body ended after {len(raw)} of {length} bytes")
                 try:
                     body = json.loads(raw.decode("utf-8"))
                     if not isinstance(body, dict):
-                        raise BadRequest(None, "the body must be a JSON object")
+                        raise BadRequest("body", "not a JSON object", 'send {"prompt": "..."}')
                     with server.check_lock:          # the tokenizer is shared by the handler threads
                         requests = parse_body(body, server.defaults, server.checker, server.max_n)
                 except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                     return self.error(400, f"body is not JSON: {exc}")
+                except RecursionError:
+                    return self.error(400, "body is JSON nested too deep; send a flat object")
                 except BadRequest as exc:
-                    return self.error(400, str(exc), exc.param)
+                    return self.error(400, str(exc), exc.param, refusal=exc)
                 if server.stopping.is_set():
                     return self.error(503, "server is shutting down", kind="unavailable")
                 if not server.loaded.is_set():
@@ -311,10 +362,13 @@ class ImageServer:
                     wait = int(max(1, server.metrics.mean_latency() * (server.jobs.qsize() + 1)))
                     return self.error(503, f"queue full ({server.jobs.maxsize} waiting); retry later",
                                       kind="unavailable", headers=[("Retry-After", str(wait))])
-                while not job.done.wait(1.0):
-                    if server.closed.is_set():            # queued after the last drain: never runs
-                        return self.error(503, "server is shutting down", kind="unavailable")
-                self.answer(job, start)
+                try:
+                    while not job.done.wait(1.0):
+                        if server.closed.is_set():            # queued after the last drain: never runs
+                            return self.error(503, "server is shutting down", kind="unavailable")
+                    self.answer(job, start)
+                finally:
+                    job.answered.set()
 
             def answer(self, job, start):
                 if job.error:

@@ -8,15 +8,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from utils.runtime.outputs import UsageError, write_atomically
+from utils.runtime.outputs import UsageError
 
 
 def default_request(args):
     """The CLI's flags as an ImageRequest: what a line or a body does not set."""
     from utils.runtime.image_requests import ImageRequest
-    return ImageRequest(prompt=args.prompt or "", seed=args.seed, image_size=args.image_size,
-                        diff_infer_steps=args.diff_infer_steps, bot_task=args.bot_task, save=args.save,
-                        save_text=args.save_text, step_cache=getattr(args, "step_cache_settings", None))
+    from utils.runtime.request_schema import REQUEST_FIELDS
+    fields = {f.name: getattr(args, f.name) for f in REQUEST_FIELDS}
+    return ImageRequest(**{**fields, "prompt": args.prompt or ""}, save_text=args.save_text)
+
+
+def job_step_cache(args):
+    """The CLI's step cache (every request's default) from --step-cache*, checked against the steps
+    (--prompt) and the model's layers; FieldError naming the flag."""
+    import json
+    from utils.runtime.request_schema import FieldError, step_cache_of
+    try:                    # a damaged config.json is the checkpoint check's to report, in its words
+        config = json.loads((Path(args.model_id) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    if args.step_cache not in (None, "none") and args.adaptor != "full":
+        raise FieldError("step-cache", "needs the adaptor's patches, not --adaptor shims",
+                         "use --adaptor full or --step-cache none")
+    return step_cache_of(lambda name: getattr(args, name), args.diff_infer_steps if args.prompt is not None else None,
+                         layers)
 
 
 def start_server(args, log):
@@ -25,7 +42,7 @@ def start_server(args, log):
     from utils.runtime.image_server import ImageServer
     try:
         server = ImageServer(args.host, args.port, default_request(args), RequestChecker(args.model_id),
-                             args.queue_size, args.max_n, log)
+                             args.queue_size, args.max_n, log, args.client_timeout)
     except OSError as exc:
         raise UsageError(f"port: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another "
                          f"--port or stop what uses it") from None
@@ -47,20 +64,13 @@ def run_many(args, model, dist, rank, server, log, generate, is_collective_failu
         image = generate(model, args, request, rank)
         return image, model.last_text_phase.summary(), model.last_step_cache
 
-    def write_image(path, image):
-        write_atomically(path, lambda tmp: image.save(tmp, format="PNG"))
-
-    def write_text(path, text):
-        write_atomically(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
-
     loop = RankLoop(dist, rank, one, is_collective_failure)
     model.pipeline.set_progress_bar_config(disable=True)      # one bar per job (images), not one per image
     if rank != 0 and args.serve:          # rank 0 decides when to stop; a signal must not cut a collective
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     if args.prompts is not None:
-        return run_batch(loop, getattr(args, "requests", []), Path(args.save_dir), args.skip_existing,
-                         write_image, write_text, log)
+        return run_batch(loop, getattr(args, "requests", []), Path(args.save_dir), args.skip_existing, log)
     if server is None:
         loop.run(pull=None, deliver=None)
         return 0

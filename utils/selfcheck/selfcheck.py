@@ -6,7 +6,8 @@
 Sections (utils/selfcheck/checks/):
   env          versions (torch, torch_npu, CANN, transformers, driver), devices and their memory, the
                environment variables the job reads, the features the adaptor detects
-  kernels      every kernel of the device's set against the torch reference at the model's shapes
+  kernels      every kernel of the device's set against the torch reference at the model's shapes,
+               and its 8-bit expert kernels (each format and compute the device runs)
   moe-stream   the MoE layer with the shared-MLP side stream on / off: time, overlap_pct from a
                profiler trace (kept in DIR for Perfetto / TensorBoard)
   collectives  uneven all_to_all, all_gather, all_reduce over N ranks: exact values, bus bandwidth
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 from utils.selfcheck.checks import SHAPES, Result
+from adaptor_patches.kernels.device import DEVICE_CHOICES
 
 SECTIONS = ("env", "kernels", "moe-stream", "collectives", "generation")
 ENV_PREFIXES = ("HCCL_", "NCCL_", "ASCEND_", "PYTORCH_NPU_", "PYTORCH_CUDA_", "TASK_QUEUE", "CPU_AFFINITY",
@@ -43,7 +45,7 @@ class UsageError(Exception):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="selfcheck", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     p.add_argument("--nproc", type=int, default=None, help="ranks for collectives and generation "
                    "(default: every device of the node; 2 on CPU)")
     p.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="default: real on accelerators, small on CPU")
@@ -149,13 +151,16 @@ def run_sections(device, nproc, skip, shapes, size, out, repeat) -> list:
     from utils.selfcheck.checks.collectives import collective_checks
     from utils.selfcheck.checks.generation import generation_checks
     from utils.selfcheck.checks.kernels import kernel_checks
+    from utils.selfcheck.checks.quant_kernels import quant_kernel_checks
     from utils.selfcheck.checks.moe_stream import moe_stream_checks
     from adaptor_patches.kernels import kernels_for
     import model_adaptor
     shape = SHAPES[shapes]
     steps = {
         "env": lambda: env_checks(device),
-        "kernels": lambda: kernel_checks(kernels_for(device.kind), device.torch_device, shape),
+        "kernels": lambda: (kernel_checks(kernels_for(device.kind), device.torch_device, shape)
+                            + quant_kernel_checks(lambda compute: kernels_for(device.kind, quant_compute=compute),
+                                                  device.kind, device.torch_device, shape)),
         "moe-stream": lambda: moe_stream_checks(device, shape, out, repeat),
         "collectives": lambda: collective_checks(device.kind, nproc, size, out),
         "generation": lambda: generation_checks(device.kind, nproc, out / "generation"),

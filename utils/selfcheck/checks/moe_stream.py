@@ -83,8 +83,9 @@ def moe_stream_checks(device, shape: dict, out_dir: Path, repeat: int = 10, prof
     weights = (shared_mlp.gate_and_up_proj.weight, shared_mlp.down_proj.weight)
 
     def run(stream_on=True, shared=True):
-        layer.shared_mlp_stream = stream if stream_on else None
-        layer.shared_mlp = shared_mlp if shared else None
+        if layer.shared.stream is not (stream if stream_on else None):
+            layer.shared.use_stream(stream if stream_on else None)
+        layer.shared.mlp = shared_mlp if shared else None
         with torch.no_grad():
             return layer(x)
 
@@ -94,7 +95,7 @@ def moe_stream_checks(device, shape: dict, out_dir: Path, repeat: int = 10, prof
               "stream off": median_time(lambda: run(False), device, repeat) * 1e3,
               "routed only": median_time(lambda: run(False, shared=False), device, repeat) * 1e3,
               "shared only": median_time(lambda: layer.kernels.shared_mlp(x[0], *weights), device, repeat) * 1e3}
-    layer.shared_mlp = shared_mlp
+    layer.shared.mlp = shared_mlp
     where = f"{tokens} tokens, {layer.kernels.name} kernels, median of {repeat}"
     results = [Result(SECTION, "outputs identical, stream on / off", "pass" if same else "fail", same, True, where)]
     results += [Result(SECTION, f"layer time, {name}", "info", round(value, 3), None, "ms") for name, value in ms.items()]

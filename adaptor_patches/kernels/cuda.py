@@ -1,0 +1,103 @@
+"""The CUDA kernel set: torch._grouped_mm for bf16 experts (GroupedMmKernels), and for fp8 experts
+torch's fp8 grouped GEMM where this torch and this GPU have it.
+
+fp8 experts: `torch.nn.functional.scaled_grouped_mm` (torch >= 2.10; earlier `torch._scaled_grouped_mm`)
+with rowwise scales on both sides: the weight's per-output-channel scale [E, N] (kernels/quant.py)
+and a per-token scale of the activations, quantized to float8_e4m3fn on the fly (amax / 448 per
+row). The activations are therefore 8-bit inside this GEMM too (what vLLM's fp8 MoE does); the
+output is bf16. Requirements, from torch's checks: both operands float8_e4m3fn, the activations
+row-major and the weight column-major (expert_weight_storage stores fp8 weights that way once),
+scales float32, scale_a [M] and scale_b [E, N], int32 group end offsets, K and N multiples of 16.
+Whether it runs here is detected, not assumed: the function must exist and one tiny call on the
+device must succeed (it needs compute capability 9.0 / 10.0; torch 2.7.1 has none of it). Where it
+does not, and for int8 experts, the torch W8A16 reference runs (dequantize per group + bf16 grouped
+matmul, torch_kernels.py).
+
+Written from torch's documented signature and its meta checks; NOT run on a GPU in this project:
+tested on CPU against tests/cuda_double.py, a double of scaled_grouped_mm with those checks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .quant import QMAX
+from .torch_kernels import GroupedMmKernels
+
+_FP8 = torch.float8_e4m3fn
+_ALIGN = 16                       # elements: 16 bytes of fp8
+
+
+def torch_scaled_grouped_mm():
+    """torch's fp8 grouped GEMM as fn(a, b, scale_a, scale_b, offs) -> bf16, or None in this torch."""
+    if hasattr(F, "scaled_grouped_mm") and hasattr(F, "ScalingType"):
+        rowwise = F.ScalingType.RowWise
+        return lambda a, b, sa, sb, offs: F.scaled_grouped_mm(a, b, sa, rowwise, sb, rowwise, offs=offs,
+                                                              output_dtype=torch.bfloat16)
+    if hasattr(torch, "_scaled_grouped_mm"):
+        return lambda a, b, sa, sb, offs: torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+    return None
+
+
+class CudaKernels(GroupedMmKernels):
+    name = "cuda"
+
+    def __init__(self, scaled_grouped_mm=None):
+        """`scaled_grouped_mm` stands in for torch's (the tests' double); None: torch's, if it runs."""
+        self._injected = scaled_grouped_mm
+        self._fp8_gemm_by_device: dict = {}
+
+    def fp8_gemm(self, device: torch.device):
+        """The fp8 grouped GEMM usable on `device`, or None (probed once per device)."""
+        if self._injected is not None:
+            return self._injected
+        if device.type != "cuda":
+            return None
+        if device not in self._fp8_gemm_by_device:
+            self._fp8_gemm_by_device[device] = _probe(torch_scaled_grouped_mm(), device)
+        return self._fp8_gemm_by_device[device]
+
+    def expert_weight_storage(self, w):
+        if w.dtype == _FP8 and w.dim() == 3 and self.fp8_gemm(w.device) is not None:
+            return column_major(w)
+        return super().expert_weight_storage(w)
+
+    def quantized_grouped_matmul(self, x, q, scale, counts):
+        gemm = self.fp8_gemm(x.device) if q.dtype == _FP8 else None
+        if x.shape[0] == 0 or gemm is None or x.shape[1] % _ALIGN or q.shape[-1] % _ALIGN:
+            return super().quantized_grouped_matmul(x, q, scale, counts)
+        x_q, x_scale = quantize_rows_fp8(x)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return gemm(x_q, column_major(q), x_scale, scale.float().contiguous(), offsets)
+
+
+def quantize_rows_fp8(x: torch.Tensor):
+    """(float8_e4m3fn [M, K] row-major, float32 scale [M]): each row scaled by its amax / 448."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / QMAX["fp8"], torch.ones_like(amax))
+    return (x32 / scale.unsqueeze(1)).clamp_(-QMAX["fp8"], QMAX["fp8"]).to(_FP8), scale
+
+
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    """Same shape and values, strides with the last two dims column-major (what the fp8 GEMM reads)."""
+    stride = w.stride()
+    if stride[-2] == 1 and stride[-1] >= w.shape[-2]:
+        return w
+    return w.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def _probe(gemm, device):
+    """gemm if one 2-expert 16x16x16 call runs on `device` (the GPU may lack fp8 grouped GEMM)."""
+    if gemm is None:
+        return None
+    try:
+        x = torch.ones(_ALIGN * 2, _ALIGN, device=device).to(_FP8)
+        w = column_major(torch.ones(2, _ALIGN, _ALIGN, device=device).to(_FP8))
+        ones = torch.ones(_ALIGN * 2, device=device)
+        offs = torch.tensor([_ALIGN, 2 * _ALIGN], dtype=torch.int32, device=device)
+        out = gemm(x, w, ones, torch.ones(2, _ALIGN, device=device), offs)
+        torch.cuda.synchronize(device)
+        return gemm if float(out[0, 0]) == _ALIGN else None
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None

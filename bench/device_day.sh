@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The first run on a machine with an accelerator (NPU or GPU; one device is enough), one command
+# of under 10 minutes:   bash bench/device_day.sh [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]
+#   1 selfcheck   python -m utils.selfcheck on one device: env, every kernel and the 8-bit kernels vs the
+#                 reference at real shapes, the MoE layer with the side stream on/off + overlap_pct
+#   2 moe_layer   bench/device_layer.py: upstream eager vs patched vs the dense-GEMM floor, bf16 vs 8-bit
+#   3 e2e         bench/e2e.py: the mid-size model end to end, upstream eager vs the adaptor
+# Each step runs under `timeout` (STEP_LIMITS; DEVICE_DAY_LIMIT_S overrides them all): a stuck or
+# failing step is recorded (status, exit code, seconds, log) and the next one runs. Writes
+# OUT_DIR/device_day.json and OUT_DIR/device_day.md (default OUT_DIR: outputs/device_day/<UTC time>).
+# --quick: small shapes and the tiny model (what tests/test_device_day.py runs on CPU).
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+py=${PYTHON:-$root/.venv/bin/python}
+[ -x "$py" ] || py=python3
+out="" device=auto quick=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device=${2:-}; shift 2 ;;
+    --quick) quick=1; shift ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --*) echo "error: $1: unknown option; use [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]" >&2; exit 2 ;;
+    *) out=$1; shift ;;
+  esac
+done
+case "$device" in auto|npu|cuda|cpu) ;; *) echo "error: device: '$device' is not auto|npu|cuda|cpu; pick one" >&2; exit 2 ;; esac
+out=${out:-$root/outputs/device_day/$(date -u +%Y%m%d_%H%M%S)}
+mkdir -p "$out" || { echo "error: OUT_DIR: cannot create $out; pass a writable folder" >&2; exit 2; }
+out=$(cd "$out" && pwd)
+cd "$root" || exit 2
+: > "$out/steps.tsv"
+
+step() {            # step NAME LIMIT_S COMMAND...: run it time-boxed, record status / rc / seconds
+  local name=$1 limit=${DEVICE_DAY_LIMIT_S:-$2}; shift 2
+  echo "[device_day] $name (at most ${limit} s) ..." >&2
+  local start end rc
+  start=$(date +%s%N)
+  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  end=$(date +%s%N)
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( (end - start) / 1000000 ))" "$limit" >> "$out/steps.tsv"
+  echo "[device_day] $name: exit $rc" >&2
+}
+
+if [ "$quick" = 1 ]; then
+  tiny="$out/tiny_model"
+  [ -f "$tiny/config.json" ] || "$py" utils/make_tiny_model.py --out "$tiny" > "$out/tiny_model.log" 2>&1
+  step selfcheck 180 "$py" -m utils.selfcheck --device "$device" --nproc 1 --shapes small --repeat 2 \
+       --skip collectives,generation --out "$out/selfcheck"
+  step moe_layer 480 "$py" bench/device_layer.py --device "$device" --shapes small --tokens 64 --repeat 2 \
+       --json "$out/moe_layer.json"
+  step e2e 300 "$py" bench/e2e.py --device "$device" --model "$tiny" --size 64 --steps 2 --rounds 1 --warmup 0
+else
+  step selfcheck 240 "$py" -m utils.selfcheck --device "$device" --nproc 1 --out "$out/selfcheck"
+  step moe_layer 180 "$py" bench/device_layer.py --device "$device" --json "$out/moe_layer.json"
+  step e2e 150 "$py" bench/e2e.py --device "$device" --steps 8 --rounds 2 --warmup 1
+fi
+
+"$py" - "$out" "$device" "$quick" <<'PY'
+import json, sys
+from pathlib import Path
+out, device, quick = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+steps = {}
+for line in (out / "steps.tsv").read_text().splitlines():
+    name, rc, seconds, limit = line.split("\t")
+    rc = int(rc)
+    status = "pass" if rc == 0 else "timeout" if rc in (124, 137) else "fail"
+    log = out / f"{name}.log"
+    steps[name] = {"status": status, "exit_code": rc, "seconds": round(int(seconds) / 1000, 1), "limit_s": int(limit),
+                   "log": str(log), "tail": log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []}
+for name, path in (("selfcheck", out / "selfcheck" / "selfcheck.json"), ("moe_layer", out / "moe_layer.json")):
+    if name in steps and path.is_file():
+        steps[name]["result"] = json.loads(path.read_text())
+summary = {"device": device, "quick": quick, "steps": steps}
+(out / "device_day.json").write_text(json.dumps(summary, indent=2, default=str))
+lines = [f"# device day: {device}{' (quick)' if quick else ''}", "", "| step | status | seconds | limit (s) |",
+         "|---|---|---|---|"]
+lines += [f"| {n} | {s['status']} | {s['seconds']} | {s['limit_s']} |" for n, s in steps.items()]
+for name, s in steps.items():
+    table = [l for l in s["tail"] if l.startswith("|")]
+    if table:
+        lines += ["", f"## {name}", ""] + table
+sc = steps.get("selfcheck", {}).get("result")
+if sc:
+    lines += ["", "## selfcheck", "", "| section | check | status | value | limit |", "|---|---|---|---|---|"]
+    lines += [f"| {r['section']} | {r['check']} | {r['status']} | {r['value']} | {r['limit']} |" for r in sc["results"]
+              if r["section"] in ("kernels", "moe-stream")]
+(out / "device_day.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+print(f"\ndevice_day: {out / 'device_day.json'}")
+PY

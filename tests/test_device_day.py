@@ -1,0 +1,49 @@
+"""bench/device_day.sh on CPU in its quick mode: every step runs, one JSON and one table come out,
+and a step that overruns its time box is recorded as such while the others still run."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from generation import ROOT
+
+
+def device_day(out, env=None, timeout=1500):
+    return subprocess.run(["bash", str(ROOT / "bench" / "device_day.sh"), str(out), "--device", "cpu", "--quick"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.slow
+def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
+    proc = device_day(tmp_path / "day")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "day" / "device_day.json").read_text())
+    assert list(summary["steps"]) == ["selfcheck", "moe_layer", "e2e"]
+    assert {name: s["status"] for name, s in summary["steps"].items()} == dict.fromkeys(summary["steps"], "pass"), \
+        {name: s["tail"] for name, s in summary["steps"].items()}
+    rows = summary["steps"]["moe_layer"]["result"]["rows"]
+    assert {"upstream eager", "patched bf16", "patched int8 W8A16", "patched fp8 W8A16"} <= set(rows)
+    checks = {r["check"] for r in summary["steps"]["selfcheck"]["result"]["results"]}
+    assert "8-bit routed_experts int8 W8A16" in checks and "layer time, stream on" in checks
+    table = (tmp_path / "day" / "device_day.md").read_text()
+    assert "| moe_layer | pass |" in table and "dense-GEMM floor" in table and "upstream eager" in table
+
+
+@pytest.mark.slow
+def test_a_step_past_its_time_box_is_recorded_not_fatal(tmp_path):
+    proc = device_day(tmp_path / "day", env={"DEVICE_DAY_LIMIT_S": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = json.loads((tmp_path / "day" / "device_day.json").read_text())["steps"]
+    assert [s["status"] for s in steps.values()] == ["timeout"] * 3
+    assert all(s["exit_code"] == 124 and s["seconds"] < 15 for s in steps.values())
+
+
+def test_bad_arguments_are_one_line(tmp_path):
+    for args, message in ((["--device", "tpu"], "error: device: 'tpu'"), (["--fast"], "error: --fast: unknown option")):
+        proc = subprocess.run(["bash", str(ROOT / "bench" / "device_day.sh"), str(tmp_path / "x"), *args],
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+        assert proc.stderr.startswith(message), proc.stderr
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,292 @@
+"""Every value a user gives the job, declared once: type, range or choices, default, help.
+
+REQUEST_FIELDS are what may differ between images of one load (a CLI flag set, a prompts-file
+line, an HTTP body); JOB_OPTIONS hold for the whole job (CLI flags and YAML `model_args`). The
+argparse options (`add_arguments`), the YAML check (utils/launcher/launch_config.py), prompts-file lines
+(utils/runtime/image_requests.py) and the HTTP body (utils/runtime/image_server.py) all call `Field.check`, so
+they refuse the same values with the same words. A refusal is one FieldError (field, problem,
+fix), rendered at the edge: `error: field: problem; fix` on the console, JSON over HTTP.
+
+Adding a request field is one `Field(...)` in REQUEST_FIELDS: the flag, the prompts-file key, the
+API key and ImageRequest's attribute follow from it (issue 23's step_cache is one: a mode or an object
+of settings, its --step-cache-* defaults are JOB_OPTIONS; adaptor_patches/step_cache.py checks both).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import dataclass, field as dataclass_field, make_dataclass, replace
+from typing import Any, Callable, Optional
+
+from adaptor_patches.kernels.device import DEVICE_CHOICES
+from adaptor_patches.kernels.quant import FORMATS as EXPERT_FORMATS
+from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS, StepCacheError, \
+    StepCacheSettings, settings_from_value
+from utils.runtime.errors import FieldError, UsageError  # noqa: F401  (the schema's refusals)
+
+SEED_RANGE = (0, 2**32 - 1)
+MAX_STEPS = 1000
+MAX_IMAGE_SIDE = 16384
+MAX_DIST_TIMEOUT_S = 7 * 24 * 3600.0
+BOT_TASKS = ("image", "auto", "think", "recaption")
+IMAGE_SIZE = re.compile(r"([0-9]+)[x:]([0-9]+)\Z")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_image_size(text: str) -> Optional[tuple]:
+    """(first, second) of "AxB" / "A:B" with positive sides up to MAX_IMAGE_SIDE, else None."""
+    match = IMAGE_SIZE.match(text) if isinstance(text, str) else None
+    if not match:
+        return None
+    sides = int(match.group(1)), int(match.group(2))
+    return sides if all(1 <= s <= MAX_IMAGE_SIDE for s in sides) else None
+
+
+def utf8_problem(text: str) -> Optional[str]:
+    """Python decodes a non-UTF-8 argv with surrogateescape and JSON allows lone surrogates: both
+    would fail deep in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"is not valid UTF-8 text (character {exc.start + 1} cannot be encoded)"
+    return None
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str                       # the attribute / prompts-file key (diff_infer_steps)
+    kind: str                       # "text", "int", "float", "choice", "image_size", "path"
+    default: Any = None
+    help: str = ""
+    low: Optional[float] = None
+    high: Optional[float] = None
+    choices: tuple = ()
+    optional: bool = False          # None is a value (seed: rank 0 picks one)
+    example: str = ""
+    api_name: Optional[str] = None  # its key in an HTTP body; None: not settable over HTTP
+    cli: bool = True                # a run_image_gen.py flag
+    # "step_cache": a mode name or an object of settings -> StepCacheSettings; "step_cache_setting":
+    # one of its settings (the --step-cache-* flags); both checked by adaptor_patches/step_cache.py
+
+    @property
+    def flag(self) -> str:
+        return self.name.replace("_", "-")
+
+    def span(self) -> str:
+        if self.kind == "float":
+            return f"> {self.low:g}" + ("" if self.high is None else f" and <= {self.high:g}")
+        return f">= {self.low}" if self.high is None else f"in {self.low}..{self.high}"
+
+    def refuse(self, problem: str, fix: str = "", field: Optional[str] = None):
+        raise FieldError(field or self.name, problem, fix or self.fix())
+
+    def fix(self) -> str:
+        if self.kind == "choice":
+            return f"use one of {', '.join(self.choices)}" + (", or leave it out" if self.optional else "")
+        if self.kind in ("int", "float"):
+            return (f"use e.g. {self.example}" if self.example else f"use a number {self.span()}") + \
+                (", or leave it out" if self.optional else "")
+        return f"use e.g. {self.example}" if self.example else "see --help"
+
+    def check(self, value, field: Optional[str] = None, base=None):
+        """`value` as this field holds it (typed: YAML, JSON); FieldError naming `field` if it is not.
+        `base`: what a step_cache object's settings are laid over (the CLI's; default: the defaults)."""
+        if value is None and self.optional:
+            return None
+        name = field or self.name
+        if self.kind == "step_cache":
+            try:
+                return settings_from_value(value, base or StepCacheSettings())
+            except StepCacheError as exc:
+                raise FieldError(name + exc.field[len("step_cache"):], exc.problem, exc.fix) from None
+        if self.kind == "step_cache_setting":
+            setting = self.name[len("step_cache_"):]
+            for _, problem, fix in StepCacheSettings(**{setting: value}).problems():
+                self.refuse(problem, fix, field=name)
+            return value
+        if self.kind in ("int", "float"):
+            what = f"{value!r} is not {'an integer' if self.kind == 'int' else 'a number'} {self.span()}"
+            if not (is_int(value) or (self.kind == "float" and isinstance(value, float))):
+                self.refuse(what, field=name)
+            if self.kind == "float" and not math.isfinite(value):
+                self.refuse(what, field=name)
+            too_low = value <= self.low if self.kind == "float" else value < self.low
+            if too_low or (self.high is not None and value > self.high):
+                self.refuse(what, field=name)
+            return value
+        if not isinstance(value, str):
+            self.refuse(f"{value!r} is not text", field=name)
+        bad = utf8_problem(value)
+        if bad:
+            self.refuse(f"{ascii(value)} {bad}", "pass the text as UTF-8", field=name)
+        if self.kind == "choice" and value not in self.choices:
+            self.refuse(f"{value!r} is not one of {', '.join(self.choices)}", field=name)
+        if self.kind == "text" and not value.strip():
+            self.refuse("empty or only spaces", field=name)
+        if self.kind == "image_size" and value != "auto" and parse_image_size(value) is None:
+            big = IMAGE_SIZE.match(value)
+            too_big = big is not None and all(int(side) >= 1 for side in big.groups())
+            self.refuse(f"{value!r} has a side beyond {MAX_IMAGE_SIDE}" if too_big
+                        else f"{value!r} is not auto, HxW or H:W", field=name)
+        if self.kind == "path":
+            if "\0" in value:
+                self.refuse(f"{ascii(value)} contains a NUL byte", field=name)
+            if not value.strip() or value.endswith(("/", "\\")):
+                self.refuse(f"{value!r} is not a file name", field=name)
+        return value
+
+    def from_text(self, text: str):
+        """A command-line string -> the typed value, checked (the YAML and JSON values come typed)."""
+        if self.kind == "int":
+            if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+                self.refuse(f"{text!r} is not an integer {self.span()}")
+            return self.check(int(text))
+        if self.kind == "float":
+            try:
+                value = float(text)
+            except ValueError:
+                self.refuse(f"{text!r} is not a number {self.span()}")
+            return self.check(value)
+        if self.kind == "step_cache_setting":        # the number, or the text for the settings' own refusal
+            number = text.strip()
+            if re.fullmatch(r"[+-]?[0-9]+", number):
+                return self.check(int(number))
+            try:
+                return self.check(float(number) if isinstance(self.default, float) else text)
+            except ValueError:
+                return self.check(text)
+        return self.check(text)
+
+
+def _text(name, **kw):
+    return Field(name, "text", **kw)
+
+
+REQUEST_FIELDS = (
+    _text("prompt", help="the image's description", example="'a red fox in snow'", api_name="prompt"),
+    Field("seed", "int", None, "random seed (rank 0 picks one when left out)", *SEED_RANGE, optional=True,
+          example="42", api_name="seed"),
+    Field("image_size", "image_size", "auto", "auto, HxW or H:W", example="1024x1024"),
+    Field("diff_infer_steps", "int", 50, "denoising steps", 1, MAX_STEPS, example="50", api_name="steps"),
+    Field("bot_task", "choice", None, "image, auto, think or recaption", choices=BOT_TASKS, optional=True,
+          api_name="bot_task"),
+    Field("save", "path", None, "where the image is written (--prompt: default image.png)", optional=True,
+          example="fox.png"),
+    Field("step_cache", "step_cache", None, "fewer full forwards per image (docs/STEP_CACHE.md): taylor forecasts "
+          "the prediction between full steps, adaptive skips the later layers when the first ones barely change; "
+          "a line or a body may give an object of settings", choices=STEP_CACHE_MODES, optional=True,
+          api_name="step_cache"),
+)
+REQUEST = {f.name: f for f in REQUEST_FIELDS}
+
+JOB_OPTIONS = (
+    Field("device", "choice", "auto", "", choices=DEVICE_CHOICES),
+    Field("verbose", "int", 0, "", 0, None, example="1"),
+    Field("warmup", "int", 0, "untimed generations before the timed ones", 0, None),
+    Field("rounds", "int", 1, "timed generations", 1, None),
+    Field("max_new_tokens", "int", None, "most tokens the think / recaption text may have (upstream's default: "
+          "8192; the model's context bounds it too)", 1, None, optional=True),
+    Field("port", "int", 8000, "--serve's port (0: any free one)", 0, 65535, example="8000"),
+    Field("queue_size", "int", 8, "--serve: requests that may wait; more get 503", 1, None),
+    Field("max_n", "int", 4, "--serve: most images one request may ask for", 1, None),
+    Field("client_timeout", "float", 30.0, "--serve: seconds a client may stay silent (a slow or half-open "
+          "connection) before it is dropped", 0, 3600.0, example="30"),
+    Field("rewrite", "int", 0, "accepted for cann-recipes YAMLs; no prompt is rewritten (nor is one in the "
+          "recipe's script)", 0, None),
+    Field("dist_timeout", "float", 1200.0, "seconds a collective may wait for the other ranks before the job ends "
+          "with an error (default 1200: a load can keep ranks apart for minutes)", 0, MAX_DIST_TIMEOUT_S,
+          example="1200"),
+    Field("quantize", "choice", None, "routed experts in 8 bit, quantized while loading (default: an 8-bit "
+          "converted folder's format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS,
+          optional=True),
+    Field("quant_compute", "choice", "weight", "8-bit experts: weight = W8A16 (8-bit weights, bf16 activations; "
+          "every device), 8bit = W8A8 (activations per token too; NPU, int8 experts)", choices=("weight", "8bit")),
+)
+STEP_CACHE_HELP = {"warmup": "first steps always computed",
+                   "interval": "taylor: a full step every N steps after the warm-up",
+                   "order": "taylor: 1 (linear) or 2 (quadratic) extrapolation",
+                   "blocks": "adaptive: decoder layers that always run",
+                   "threshold": "adaptive: relative change of those layers' output below which the rest is skipped",
+                   "max_skip": "adaptive: most skipped steps in a row"}
+STEP_CACHE_SETTINGS = tuple(f"step_cache_{name}" for name in SETTING_FIELDS if name != "mode")
+JOB_OPTIONS += tuple(Field(f"step_cache_{name}", "step_cache_setting", getattr(StepCacheSettings, name),
+                           STEP_CACHE_HELP[name]) for name in SETTING_FIELDS if name != "mode")
+JOB = {f.name: f for f in JOB_OPTIONS}
+ALL = {**REQUEST, **JOB}
+
+
+def by_flag(flag: str) -> Optional[Field]:
+    return ALL.get(flag.replace("-", "_"))
+
+
+class _Checked:
+    """argparse `type=`: the field's from_text; argparse turns the error into one line (OneLineParser)."""
+
+    def __init__(self, spec: Field):
+        self.spec, self.__name__ = spec, spec.name
+
+    def __call__(self, text: str):
+        try:
+            return self.spec.from_text(text)
+        except FieldError as exc:
+            raise argparse.ArgumentTypeError(f"{exc.problem}; {exc.fix}") from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own refusals (unknown flag, missing value, a checked field) as one `error:` line, exit 2."""
+
+    def error(self, message):
+        match = re.match(r"argument (?:--)?([\w-]+)(?:/[^:]*)?: (.*)\Z", message, re.S)
+        field, problem = (match.group(1), match.group(2)) if match else ("arguments", message)
+        fix = "" if "; " in problem else f"; see {self.prog} --help"
+        self.exit(2, f"error: {field}: {problem}{fix}\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser, names, **defaults) -> None:
+    """--flag options for the named fields (checked by the schema); `defaults` override the declared ones."""
+    for name in names:
+        spec = ALL[name]
+        default = defaults.get(name, spec.default)
+        kwargs = dict(default=default, help=spec.help or None, type=_Checked(spec))
+        if spec.kind in ("choice", "step_cache"):
+            kwargs["metavar"] = "{" + ",".join(spec.choices) + "}"
+        parser.add_argument(f"--{spec.flag}", **kwargs)
+
+
+def request_type(module: str, extra=()):
+    """ImageRequest: one frozen dataclass attribute per request field, plus `extra` (name, default).
+    `module` is where it is bound as `ImageRequest`: rank 0 pickles requests to the other ranks."""
+    fields = [(f.name, Any, dataclass_field(default=f.default)) for f in REQUEST_FIELDS if f.name != "prompt"]
+    fields = [("prompt", str)] + fields + [(name, Any, dataclass_field(default=default)) for name, default in extra]
+    cls = make_dataclass("ImageRequest", fields, frozen=True)
+    cls.__module__ = module
+    return cls
+
+
+def first_problem(values: dict, rename: Callable[[str], str] = lambda name: name) -> None:
+    """Check each request field present in `values`; the first refusal raises, named by rename(field)."""
+    for name, value in values.items():
+        spec = REQUEST.get(name)
+        if spec is not None:
+            spec.check(value, field=rename(name))
+
+
+def step_cache_of(values, steps: Optional[int] = None, layers: Optional[int] = None) -> StepCacheSettings:
+    """The job's step cache from its --step-cache* values (`values(name)`: argparse's or the YAML's),
+    checked against the steps and the model's layers; FieldError naming the flag of the first bad one."""
+    mode = values("step_cache")                 # argparse's is already StepCacheSettings (the flag's check)
+    try:
+        settings = REQUEST["step_cache"].check(getattr(mode, "mode", mode) or "none")
+    except FieldError as exc:
+        raise exc.renamed("step-cache") from None
+    for name in STEP_CACHE_SETTINGS:
+        value = values(name)
+        settings = replace(settings, **{name[len("step_cache_"):]: JOB[name].default if value is None else value})
+    for setting, problem, fix in settings.problems(steps, layers if is_int(layers) else None):
+        flag = "step-cache" if setting == "mode" else f"step-cache-{setting.replace('_', '-')}"
+        raise FieldError(flag, problem, fix)
+    return settings

@@ -70,6 +70,9 @@ MALFORMED = {
     "body_a_list": (post_raw(b"[1, 2]"), 400, "body"),
     "steps_a_billion": (post_raw(b'{"prompt": "x", "steps": 1000000000}'), 400, "steps"),
     "seed_a_float": (post_raw(b'{"prompt": "x", "seed": 1.5}'), 400, "seed"),
+    "step_cache_unknown_mode": (post_raw(b'{"prompt": "x", "step_cache": "fast"}'), 400, "step_cache.mode"),
+    "step_cache_interval_zero": (post_raw(b'{"prompt": "x", "step_cache": {"mode": "taylor", "interval": 0}}'), 400,
+                                 "step_cache.interval"),
     "size_too_large": (post_raw(b'{"prompt": "x", "size": "99999x99999"}'), 400, "size"),
     "unknown_path": (b"GET /admin HTTP/1.1\r\nHost: x\r\n\r\n", 404, None),
 }

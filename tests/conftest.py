@@ -45,17 +45,6 @@ def gained_model(tiny_model, tmp_path_factory):
     At the tiny model's init scale the residual stream swamps attention: with the attention-TP
     all-reduce removed the image still reached 47 dB of the single-process one. Scaled, a broken
     split drops to ~21 dB while a correct one stays near 50 dB, so end-to-end runs tell them apart."""
-    import shutil
-    from safetensors.torch import load_file, save_file
-    dst = tmp_path_factory.mktemp("gained") / "tiny"
-    dst.mkdir()
-    for path in tiny_model.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, dst / path.name)
-            continue
-        state = load_file(path)
-        for key in state:
-            if key.endswith("self_attn.o_proj.weight"):
-                state[key] = (state[key].float() * ATTENTION_GAIN).to(state[key].dtype)
-        save_file(state, dst / path.name, metadata={"format": "pt"})
-    return dst
+    from generation import scaled_checkpoint
+    return scaled_checkpoint(tiny_model, tmp_path_factory.mktemp("gained") / "tiny",
+                             lambda key: ATTENTION_GAIN if key.endswith("self_attn.o_proj.weight") else 1)

@@ -15,6 +15,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a red fox standing in fresh snow"
 
 
+def scaled_checkpoint(src: Path, dst: Path, gain_of) -> Path:
+    """A copy of checkpoint `src` at `dst` with each tensor multiplied by gain_of(key) (1: unchanged)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    dst.mkdir()
+    for path in src.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, dst / path.name)
+            continue
+        state = load_file(path)
+        for key, value in state.items():
+            gain = gain_of(key)
+            state[key] = (value.float() * gain).to(value.dtype) if gain != 1 else value
+        save_file(state, dst / path.name, metadata={"format": "pt"})
+    return dst
+
+
 def run_cli(args, nproc: int = 1, timeout: float = 300, env=None):
     """Run run_image_gen.py (under torchrun when nproc > 1); return the CompletedProcess."""
     if nproc > 1:

@@ -43,6 +43,14 @@ def test_other_ranks_show_only_their_error_lines():
     assert "use_return_dict" in log.getvalue() and "Loading weights" in log.getvalue()
 
 
+
+def remove_job_logs(log, rank_logs):
+    for path in rank_logs.glob("rank*.log"):
+        path.unlink()
+    if rank_logs.is_dir():
+        rank_logs.rmdir()
+    remove_log(log)
+
 @pytest.mark.slow
 def test_four_rank_run_sh_job_has_one_console(tmp_path, tiny_model):
     """config/tiny_cpu_parallel.yaml's layout (CFG2 x TP2 + MoE TP + VAE parallel) through run.sh.
@@ -78,11 +86,7 @@ def test_four_rank_run_sh_job_has_one_console(tmp_path, tiny_model):
         kept = [message for message in KNOWN_HARMLESS if any(message in text for text in logs.values())]
         assert len(kept) >= 4, kept
     finally:
-        for path in rank_logs.glob("rank*.log"):
-            path.unlink()
-        if rank_logs.is_dir():
-            rank_logs.rmdir()
-        remove_log(log)
+        remove_job_logs(log, rank_logs)
 
 
 @pytest.mark.slow
@@ -113,8 +117,4 @@ def test_another_ranks_error_line_reaches_the_console(tmp_path, tiny_model):
         assert errors[0] in (rank_logs / "rank1.log").read_text() and str(rank_logs / "rank1.log") in errors[1]
         assert "[rank 1]" not in res.stdout + res.stderr
     finally:
-        for path in rank_logs.glob("rank*.log"):
-            path.unlink()
-        if rank_logs.is_dir():
-            rank_logs.rmdir()
-        remove_log(log)
+        remove_job_logs(log, rank_logs)

@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from generation import generate, generate_args, latent_rel_err, psnr, run_cli_in_process, run_in_pool
+from generation import generate, generate_args, scaled_checkpoint, latent_rel_err, psnr, run_cli_in_process, run_in_pool
 from recipe_checkpoint import make_recipe_checkpoint
 
 FORMATS = ("int8", "fp8")
@@ -427,19 +427,11 @@ def gained(tiny_model, tmp_path_factory):
     """The tiny checkpoint with o_proj (as test_layouts) and the experts' down_proj scaled up, so that
     the routed experts decide the image: with them zeroed the image drops to 27 dB (vs 50 dB
     unscaled), so 8-bit error in them shows."""
-    dst = tmp_path_factory.mktemp("quant_gained") / "tiny"
-    dst.mkdir()
-    for path in tiny_model.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, dst / path.name)
-            continue
-        state = load_file(path)
-        for key, value in state.items():
-            gain = ATTENTION_GAIN if key.endswith("self_attn.o_proj.weight") else \
-                EXPERT_GAIN if ".mlp.experts." in key and key.endswith("down_proj.weight") else 1
-            state[key] = (value.float() * gain).to(value.dtype) if gain != 1 else value
-        save_file(state, dst / path.name, metadata={"format": "pt"})
-    return dst
+    def gain_of(key):
+        if key.endswith("self_attn.o_proj.weight"):
+            return ATTENTION_GAIN
+        return EXPERT_GAIN if ".mlp.experts." in key and key.endswith("down_proj.weight") else 1
+    return scaled_checkpoint(tiny_model, tmp_path_factory.mktemp("quant_gained") / "tiny", gain_of)
 
 
 # name: (ranks, flags)

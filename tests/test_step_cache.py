@@ -115,6 +115,11 @@ def test_prompts_line_http_body_and_yaml_refuse_a_bad_step_cache(tiny_model, tmp
                      '{"prompt": "b", "step_cache": {"mode": "adaptive", "blocks": 1}, "diff_infer_steps": 6}\n')
     good = read_prompts_file(lines, ImageRequest(""), tmp_path, checker)
     assert [r.step_cache.mode for r in good] == ["taylor", "adaptive"] and good[1].step_cache.blocks == 1
+    lines.write_text('{"prompt": "a", "step_cache": {"order": 1}}\n')        # over the CLI's settings
+    cli = ImageRequest("", step_cache=StepCacheSettings("taylor", interval=4))
+    assert read_prompts_file(lines, cli, tmp_path, checker)[0].step_cache == StepCacheSettings("taylor", interval=4,
+                                                                                              order=1)
+    assert parse_body({"prompt": "a", "step_cache": {"order": 1}}, cli, checker, 4)[0].step_cache.interval == 4
     lines.write_text('{"prompt": "a"}\n{"prompt": "b", "step_cache": {"mode": "taylor", "interval": 0}}\n')
     with pytest.raises(RequestError, match=r"^line 2: step_cache\.interval: 0 must be an integer >= 1; "):
         read_prompts_file(lines, ImageRequest(""), tmp_path, checker)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field as dataclass_field, make_dataclass, rep
 from typing import Any, Callable, Optional
 
 from adaptor_patches.kernels.device import DEVICE_CHOICES
+from adaptor_patches.kernels import QUANT_COMPUTES
 from adaptor_patches.kernels.quant import FORMATS as EXPERT_FORMATS
 from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS, StepCacheError, \
     StepCacheSettings, settings_from_value
@@ -204,7 +205,7 @@ JOB_OPTIONS = (
           "converted folder's format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS,
           optional=True),
     Field("quant_compute", "choice", "weight", "8-bit experts: weight = W8A16 (8-bit weights, bf16 activations; "
-          "every device), 8bit = W8A8 (activations per token too; NPU, int8 experts)", choices=("weight", "8bit")),
+          "every device), 8bit = W8A8 (activations per token too; NPU, int8 experts)", choices=QUANT_COMPUTES),
 )
 STEP_CACHE_HELP = {"warmup": "first steps always computed",
                    "interval": "taylor: a full step every N steps after the warm-up",

@@ -35,6 +35,16 @@ def text_model(tiny_model, tmp_path_factory):
     return make_text_checkpoint(tiny_model, tmp_path_factory.mktemp("ckpt_text") / "tiny_text")
 
 
+@pytest.fixture
+def unpatched_upstream():
+    """Upstream's own classes before and after the test, whatever it applied (model_adaptor.remove).
+    Files whose tests apply the adaptor name it: `pytestmark = pytest.mark.usefixtures("unpatched_upstream")`."""
+    import model_adaptor
+    model_adaptor.remove()
+    yield
+    model_adaptor.remove()
+
+
 ATTENTION_GAIN = 32.0
 
 

@@ -6,14 +6,15 @@ device work, and the math runs on CPU, in program order. It stands in for an acc
 API only (a CPU has no streams); the MoE layer, its kernels and the process groups are real.
 
     device = RecordingDevice()
-    tagged = device.watch_shared_mlp(kernels)     # logs each shared MLP call, tags its input / output
+    device.watch_kernels(kernels)                 # logs each shared MLP call (tags its input / output)
+                                                  # and each kernel of the routed path
     with device.recording():                      # logs every torch call that reads the shared output
         layer(x)
     check_shared_mlp_order(device.take_log(), layer.shared)   # raises OrderError naming the broken rule
 
 The log's entries are tuples of strings:
     ("new_stream", s) ("new_event", e) ("enter", s) ("exit", s) ("record", e, s) ("wait", e, s)
-    ("record_stream", tag, s) ("shared_mlp", s) ("use", tag, op, s)
+    ("record_stream", tag, s) ("shared_mlp", s) ("routed", kernel, s) ("use", tag, op, s)
 where s is the stream current (or named) at that point and tag is "input" or "shared output".
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch.overrides import TorchFunctionMode
 from adaptor_patches.kernels.device import Device
 
 MAIN = "main"
+# The kernel-set methods of a MoE layer's routed path (moe/gate.py, moe/experts.py, moe/dispatch.py).
+ROUTED_KERNELS = ("route", "routed_experts", "permute", "expert_mlp", "unpermute", "regroup", "ungroup")
 
 
 class RecordingStream:
@@ -94,9 +97,11 @@ class RecordingDevice(Device):
     def tag_of(self, tensor):
         return next((tag for t, tag in self._tagged if t is tensor), None)
 
-    def watch_shared_mlp(self, kernels) -> None:
-        """Wrap this kernel set's shared_mlp (on the instance): log the stream it runs on, tag its
-        input and output so their record_stream and later uses can be named."""
+    def watch_kernels(self, kernels) -> None:
+        """Wrap this kernel set's methods (on the instance): shared_mlp logs the stream it runs on and
+        tags its input and output so their record_stream and later uses can be named; each kernel of
+        the routed path (ROUTED_KERNELS: the router, the expert GEMMs, EP's permute / regroup) logs
+        the stream it is issued on."""
         original = type(kernels).shared_mlp
 
         def shared_mlp(x, gate_and_up, down):
@@ -106,6 +111,14 @@ class RecordingDevice(Device):
             return out
 
         kernels.shared_mlp = shared_mlp
+        for name in ROUTED_KERNELS:
+            setattr(kernels, name, self._logged(name, getattr(type(kernels), name).__get__(kernels)))
+
+    def _logged(self, name, method):
+        def call(*args, **kwargs):
+            self.log.append(("routed", name, self.current_stream().name))
+            return method(*args, **kwargs)
+        return call
 
     def recording(self):
         """Within: every torch call that reads the shared output is logged with the current stream."""
@@ -160,6 +173,19 @@ def check_shared_mlp_order(call: list, shared) -> None:
                          f"expected, got {call[entered:left + 1]}")
     index(("record_stream", "input", side), "the input is marked as used by the side stream")
     joined = index(("wait", done, MAIN), "the main stream waits on shared done")
+    # The overlap itself: the routed path is issued on main after the side stream's work was queued
+    # and before main waits for it. Routed work issued before the start is ordered before the shared
+    # MLP by input_ready (the side stream waits for it); after the join it waits for the shared MLP.
+    routed = [i for i, e in enumerate(call) if e[0] == "routed"]
+    if not routed:
+        raise OrderError(f"no routed kernel ran in this call, so nothing overlaps the shared MLP: {call}")
+    outside = [call[i] for i in routed if not left < i < joined]
+    if outside:
+        raise OrderError(f"the routed path runs inside the shared MLP's window (after its start on the side "
+                         f"stream, before the join); outside it: {outside} in {call}")
+    off_main = [call[i] for i in routed if call[i][2] != MAIN]
+    if off_main:
+        raise OrderError(f"the routed path runs on the main stream, got {off_main}")
     index(("record_stream", "shared output", MAIN), "the shared output is marked as used by the main stream")
     uses = [i for i, e in enumerate(call) if e[0] == "use" and e[3] == MAIN]
     early = [call[i] for i in uses if i < joined]

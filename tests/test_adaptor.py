@@ -9,18 +9,13 @@ import torch
 
 import model_adaptor
 
+pytestmark = pytest.mark.usefixtures("unpatched_upstream")
+
 ROOT = model_adaptor.Path(model_adaptor.__file__).resolve().parent
 
 
 def _current(patches):
     return {(p.target, p.attr): vars(model_adaptor._resolve_owner(p.target)).get(p.attr) for p in patches}
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    model_adaptor.remove()
-    yield
-    model_adaptor.remove()
 
 
 def test_apply_remove_restores_every_original():

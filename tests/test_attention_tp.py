@@ -31,6 +31,8 @@ from adaptor_patches.parallel.layout import HeadShard, Layout, LayoutError
 from adaptor_patches.weights.rank_slices import rank_state_dict
 from multirank import run_ranks
 
+pytestmark = pytest.mark.usefixtures("unpatched_upstream")
+
 HIDDEN, HEAD_DIM, BATCH, SEQ, STEP = 64, 16, 2, 12, 5
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
 # (heads, kv_heads, bias) per world size: whole groups and replicated KV heads, MHA, GQA
@@ -109,13 +111,6 @@ def compare_layer_with_upstream(rank, world_size, cases):
     finally:
         model_adaptor.remove()
     return results
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    model_adaptor.remove()
-    yield
-    model_adaptor.remove()
 
 
 def on_each_rank(rank, world_size, model_dir):

@@ -21,12 +21,7 @@ from adaptor_patches.parallel.layout import Layout
 from generation import PROMPT, run_cli_in_process
 from multirank import run_ranks
 
-
-@pytest.fixture(autouse=True)
-def _clean():
-    model_adaptor.remove()
-    yield
-    model_adaptor.remove()
+pytestmark = pytest.mark.usefixtures("unpatched_upstream")
 
 
 # ---------------------------------------------------------------- the split, without ranks

@@ -25,6 +25,8 @@ from adaptor_patches.weights.rank_slices import rank_state_dict
 from multirank import run_ranks
 from stream_double import RecordingDevice
 
+pytestmark = pytest.mark.usefixtures("unpatched_upstream")
+
 HIDDEN, INTERMEDIATE, SHARED_EXPERTS = 64, 32, 2
 DTYPES = ("float32", "bfloat16")
 # tokens: 1 leaves EP ranks empty; 6 over EP4 is [2, 2, 1, 1], padding between gathered blocks.
@@ -119,13 +121,6 @@ def compare_with_upstream(rank, world_size, moe_mode, forms):
 def _assert_close(errors, layout):
     bad = {key: err for key, err in errors.items() if not err <= TOLERANCE[key[1][0]]}
     assert not bad, f"{layout}: {len(bad)} cases off upstream, e.g. {sorted(bad.items())[:4]}"
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    model_adaptor.remove()
-    yield
-    model_adaptor.remove()
 
 
 def test_single_process_matches_upstream_in_every_ops_form():

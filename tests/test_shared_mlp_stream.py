@@ -6,16 +6,22 @@ layer's SharedMlp makes its two events. Then each layer's forward runs (prefill:
 decode: one token, which leaves an EP rank without rows) and its log must follow the order of
 moe/shared_mlp.py: input ready recorded on main -> side waits on it -> shared MLP inside the side
 stream's context -> shared done recorded on side -> record_stream(input, side) -> main waits on
-shared done -> record_stream(shared output, main) -> the one add. Replicated runs in this process;
-MoE TP2 and EP2 on two real gloo ranks. The values must equal the inline path's (loop kernels: the
-same sum in the same order). The mutation tests put a broken orchestration in and the check must fail.
+shared done -> record_stream(shared output, main) -> the one add, and every routed kernel (router,
+expert GEMMs, EP's permute / regroup) issued on main inside the window between the shared MLP's start
+on the side stream and the join: the overlap itself. Replicated runs in this process; MoE TP2 and EP2
+on two real gloo ranks. The values must equal the inline path's (loop kernels: the same sum in the
+same order). The mutation tests put a broken orchestration in and the check must fail; the shared MLP
+started after the routed path (no overlap left, every other rule still holds) fails in every mode.
 """
+import types
+
 import pytest
 import torch
 
 import model_adaptor
 from adaptor_patches.kernels import make_kernels
 from adaptor_patches.moe import shared_mlp as shared_mlp_module
+from adaptor_patches.moe.gate import route
 from adaptor_patches.moe.shared_mlp import SharedCall, SharedMlp
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import Layout
@@ -23,13 +29,15 @@ from multirank import run_ranks
 from stream_double import OrderError, RecordingDevice, check_shared_mlp_order
 from test_moe_layer import HIDDEN, _tiny_model_config, _upstream
 
+pytestmark = pytest.mark.usefixtures("unpatched_upstream")
+
 PHASES = {"prefill": (2, 32), "decode": (1, 1)}       # (batch, tokens per sequence)
 
 
 def build_recorded_model(world_size=1, rank=0, moe_mode="replicated"):
     model_adaptor.apply("cpu")
     device, kernels = RecordingDevice(), make_kernels("loop")
-    device.watch_shared_mlp(kernels)
+    device.watch_kernels(kernels)
     with building(RankContext(Layout(world_size, 1, moe_mode), rank, device, kernels=kernels)):
         model = _upstream().HunyuanImage3Model(_tiny_model_config())
     return model, device
@@ -72,12 +80,32 @@ def inline_outputs(model) -> dict:
     return outputs
 
 
-def orchestration_problems(rank, world_size, moe_mode):
-    """Runs on every rank: [] when the build, every layer call's order and the values are right."""
+def _forward_starting_shared_after_routed(self, hidden_states):
+    """hunyuan.moe_forward with the shared MLP started after the routed path: the same values, no overlap."""
+    bsz, seq_len, hidden_size = hidden_states.shape
+    tokens = hidden_states.reshape(-1, hidden_size)
+    rows = self.dispatcher.local_rows(tokens)
+    topk_weight, topk_idx = route(self, rows)
+    routed = self.dispatcher.routed(self.experts, rows, topk_weight, topk_idx)
+    shared = self.shared.start(rows)
+    output = shared.join(routed)
+    return self.dispatcher.combine(output, tokens).view(bsz, seq_len, hidden_size)
+
+
+def start_shared_after_routed(model) -> None:
+    for layer in model.layers:
+        layer.mlp.forward = types.MethodType(_forward_starting_shared_after_routed, layer.mlp)
+
+
+def orchestration_problems(rank, world_size, moe_mode, mutate=None):
+    """Runs on every rank: [] when the build, every layer call's order and the values are right.
+    `mutate(model)` breaks the orchestration after the build (the mutation tests)."""
     torch.manual_seed(7)         # the same weights on every rank
     model, device = build_recorded_model(world_size, rank, moe_mode)
     try:
         check_build(model, device)
+        if mutate is not None:
+            mutate(model)
         streamed = run_and_check(model, device)
     except (OrderError, AssertionError) as e:
         return [f"{moe_mode} rank {rank}: {e}"]
@@ -85,13 +113,6 @@ def orchestration_problems(rank, world_size, moe_mode):
     return [f"{moe_mode} rank {rank}: {phase} layer {i}: the side-stream output differs from the inline one"
             for phase in PHASES for i, (a, b) in enumerate(zip(streamed[phase], inline[phase]))
             if not torch.equal(a, b)]
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    model_adaptor.remove()
-    yield
-    model_adaptor.remove()
 
 
 def test_replicated_layer_follows_the_side_stream_order_in_prefill_and_decode():
@@ -105,6 +126,21 @@ def test_tp2_and_ep2_layers_follow_the_side_stream_order_on_every_rank(moe_mode)
     assert problems == [[], []]
 
 
+OUTSIDE_THE_WINDOW = "the routed path runs inside the shared MLP's window"
+
+
+def test_shared_mlp_started_after_the_routed_path_fails_the_check():
+    problems = orchestration_problems(0, 1, "replicated", start_shared_after_routed)
+    assert len(problems) == 1 and OUTSIDE_THE_WINDOW in problems[0], problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe_mode", ["tp", "ep"])
+def test_shared_mlp_started_after_the_routed_path_fails_the_check_on_every_rank(moe_mode):
+    problems = run_ranks(2, orchestration_problems, moe_mode, start_shared_after_routed)
+    assert all(len(p) == 1 and OUTSIDE_THE_WINDOW in p[0] for p in problems), problems
+
+
 def test_no_stream_operation_without_a_side_stream():
     model, device = build_recorded_model()
     device.take_log()
@@ -112,7 +148,10 @@ def test_no_stream_operation_without_a_side_stream():
         layer.mlp.shared.use_stream(None)
     with torch.no_grad():
         model.layers[0].mlp(torch.randn(1, 4, HIDDEN))
-    assert device.take_log() == [("shared_mlp", "main")]
+    log = device.take_log()
+    routed = [e for e in log if e[0] == "routed"]
+    assert routed and all(e[2] == "main" for e in routed), log
+    assert [e for e in log if e[0] != "routed"] == [("shared_mlp", "main")] and log[0] == ("shared_mlp", "main"), log
 
 
 # ---------------------------------------------------------------- the check bites

@@ -348,7 +348,7 @@ def run(args, phase: "JobPhase | None" = None):
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import check_checkpoint, load_model
 
-    layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
+    layout, rank = Layout.from_args(args, os.environ), int(os.environ.get("RANK", 0))
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
     checkpoint = open_checked_checkpoint(args, layout, rank, per_rank)
     expert_format = check_checkpoint(checkpoint.directory, layout, rank, per_rank, args.quantize)

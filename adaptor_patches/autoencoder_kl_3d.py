@@ -2,8 +2,8 @@
 
   Decoder.__init__   remembers the RankContext it is built for (the VAE is built inside the
                      patched HunyuanImage3ForCausalMM.__init__, so it is the model's)
-  Decoder.forward    VAE-parallel decode (parallel/vae_bands.py) when the layout asks for it
-                     and the world has several ranks; otherwise upstream's forward
+  Decoder.forward    VAE-parallel decode (parallel/vae_bands.py) over the context's "vae" group
+                     when the layout asks for it on several ranks; otherwise upstream's forward
 
 (compat.py's `AutoencoderKLConv3D.decode` shim, dtype and autocast off CUDA, wraps the call from above.)
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-
-import torch.distributed as dist
 
 from .parallel import vae_bands
 from .parallel.context import context_being_built
@@ -37,9 +35,9 @@ def decoder_forward(original, _device):
     @functools.wraps(original)
     def forward(self, z):
         context = getattr(self, "rank_context", None)
-        if (context is None or not context.layout.vae_parallel or self.band_split_problem
-                or not (dist.is_initialized() and dist.get_world_size() > 1)):
+        if context is None or not context.layout.vae_parallel or self.band_split_problem:
             return original(self, z)
-        return vae_bands.parallel_decode(self, z)
+        group = context.group("vae")            # None: a one-process layout
+        return original(self, z) if group is None else vae_bands.parallel_decode(self, z, group)
 
     return forward

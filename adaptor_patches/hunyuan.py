@@ -191,7 +191,7 @@ def attention_forward(_original, _device):
         if self.head_shard.degree == 1:
             return self.o_proj(attn_output), None, past_key_value
         partial = F.linear(attn_output, self.o_proj.weight)
-        dist.all_reduce(partial, group=self.rank_context.group("tp"))
+        dist.all_reduce(partial, group=self.rank_context.group("attention_tp"))
         output = partial if self.o_proj.bias is None else partial + self.o_proj.bias
         return output, None, past_key_value
 

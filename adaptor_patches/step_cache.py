@@ -13,7 +13,7 @@ Two modes, both opt-in (`none` is the default and leaves every forward as it was
             other layers are skipped and their contribution at the last full step (the residual
             delta: hidden state after the last layer minus after layer `blocks`) is added instead;
             at most `max_skip` steps in a row. The measure depends on data, so the ranks agree on
-            it: one all-reduce MAX over the world group per candidate step. Under CFG parallel each
+            it: one all-reduce MAX over the "step_cache" group (every rank) per candidate step. Under CFG parallel each
             rank measures its own branch's rows; the MAX is the measure a single process takes over
             both branches' rows, so single process and every layout decide alike.
 
@@ -33,14 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 MODES = ("none", "taylor", "adaptive")
 ORDERS = (1, 2)
-# Test hook: "RANK:SCALE" multiplies that rank's adaptive measure by SCALE before the ranks agree.
-PERTURB_ENV = "HUNYUAN_STEP_CACHE_PERTURB"
 
 
 @dataclass(frozen=True)
@@ -149,18 +146,12 @@ def extrapolate(history: list, step: int, order: int) -> torch.Tensor:
     return result
 
 
-def _world():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
-
-
 class StepCacheRun:
-    """One image's cache: which step the loop is on, what was computed, what was forecast or skipped."""
+    """One image's cache: which step the loop is on, what was computed, what was forecast or skipped.
+    `group`: the ranks that agree on adaptive skips (None: one process)."""
 
-    def __init__(self, settings: StepCacheSettings, steps: int, layers: int):
-        self.settings, self.steps, self.layers = settings, steps, layers
+    def __init__(self, settings: StepCacheSettings, steps: int, layers: int, group=None):
+        self.settings, self.steps, self.layers, self.group = settings, steps, layers, group
         self.forced = set(full_steps(settings, steps))
         self.step = -1
         self.computed, self.cached, self.measures = [], [], {}
@@ -169,7 +160,6 @@ class StepCacheRun:
         self.skipped_in_a_row = 0
         self.reference = self.residual_delta = None
         self._probe_output = None
-        self._perturb = _perturbation()
 
     # ------------------------------------------------ the model's forward (every mode)
     def begin_step(self, first_step: bool) -> int:
@@ -197,18 +187,17 @@ class StepCacheRun:
         if self.step in self.forced or self.skipped_in_a_row >= self.settings.max_skip:
             self._decide(False)
             return
-        measure = self._local_measure(hidden)
-        if self._perturb is not None and self._perturb[0] == _rank():
-            measure *= self._perturb[1]
         import torch
-        agreed = torch.tensor([measure], dtype=torch.float64)
-        world = _world()
-        if world is not None:
-            world.all_reduce(agreed, op=world.ReduceOp.MAX)
+        agreed = torch.tensor([self.local_measure(hidden)], dtype=torch.float64)
+        if self.group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         self.measures[self.step] = float(agreed)
         self._decide(float(agreed) < self.settings.threshold)
 
-    def _local_measure(self, hidden: torch.Tensor) -> float:
+    def local_measure(self, hidden: torch.Tensor) -> float:
+        """This rank's relative change of the probe layers' output since the last full step (the
+        largest over its rows); the ranks skip when the largest of theirs is under the threshold."""
         reference = self.reference
         if reference is None or reference.shape != hidden.shape:
             return math.inf                # no comparable full step yet (step 0 held the whole sequence)
@@ -248,19 +237,6 @@ def round_record(summary: Optional[dict], dist=None) -> dict:
     return {**summary, "computed_steps_per_rank": per_rank}
 
 
-def _rank() -> int:
-    world = _world()
-    return world.get_rank() if world is not None else 0
-
-
-def _perturbation():
-    value = os.environ.get(PERTURB_ENV)
-    if not value:
-        return None
-    rank, _, scale = value.partition(":")
-    return int(rank), float(scale)
-
-
 # ---------------------------------------------------------------- the model's side
 
 class StepCacheSlot:
@@ -286,7 +262,7 @@ def running(model, settings: StepCacheSettings, steps: int):
     problem = next(iter(settings.problems(steps, layers)), None)
     if problem:
         raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
-    slot.run = StepCacheRun(settings, steps, layers)
+    slot.run = StepCacheRun(settings, steps, layers, group=model.rank_context.group("step_cache"))
     try:
         yield slot.run
     finally:

@@ -25,11 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 def variants(kind: str) -> dict:
     from adaptor_patches.kernels import QUANT_SUPPORT
-    out = {"patched bf16": ("patched", None, "weight"), "upstream eager": ("eager", None, "weight")}
+    out = {"patched bf16": ("patched", None, "w8a16"), "upstream eager": ("eager", None, "w8a16")}
     for (device_kind, fmt), computes in QUANT_SUPPORT.items():
         if device_kind == kind:
             for compute in computes:
-                out[f"patched {fmt} {'W8A16' if compute == 'weight' else 'W8A8'}"] = ("patched", fmt, compute)
+                out[f"patched {fmt} {compute.upper()}"] = ("patched", fmt, compute)
     return out
 
 
@@ -76,7 +76,10 @@ def child(device_name: str, shape_name: str, tokens: int, variant: str, fmt, com
             out = torch.empty(a.shape[0], w.shape[1], device=dev, dtype=torch.bfloat16)
             result["floor_ms"] = median_time(lambda: torch.mm(a, w, out=out), device, repeat) * 1e3
     result["peak_gib"] = device.peak_memory_bytes() / 2**30
-    result["kernels"] = getattr(getattr(layer, "kernels", None), "name", "upstream")
+    kernels = getattr(layer, "kernels", None)
+    result["kernels"] = getattr(kernels, "name", "upstream")
+    if fmt:                 # the form that ran (CUDA's W8A8 falls back to W8A16 without an fp8 grouped GEMM)
+        result["quant_compute_run"] = kernels.quant_compute_run(fmt, dev)
     return result
 
 

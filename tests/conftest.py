@@ -46,15 +46,29 @@ def unpatched_upstream():
 
 
 ATTENTION_GAIN = 32.0
+MOE_GAIN = 16.0
+
+
+def gain_of(key: str) -> float:
+    """The gained checkpoint's factor for one tensor: every o_proj x ATTENTION_GAIN, every expert's
+    and the shared MLP's down_proj x MOE_GAIN, the rest as it is."""
+    if key.endswith("self_attn.o_proj.weight"):
+        return ATTENTION_GAIN
+    if key.endswith("down_proj.weight") and (".mlp.experts." in key or ".mlp.shared_mlp." in key):
+        return MOE_GAIN
+    return 1
 
 
 @pytest.fixture(scope="session")
 def gained_model(tiny_model, tmp_path_factory):
-    """The tiny checkpoint with every o_proj scaled by ATTENTION_GAIN, for the multi-rank equivalence tests.
+    """The tiny checkpoint with attention and the MoE scaled up (gain_of), for the multi-rank
+    equivalence tests and the 8-bit ones.
 
-    At the tiny model's init scale the residual stream swamps attention: with the attention-TP
-    all-reduce removed the image still reached 47 dB of the single-process one. Scaled, a broken
-    split drops to ~21 dB while a correct one stays near 50 dB, so end-to-end runs tell them apart."""
+    At the tiny model's init scale the residual stream swamps attention and the MoE: a broken split
+    still reached 47-50 dB of the single-process image (attention TP without its all-reduce 47 dB,
+    MoE TP without its all-reduce 49.5 dB, EP rows meeting the wrong local expert 49.9 dB) and
+    passed the 40 dB bound. Gained, every correct layout stays at 51-54 dB while a broken split
+    drops to 21-35 dB (numbers and commands: tests/test_layouts.py), and the routed experts decide
+    enough of the image that 8-bit errors in them show (tests/test_quant.py)."""
     from generation import scaled_checkpoint
-    return scaled_checkpoint(tiny_model, tmp_path_factory.mktemp("gained") / "tiny",
-                             lambda key: ATTENTION_GAIN if key.endswith("self_attn.o_proj.weight") else 1)
+    return scaled_checkpoint(tiny_model, tmp_path_factory.mktemp("gained") / "tiny", gain_of)

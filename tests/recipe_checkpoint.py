@@ -21,8 +21,9 @@ m = r % tp_moe, e = r % ep):
     experts     per MoE layer, experts [e * E/ep, (e + 1) * E/ep) stacked:
                 w13_weight [E/ep, 2I/tp_moe, H]: per expert [x2 block m; x1 block m] (halves swapped)
                 w2_weight  [E/ep, H, I/tp_moe]: down_proj input-column block m
-                int8: those two int8 (symmetric, per output row) plus w13_scale / w2_scale float32
-                [E/ep, rows]
+                int8: those two int8 (symmetric, per output row: kernels/quant.quantize over the
+                last dim, the rule the recipe's converter applies) plus w13_scale / w2_scale
+                float32 [E/ep, rows]
     everything else whole
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from adaptor_patches.kernels.quant import quantize
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                 "preprocessor_config.json")
@@ -70,12 +73,6 @@ def qkv_for(weight: torch.Tensor, config: dict, a: int, tp_attn: int) -> torch.T
     return mine.reshape(-1, *weight.shape[1:]).contiguous()
 
 
-def quantise_rows(weight: torch.Tensor) -> tuple:
-    """Symmetric int8 per output row (the last dim is the input): (int8 weight, float32 scale)."""
-    scale = weight.float().abs().amax(dim=-1).clamp(min=1e-8) / 127
-    return torch.round(weight.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
-
-
 def rank_state(state: dict, config: dict, rank: int, tp_attn: int, tp_moe: int, ep: int, int8: bool) -> dict:
     a, m, e = rank % tp_attn, rank % tp_moe, rank % ep
     experts, layers = config["num_experts"], config["num_hidden_layers"]
@@ -102,7 +99,7 @@ def rank_state(state: dict, config: dict, rank: int, tp_attn: int, tp_moe: int, 
         for kind, pieces in (("w13", w13), ("w2", w2)):
             stacked = torch.stack(pieces).contiguous()
             if int8:
-                stacked, scale = quantise_rows(stacked)
+                stacked, scale = quantize(stacked, "int8", dim=-1)     # per output row: [E, out, in]
                 out[f"model.layers.{layer}.mlp.experts.{kind}_scale"] = scale
             out[f"model.layers.{layer}.mlp.experts.{kind}_weight"] = stacked
     return out

@@ -167,7 +167,8 @@ BAD_CONFIGS = {
     "multi_stream_bad": (arg("multi-stream", "maybe"), "model_args.multi-stream:"),
     "quant_compute_unknown": (arg("quant-compute", "w4a4"), "model_args.quant-compute:"),
     "quant_compute_8bit_on_cpu": (lambda cfg: cfg["model_args"].update({"device": "cpu", "quant-compute": "8bit"}),
-                                  "model_args.quant-compute: 8bit (W8A8) runs only on npu"),
+                                  "model_args.quant-compute: w8a8 (8-bit weights, activations quantized per token) "
+                                  "runs on npu with int8 experts, cuda with fp8 experts only, not on cpu"),
     "prompt_empty": (arg("prompt", "  "), "model_args.prompt:"),
     # cann-recipes keys: theirs are taken, a misspelt one and their launcher's keys for other models are not
     "model_name_misspelt": (top("model_nmae", "x"), "model_nmae: unknown top-level key; did you mean 'model_name'"),

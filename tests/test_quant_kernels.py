@@ -14,11 +14,11 @@ import torch
 
 import npu_double
 import cuda_double
-from adaptor_patches.kernels import QUANT_COMPUTES, kernels_for, make_kernels, quant_problem
+from adaptor_patches.kernels import QUANT_COMPUTES, kernels_for, make_kernels, quant_compute_problem, quant_problem
 from adaptor_patches.kernels.cuda import column_major
 from adaptor_patches.kernels.quant import dequantize, quantize_per_channel
 
-BOUND = {"weight": 1e-2, "8bit": 2.5e-2, "fp8": 6e-2}
+BOUND = {"w8a16": 1e-2, "w8a8": 2.5e-2, "fp8": 6e-2}
 COUNTS = [5, 0, 9, 3]          # a group with no rows: an expert no token chose
 
 
@@ -63,8 +63,8 @@ def test_npu_w8a8_differs_from_w8a16_by_the_activation_rounding():
     """The two NPU computes are different calls, not the same one twice: W8A8 rounds x to int8."""
     x, q, scale, counts = _case("int8")
     weight_only = make_kernels("npu", npu=npu_double).quantized_grouped_matmul(x, q, scale, counts)
-    w8a8 = make_kernels("npu", npu=npu_double, quant_compute="8bit").quantized_grouped_matmul(x, q, scale, counts)
-    assert 1e-3 < rel_err(w8a8, weight_only.double()) < BOUND["8bit"]
+    w8a8 = make_kernels("npu", npu=npu_double, quant_compute="w8a8").quantized_grouped_matmul(x, q, scale, counts)
+    assert 1e-3 < rel_err(w8a8, weight_only.double()) < BOUND["w8a8"]
 
 
 def test_npu_refuses_fp8_experts_in_one_line():
@@ -138,9 +138,10 @@ def test_dynamic_quant_is_symmetric_per_token_and_checks_its_input():
         npu_double.npu_dynamic_quant(x, smooth_scales=torch.ones(48, dtype=torch.bfloat16))
 
 
-def test_cuda_fp8_form_matches_the_reference_through_the_double():
+def test_cuda_fp8_w8a8_matches_the_reference_through_the_double():
     x, q, scale, counts = _case("fp8")
-    cuda = make_kernels("cuda", scaled_grouped_mm=cuda_double.scaled_grouped_mm)
+    cuda = make_kernels("cuda", scaled_grouped_mm=cuda_double.scaled_grouped_mm, quant_compute="w8a8")
+    assert cuda.quant_compute_run("fp8", x.device) == "w8a8" and cuda.quant_compute_run("int8", x.device) == "w8a16"
     stored = cuda.expert_weight_storage(q)
     assert stored.shape == q.shape and stored.stride(-2) == 1 and torch.equal(stored.float(), q.float())
     cuda_double.calls.clear()
@@ -149,6 +150,13 @@ def test_cuda_fp8_form_matches_the_reference_through_the_double():
     assert out.dtype == torch.bfloat16 and rel_err(out, reference(x, q, scale, counts)) < BOUND["fp8"]
     # A weight not stored column-major is converted, not refused.
     assert torch.equal(cuda.quantized_grouped_matmul(x, q, scale, counts), out)
+    # w8a16 (the default) is the torch reference: the fp8 GEMM, which quantizes activations, never runs.
+    cuda_double.calls.clear()
+    w8a16 = make_kernels("cuda", scaled_grouped_mm=cuda_double.scaled_grouped_mm)
+    assert w8a16.quant_compute_run("fp8", x.device) == "w8a16"
+    assert torch.equal(w8a16.quantized_grouped_matmul(x, q, scale, counts),
+                       make_kernels("grouped_mm").quantized_grouped_matmul(x, q, scale, counts))
+    assert cuda_double.calls == []
 
 
 def test_cuda_double_checks_layout_and_scales():
@@ -164,8 +172,9 @@ def test_cuda_double_checks_layout_and_scales():
 
 
 def test_cuda_fp8_gemm_is_detected_not_assumed():
-    cuda = make_kernels("cuda")
+    cuda = make_kernels("cuda", quant_compute="w8a8")
     assert cuda.fp8_gemm(torch.device("cpu")) is None, "never on a CPU tensor"
+    assert cuda.quant_compute_run("fp8", torch.device("cpu")) == "w8a16", "the form that runs, not the one asked"
     q = torch.ones(2, 16, 16).to(torch.float8_e4m3fn)
     assert cuda.expert_weight_storage(q).stride() == q.stride(), "no fused form: the weight stays as it is"
 
@@ -173,22 +182,29 @@ def test_cuda_fp8_gemm_is_detected_not_assumed():
 def test_quant_compute_reaches_the_npu_set(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "torch_npu", npu_double)
-    assert kernels_for("npu", quant_compute="8bit").quant_compute == "8bit"
-    assert kernels_for("npu").quant_compute == "weight"
-    assert kernels_for("cuda").name == "cuda"
+    assert kernels_for("npu", quant_compute="w8a8").quant_compute == "w8a8"
+    assert kernels_for("npu").quant_compute == "w8a16"
+    assert kernels_for("cuda", quant_compute="w8a8").quant_compute == "w8a8"
+    assert kernels_for("cuda").name == "cuda" and kernels_for("cuda").quant_compute == "w8a16"
     with pytest.raises(ValueError, match="quant-compute: 'w4'"):
         make_kernels("cpu", quant_compute="w4")
 
 
+W8A8_ONLY = ("quant-compute: w8a8 (8-bit weights, activations quantized per token) runs on npu with int8 experts, "
+             "cuda with fp8 experts only, not on ")
+
+
 @pytest.mark.parametrize("kind, fmt, compute, expected", [
-    ("npu", "int8", "weight", None), ("npu", "int8", "8bit", None),
-    ("cuda", "fp8", "weight", None), ("cuda", "int8", "weight", None),
-    ("cpu", "int8", "weight", None), ("cpu", "fp8", "weight", None), ("cpu", None, "weight", None),
-    ("npu", "fp8", "weight", "quantize: fp8 experts do not run on npu"),
-    ("cuda", "fp8", "8bit", "quant-compute: 8bit (W8A8) runs only on npu"),
-    ("cpu", "int8", "8bit", "quant-compute: 8bit (W8A8) runs only on npu"),
-    ("npu", None, "8bit", "quant-compute: 8bit needs 8-bit experts"),
-    ("cpu", "int8", "int4", "quant-compute: 'int4' is not one of"),
+    ("npu", "int8", "w8a16", None), ("npu", "int8", "w8a8", None),
+    ("cuda", "fp8", "w8a16", None), ("cuda", "fp8", "w8a8", None), ("cuda", "int8", "w8a16", None),
+    ("cpu", "int8", "w8a16", None), ("cpu", "fp8", "w8a16", None), ("cpu", None, "w8a16", None),
+    ("npu", "int8", "8bit", None), ("cpu", "int8", "weight", None),           # the old names, as the new ones
+    ("npu", "fp8", "w8a16", "quantize: fp8 experts do not run on npu"),
+    ("cuda", "int8", "w8a8", W8A8_ONLY + "cuda with int8 experts"),
+    ("cpu", "int8", "w8a8", W8A8_ONLY + "cpu with int8 experts"),
+    ("cpu", "fp8", "8bit", W8A8_ONLY + "cpu with fp8 experts"),
+    ("npu", None, "w8a8", "quant-compute: w8a8 needs 8-bit experts"),
+    ("cpu", "int8", "int4", "quant-compute: 'int4' is not one of w8a16|w8a8"),
 ])
 def test_which_combinations_run_where(kind, fmt, compute, expected):
     problem = quant_problem(kind, fmt, compute)
@@ -196,6 +212,33 @@ def test_which_combinations_run_where(kind, fmt, compute, expected):
         assert problem is None
     else:
         assert problem.startswith(expected) and "; " in problem and "\n" not in problem
+
+
+def test_every_check_asks_the_one_table(monkeypatch, tmp_path):
+    """W8A8 on CPU refused by the kernel layer, the CLI's device check and the YAML launcher alike;
+    with the table saying CPU runs it, none of them refuses: the rule is written nowhere else."""
+    from adaptor_patches.kernels import quant
+    from utils.launcher.launch_config import ConfigError, check_quant_compute
+    assert quant_compute_problem("cpu", "w8a8").startswith(W8A8_ONLY + "cpu;")
+    assert quant_compute_problem("npu", "w8a8") is None and quant_compute_problem("cuda", "w8a8") is None
+    with pytest.raises(ConfigError, match=r"model_args\.quant-compute: w8a8 .* runs on npu with int8 experts"):
+        check_quant_compute("w8a8", "cpu")
+    monkeypatch.setitem(quant.QUANT_SUPPORT, ("cpu", "int8"), ("w8a16", "w8a8"))
+    assert quant_problem("cpu", "int8", "w8a8") is None and quant_compute_problem("cpu", "w8a8") is None
+    check_quant_compute("w8a8", "cpu")
+
+
+def test_old_compute_names_are_accepted_with_one_note(capsys):
+    import argparse
+    from utils.runtime import request_schema as schema
+    parser = argparse.ArgumentParser()
+    schema.add_arguments(parser, ["quant_compute"])
+    assert parser.parse_args([]).quant_compute == "w8a16" and capsys.readouterr().err == ""
+    for old, new in (("weight", "w8a16"), ("8bit", "w8a8")):
+        assert parser.parse_args(["--quant-compute", old]).quant_compute == new
+        assert capsys.readouterr().err.splitlines() == [f"note: quant-compute {old} is now called {new}; "
+                                                        f"the old name still works"]
+    assert schema.JOB["quant_compute"].check("8bit", field="model_args.quant-compute") == "w8a8"     # the YAML's check
 
 
 def _moe_case(fmt, tokens=24, hidden=64, inter=48, experts=4, topk=2, seed=1):
@@ -210,14 +253,14 @@ def _moe_case(fmt, tokens=24, hidden=64, inter=48, experts=4, topk=2, seed=1):
 
 
 @pytest.mark.parametrize("form, fmt, compute, bound", [
-    ("npu", "int8", "weight", 2.5e-2), ("npu", "int8", "8bit", 4e-2),
-    ("cuda", "fp8", "weight", 0.15), ("cuda", "int8", "weight", 1e-6),
+    ("npu", "int8", "w8a16", 2.5e-2), ("npu", "int8", "w8a8", 4e-2),
+    ("cuda", "fp8", "w8a8", 0.15), ("cuda", "fp8", "w8a16", 1e-6), ("cuda", "int8", "w8a16", 1e-6),
 ])
 def test_routed_experts_8bit_through_device_sets_match_the_torch_reference(form, fmt, compute, bound):
     """The whole routed path (permute, both 8-bit GEMMs, SwiGLU, unpermute) of a device set against
     the loop set's W8A16 reference on the same 8-bit weights; both round to bf16 between the steps,
     so the worst token differs by more than one GEMM does (measured: NPU W8A16 1.1e-2, W8A8 2.0e-2,
-    CUDA fp8 9.4e-2, fp8 activations keep 3 mantissa bits). CUDA with int8 has no fused form: it is
+    CUDA fp8 W8A8 9.4e-2, fp8 activations keep 3 mantissa bits). CUDA W8A16 has no fused form: it is
     the reference itself (measured 0; the fp8 double is never called)."""
     x, topk_weight, topk_idx, q13, q2, scales = _moe_case(fmt)
     reference_out = make_kernels("loop").routed_experts(x, topk_weight, topk_idx, q13, q2, scales=scales)
@@ -227,16 +270,16 @@ def test_routed_experts_8bit_through_device_sets_match_the_torch_reference(form,
                                  kernels.expert_weight_storage(q2), scales=scales)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert rel_err(out, reference_out.double()) < bound
-    assert bool(cuda_double.calls) == (form == "cuda" and fmt == "fp8")
+    assert bool(cuda_double.calls) == (form == "cuda" and compute == "w8a8")
 
 
 def test_cli_refuses_w8a8_off_the_npu_before_loading(tiny_model, tmp_path):
     from generation import run_cli_in_process
     proc = run_cli_in_process(["--prompt", "x", "--model-id", tiny_model, "--device", "cpu",
-                               "--quant-compute", "8bit", "--save", tmp_path / "a.png"])
+                               "--quant-compute", "w8a8", "--save", tmp_path / "a.png"])
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: quant-compute: 8bit (W8A8) runs only on npu"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: " + W8A8_ONLY + "cpu;"), proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "a.png").exists()
 
 
@@ -248,17 +291,32 @@ def _tiny(shape):
 SELF_CHECK_SETS = {
     "cpu": lambda compute: make_kernels("cpu", quant_compute=compute),
     "npu": lambda compute: make_kernels("npu", npu=npu_double, quant_compute=compute),
-    "cuda": lambda compute: make_kernels("cuda", scaled_grouped_mm=cuda_double.scaled_grouped_mm),
+    "cuda": lambda compute: make_kernels("cuda", scaled_grouped_mm=cuda_double.scaled_grouped_mm,
+                                         quant_compute=compute),
+}
+SELF_CHECK_ROWS = {      # the forms that run, each with a grouped_matmul row and a routed_experts row
+    "cpu": ["int8 W8A16", "fp8 W8A16"], "npu": ["int8 W8A16", "int8 W8A8"],
+    "cuda": ["int8 W8A16", "fp8 W8A16", "fp8 W8A8"],
 }
 
 
-@pytest.mark.parametrize("kind, rows", [("cpu", 4), ("npu", 4), ("cuda", 4)])
-def test_self_check_rows_for_each_8bit_form_pass(kind, rows):
+@pytest.mark.parametrize("kind", ["cpu", "npu", "cuda"])
+def test_self_check_rows_for_each_8bit_form_pass_and_say_which_form_ran(kind):
     from utils.selfcheck.checks import SHAPES
     from utils.selfcheck.checks.quant_kernels import quant_kernel_checks
     results = quant_kernel_checks(SELF_CHECK_SETS[kind], kind, torch.device("cpu"), _tiny(SHAPES["small"]))
-    assert len(results) == rows and all(r.status == "pass" for r in results), [(r.check, r.value) for r in results]
-    assert any("W8A8" in r.check for r in results) == (kind == "npu")
+    assert all(r.status == "pass" for r in results), [(r.check, r.value) for r in results]
+    assert [r.check for r in results] == [check for form in SELF_CHECK_ROWS[kind] for check in
+                                          (f"8-bit grouped_matmul {form} (gate/up)", f"8-bit routed_experts {form}")]
+
+
+def test_self_check_row_says_w8a16_ran_where_cuda_has_no_fp8_gemm():
+    from utils.selfcheck.checks import SHAPES
+    from utils.selfcheck.checks.quant_kernels import quant_kernel_checks
+    results = quant_kernel_checks(lambda compute: make_kernels("cuda", quant_compute=compute), "cuda",
+                                  torch.device("cpu"), _tiny(SHAPES["small"]))
+    assert "8-bit routed_experts fp8 W8A16 (asked W8A8)" in [r.check for r in results]
+    assert all(r.status == "pass" for r in results)
 
 
 class ScalesOnceTooMany(type(make_kernels("npu", npu=npu_double))):

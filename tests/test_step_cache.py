@@ -268,6 +268,16 @@ def test_cached_image_on_every_layout_matches_the_single_process_cached_image(si
     assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (layout, mode, db, err)
 
 
+def cli_jobs_with_rank_1_measuring_1000x(rank, world_size, jobs):
+    """cli_jobs_on_rank, with rank 1's adaptive measure (StepCacheRun.local_measure) multiplied by 1000
+    in that rank's process only: the perturbation comes from the test, not from the code under test."""
+    if rank != 1:
+        return cli_jobs_on_rank(rank, world_size, jobs)
+    measure = step_cache.StepCacheRun.local_measure
+    with mock.patch.object(step_cache.StepCacheRun, "local_measure", lambda run, hidden: 1000 * measure(run, hidden)):
+        return cli_jobs_on_rank(rank, world_size, jobs)
+
+
 @pytest.mark.slow
 def test_a_rank_whose_measure_differs_does_not_split_the_job(checkpoint, out_dir, singles):
     """Rank 1's measure x1000 (its branch under cfg2 would compute every step): the all-reduce MAX makes
@@ -277,7 +287,7 @@ def test_a_rank_whose_measure_differs_does_not_split_the_job(checkpoint, out_dir
     metrics = out_dir / "perturbed.json"
     _, _, args = generate_args(checkpoint, out_dir, "perturbed", "--cfg-parallel", *ADAPTIVE, "--metrics-json",
                                metrics, steps=STEPS)
-    per_rank = run_ranks(2, cli_jobs_on_rank, [args], env={step_cache.PERTURB_ENV: "1:1000"}, timeout_s=600)
+    per_rank = run_ranks(2, cli_jobs_with_rank_1_measuring_1000x, [args], timeout_s=600)
     assert [rank[0][0] for rank in per_rank] == [0, 0], per_rank
     record = _record(metrics)
     assert record["cached_steps"] == [] and record["computed_steps_per_rank"] == [list(range(STEPS))] * 2

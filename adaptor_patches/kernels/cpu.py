@@ -38,7 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .torch_kernels import (GroupedMmKernels, LoopKernels, dequant_chunks, dequantize_experts, expert_counts,
+from . import quant
+from .torch_kernels import (GroupedMmKernels, LoopKernels, dequant_chunks, expert_counts,
                             grouped_mm_applies)
 
 MAX_PADDING = 0.25       # padded bmm only while E * largest_group <= (1 + MAX_PADDING) * T * K
@@ -128,14 +129,14 @@ class CpuKernels(GroupedMmKernels):
         return out.view(x.shape[0], -1)
 
     def _dequantized(self, q, scale, like):
-        """dequantize_experts into this set's scratch (same values: q * scale in fp32, rounded once to
+        """quant.dequantize into this set's scratch (same values: q * scale in fp32, rounded once to
         like's dtype). A fresh 64 MiB tensor per chunk page-faults on first touch; the reused buffer
         does not: int8 -> fp32 dequantization of 16 x 1024 x 1024 experts 254 -> 56 ms here. fp8 has no
         fast CPU conversion (copy_ from float8_e4m3fn ~0.8 s for the same), so it keeps the plain form."""
         if q.dtype != torch.int8:
-            return dequantize_experts(q, scale, like.dtype)
+            return quant.dequantize(q, scale, like.dtype)
         wide = self._scratch("dequant_fp32", tuple(q.shape), like.new_empty(0, dtype=torch.float32))
-        wide.copy_(q).mul_(scale.to(torch.float32).unsqueeze(-2))
+        wide = quant.dequantize(q, scale, torch.float32, scratch=wide)
         if like.dtype == torch.float32:
             return wide
         return self._scratch("dequant", tuple(q.shape), like).copy_(wide)

@@ -1,17 +1,19 @@
 """The CUDA kernel set: torch._grouped_mm for bf16 experts (GroupedMmKernels), and for fp8 experts
-torch's fp8 grouped GEMM where this torch and this GPU have it.
+under `--quant-compute w8a8` torch's fp8 grouped GEMM where this torch and this GPU have it.
 
-fp8 experts: `torch.nn.functional.scaled_grouped_mm` (torch >= 2.10; earlier `torch._scaled_grouped_mm`)
-with rowwise scales on both sides: the weight's per-output-channel scale [E, N] (kernels/quant.py)
-and a per-token scale of the activations, quantized to float8_e4m3fn on the fly (amax / 448 per
-row). The activations are therefore 8-bit inside this GEMM too (what vLLM's fp8 MoE does); the
-output is bf16. Requirements, from torch's checks: both operands float8_e4m3fn, the activations
-row-major and the weight column-major (expert_weight_storage stores fp8 weights that way once),
-scales float32, scale_a [M] and scale_b [E, N], int32 group end offsets, K and N multiples of 16.
-Whether it runs here is detected, not assumed: the function must exist and one tiny call on the
-device must succeed (it needs compute capability 9.0 / 10.0; torch 2.7.1 has none of it). Where it
-does not, and for int8 experts, the torch W8A16 reference runs (dequantize per group + bf16 grouped
-matmul, torch_kernels.py).
+fp8 experts, w8a8: `torch.nn.functional.scaled_grouped_mm` (torch >= 2.10; earlier
+`torch._scaled_grouped_mm`) with rowwise scales on both sides: the weight's per-output-channel scale
+[E, N] and a per-token scale of the activations, quantized to float8_e4m3fn on the fly
+(quant.quantize_per_token: amax / 448 per row). The activations are 8-bit inside this GEMM too
+(what vLLM's fp8 MoE does), hence W8A8; the output is bf16. Requirements, from torch's checks: both
+operands float8_e4m3fn, the activations row-major and the weight column-major
+(expert_weight_storage stores fp8 weights that way once), scales float32, scale_a [M] and scale_b
+[E, N], int32 group end offsets, K and N multiples of 16. Whether it runs here is detected, not
+assumed: the function must exist and one tiny call on the device must succeed (it needs compute
+capability 9.0 / 10.0; torch 2.7.1 has none of it). Where it does not, the torch W8A16 reference
+runs instead (dequantize per group + bf16 grouped matmul, torch_kernels.py) and `quant_compute_run`
+says so (the self-check's rows show which form ran). w8a16 (the default) and int8 experts always
+run that reference.
 
 Written from torch's documented signature and its meta checks; NOT run on a GPU in this project:
 tested on CPU against tests/cuda_double.py, a double of scaled_grouped_mm with those checks.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import QMAX
+from .quant import quantize_per_token
 from .torch_kernels import GroupedMmKernels
 
 _FP8 = torch.float8_e4m3fn
@@ -42,9 +44,10 @@ def torch_scaled_grouped_mm():
 class CudaKernels(GroupedMmKernels):
     name = "cuda"
 
-    def __init__(self, scaled_grouped_mm=None):
+    def __init__(self, scaled_grouped_mm=None, quant_compute: str = "w8a16"):
         """`scaled_grouped_mm` stands in for torch's (the tests' double); None: torch's, if it runs."""
         self._injected = scaled_grouped_mm
+        self.quant_compute = quant_compute
         self._fp8_gemm_by_device: dict = {}
 
     def fp8_gemm(self, device: torch.device):
@@ -57,26 +60,25 @@ class CudaKernels(GroupedMmKernels):
             self._fp8_gemm_by_device[device] = _probe(torch_scaled_grouped_mm(), device)
         return self._fp8_gemm_by_device[device]
 
+    def _w8a8_gemm(self, device: torch.device):
+        """The fp8 grouped GEMM when this set computes W8A8 and `device` runs it, else None."""
+        return self.fp8_gemm(device) if self.quant_compute == "w8a8" else None
+
+    def quant_compute_run(self, fmt, device):
+        return "w8a8" if fmt == "fp8" and self._w8a8_gemm(device) is not None else "w8a16"
+
     def expert_weight_storage(self, w):
-        if w.dtype == _FP8 and w.dim() == 3 and self.fp8_gemm(w.device) is not None:
+        if w.dtype == _FP8 and w.dim() == 3 and self._w8a8_gemm(w.device) is not None:
             return column_major(w)
         return super().expert_weight_storage(w)
 
     def quantized_grouped_matmul(self, x, q, scale, counts):
-        gemm = self.fp8_gemm(x.device) if q.dtype == _FP8 else None
+        gemm = self._w8a8_gemm(x.device) if q.dtype == _FP8 else None
         if x.shape[0] == 0 or gemm is None or x.shape[1] % _ALIGN or q.shape[-1] % _ALIGN:
             return super().quantized_grouped_matmul(x, q, scale, counts)
-        x_q, x_scale = quantize_rows_fp8(x)
+        x_q, x_scale = quantize_per_token(x, "fp8")
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return gemm(x_q, column_major(q), x_scale, scale.float().contiguous(), offsets)
-
-
-def quantize_rows_fp8(x: torch.Tensor):
-    """(float8_e4m3fn [M, K] row-major, float32 scale [M]): each row scaled by its amax / 448."""
-    x32 = x.float()
-    amax = x32.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / QMAX["fp8"], torch.ones_like(amax))
-    return (x32 / scale.unsqueeze(1)).clamp_(-QMAX["fp8"], QMAX["fp8"]).to(_FP8), scale
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@
     swiglu           npu_swiglu (silu of the first half)
     attention        npu_fused_infer_attention_score (BNSD, mask inverted: the op masks where True)
     8-bit experts    quantized_grouped_matmul, int8 weights only (the op takes no float8 weight):
-                     weight (W8A16): npu_grouped_matmul, int8 `weight` + bf16 `antiquant_scale` [E, N]
-                     8bit (W8A8): npu_dynamic_quant per token, then npu_grouped_matmul int8 x int8
+                     w8a16: npu_grouped_matmul, int8 `weight` + bf16 `antiquant_scale` [E, N]
+                     w8a8: npu_dynamic_quant per token, then npu_grouped_matmul int8 x int8
                      with bf16 `scale` [E, N], fp32 `per_token_scale` [M], output_dtype bf16
 
 Considered and not adopted (issue 13): fusing the shared-MLP add into finalize_routing (skip1)
@@ -40,13 +40,16 @@ ACL_FORMAT_FRACTAL_NZ = 29
 class NpuKernels(LoopKernels):
     name = "npu"
 
-    def __init__(self, npu=None, quant_compute: str = "weight"):
+    def __init__(self, npu=None, quant_compute: str = "w8a16"):
         self.npu = npu if npu is not None else importlib.import_module("torch_npu")
         self.quant_compute = quant_compute
         self._mask_in, self._mask_out = None, None      # (mask, its version), inverted: _masked_positions
 
     def expert_weight_storage(self, w):
         return self.npu.npu_format_cast(w, ACL_FORMAT_FRACTAL_NZ)
+
+    def quant_compute_run(self, fmt, device):
+        return self.quant_compute
 
     def grouped_matmul(self, x, w, counts):
         if x.shape[0] == 0:
@@ -76,7 +79,7 @@ class NpuKernels(LoopKernels):
                              f"weights only); use --quantize int8")
         group_list, list_type = (counts.to(torch.int64), 1) if q.shape[0] > 1 else (counts.to(torch.int64).cumsum(0), 0)
         common = dict(group_list=group_list, group_type=0, group_list_type=list_type, split_item=2)
-        if self.quant_compute == "8bit":
+        if self.quant_compute == "w8a8":
             x_q, x_scale = self.npu.npu_dynamic_quant(x.contiguous())
             return self.npu.npu_grouped_matmul([x_q], [q], scale=[scale.to(torch.bfloat16)],
                                                per_token_scale=[x_scale], output_dtype=torch.bfloat16, **common)[0]

@@ -1,4 +1,5 @@
-"""8-bit routed-expert weights: the formats, and the reference (plain torch) quantize / dequantize.
+"""8-bit routed experts: the formats, how each device computes with them, and the one quantize /
+dequantize every layer calls (the weights layer, the kernel sets, the tests).
 
 Only the routed experts are ever quantized. A stacked expert weight is `[E, in, out]` (what grouped
 matmul takes, moe/experts.py); it is quantized per output channel, symmetric, no zero point:
@@ -10,10 +11,21 @@ matmul takes, moe/experts.py); it is quantized per output channel, symmetric, no
           computes for one weight row: scale = max|row| / 127)
     fp8:  QMAX = 448 (float8_e4m3fn's largest finite value), cast to float8_e4m3fn
 
-An all-zero channel gets scale 1 (q = 0), so dequantizing never divides by zero or yields NaN.
-Dequantize: w ~= q.float() * scale[:, None, :]. The scale shape [E, out] is what the NPU grouped
-matmul takes as `antiquant_scale` for a weight [E, K, N], and what a rowwise scaled grouped mm
-takes for the transposed weight. MoE TP slices a weight's output columns and their scales together.
+`quantize(t, fmt, dim)` is that rule over any one dimension: the weights' input dimension (per output
+channel, `quantize_per_channel`), an activation's hidden dimension (per token, `quantize_per_token`),
+a [E, out, in] weight's last one (the cann-recipes layout). An all-zero slice gets scale 1 (q = 0),
+so dequantizing never divides by zero or yields NaN. Dequantize: w ~= q.float() * scale[:, None, :].
+The scale shape [E, out] is what the NPU grouped matmul takes as `antiquant_scale` for a weight
+[E, K, N], and what a rowwise scaled grouped mm takes for the transposed weight. MoE TP slices a
+weight's output columns and their scales together.
+
+How 8-bit experts compute (`--quant-compute`), named for what is 8-bit:
+    w8a16  8-bit weights, activations in bf16 (each expert's weight dequantized, or the NPU's
+           antiquant grouped matmul). Every device and format; the default.
+    w8a8   8-bit weights, activations quantized per token as well. NPU with int8 experts
+           (npu_dynamic_quant + int8 x int8 grouped matmul), CUDA with fp8 experts (torch's fp8
+           grouped GEMM, rowwise scales on both sides).
+QUANT_SUPPORT is the one statement of which computes run where; every check asks it (quant_problem).
 """
 from __future__ import annotations
 
@@ -40,23 +52,108 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def quantize_per_channel(w: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(q [..., in, out] in the format's storage dtype, scale [..., out] float32) of `w` [..., in, out]."""
+def quantize(t: torch.Tensor, fmt: str, dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q in the format's storage dtype, scale float32 with `dim` reduced) of `t`: one symmetric scale
+    per slice along `dim` (its largest magnitude / QMAX)."""
     check_format(fmt)
-    w32 = w.float()
-    amax = w32.abs().amax(dim=-2)
+    t32 = t.float()
+    amax = t32.abs().amax(dim=dim)
     scale = torch.where(amax > 0, amax / QMAX[fmt], torch.ones_like(amax))
-    scaled = w32 / scale.unsqueeze(-2)
+    scaled = t32 / scale.unsqueeze(dim)
     if fmt == "int8":
-        q = scaled.round_().clamp_(-127, 127).to(torch.int8)
+        q = scaled.round_().clamp_(-QMAX[fmt], QMAX[fmt]).to(torch.int8)
     else:
         q = scaled.clamp_(-QMAX[fmt], QMAX[fmt]).to(torch.float8_e4m3fn)
     return q, scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """q [..., in, out] (int8 / float8_e4m3fn) times scale [..., out], as `dtype`."""
+def quantize_per_channel(w: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q [..., in, out], scale [..., out] float32) of an expert weight `w` [..., in, out]."""
+    return quantize(w, fmt, dim=-2)
+
+
+def quantize_per_token(x: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K], scale [M] float32) of activations `x` [M, K]: one scale per row (token)."""
+    return quantize(x, fmt, dim=-1)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+               scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [..., in, out] (int8 / float8_e4m3fn) times scale [..., out] in float32, rounded once to
+    `dtype`. `scratch`: a float32 tensor of q's shape to compute in (a kernel set's reused buffer;
+    returned itself when `dtype` is float32)."""
     if scale.shape != q.shape[:-2] + q.shape[-1:]:
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}: "
                          f"expected {tuple(q.shape[:-2] + q.shape[-1:])}")
-    return (q.float() * scale.float().unsqueeze(-2)).to(dtype)
+    wide = q.to(torch.float32, copy=True) if scratch is None else scratch.copy_(q)
+    wide.mul_(scale.to(torch.float32).unsqueeze(-2))
+    return wide if dtype == torch.float32 else wide.to(dtype)
+
+
+# ---------------------------------------------------------------- how 8-bit experts compute
+
+QUANT_COMPUTES = ("w8a16", "w8a8")
+COMPUTE_MEANS = {"w8a16": "8-bit weights, activations in bf16",
+                 "w8a8": "8-bit weights, activations quantized per token"}
+OLD_COMPUTE_NAMES = {"weight": "w8a16", "8bit": "w8a8"}      # --quant-compute's spellings before issue 27
+
+# (device kind, expert format) -> the computes its kernel set runs, each truly (kernels/npu.py,
+# cuda.py, torch_kernels.py). fp8 on NPU: npu_grouped_matmul takes int8 (and int4) weights only, no
+# float8 (torch_npu 2.13 docs, Atlas A2/A3). int8 on CUDA and everything on CPU: the torch W8A16
+# reference (dequantize + bf16 grouped matmul).
+QUANT_SUPPORT = {
+    ("npu", "int8"): ("w8a16", "w8a8"),
+    ("cuda", "int8"): ("w8a16",),
+    ("cuda", "fp8"): ("w8a16", "w8a8"),
+    ("cpu", "int8"): ("w8a16",),
+    ("cpu", "fp8"): ("w8a16",),
+}
+
+
+def canonical_compute(name: str) -> str:
+    """The current name of a compute (an old spelling's new one; anything else unchanged)."""
+    return OLD_COMPUTE_NAMES.get(name, name)
+
+
+def _runs_on(compute: str) -> str:
+    return ", ".join(f"{kind} with {fmt} experts" for (kind, fmt), computes in QUANT_SUPPORT.items()
+                     if compute in computes)
+
+
+def _runs_only_on(compute: str, here: str) -> str:
+    return (f"quant-compute: {compute} ({COMPUTE_MEANS[compute]}) runs on {_runs_on(compute)} only, not on {here}; "
+            f"use w8a16 ({COMPUTE_MEANS['w8a16']}, every device)")
+
+
+def quant_compute_problem(kind: str, compute: str) -> Optional[str]:
+    """The device half of quant_problem, known before the checkpoint is read: a compute that runs
+    with no expert format on `kind`."""
+    compute = canonical_compute(compute)
+    if compute not in QUANT_COMPUTES:
+        return quant_problem(kind, "int8", compute)
+    if not any(k == kind and compute in computes for (k, _), computes in QUANT_SUPPORT.items()):
+        return _runs_only_on(compute, kind)
+    return None
+
+
+def quant_problem(kind: str, fmt: Optional[str], compute: str) -> Optional[str]:
+    """None when experts in `fmt` (None: bf16) run with `compute` on `kind`, else one line
+    `field: problem; fix` (the caller prefixes `error: `)."""
+    compute = canonical_compute(compute)
+    if compute not in QUANT_COMPUTES:
+        choices = "; ".join(f"{c} = {COMPUTE_MEANS[c]}" for c in QUANT_COMPUTES)
+        return f"quant-compute: {compute!r} is not one of {'|'.join(QUANT_COMPUTES)}; use one of them ({choices})"
+    if fmt is None:
+        if compute != QUANT_COMPUTES[0]:
+            return (f"quant-compute: {compute} needs 8-bit experts, the experts are bf16; add --quantize int8 "
+                    f"or drop --quant-compute")
+        return None
+    allowed = QUANT_SUPPORT.get((kind, fmt), ())
+    if not allowed:
+        runs_on = sorted({k for (k, f) in QUANT_SUPPORT if f == fmt})
+        others = sorted({f for (k, f) in QUANT_SUPPORT if k == kind})
+        return (f"quantize: {fmt} experts do not run on {kind} (its grouped matmul takes {'/'.join(others)} "
+                f"weights only); use --quantize {'/'.join(others)} there, or run {fmt} on {'/'.join(runs_on)}")
+    if compute not in allowed:
+        return _runs_only_on(compute, f"{kind} with {fmt} experts")
+    return None

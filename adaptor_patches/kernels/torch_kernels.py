@@ -33,9 +33,9 @@ Inference only: outputs are written with out= and in place; nothing keeps an aut
 8-bit experts (kernels/quant.py): `scales` is (w13_scale [E, 2I], w2_scale [E, H]) float32, or None
 for bf16 experts. Every expert matmul with scales goes through `quantized_grouped_matmul`, the one
 seam a device's fused 8-bit form overrides. Here it is weight-only (W8A16): each expert's weight
-is dequantized (q * scale in fp32, rounded once to the activations' dtype, exactly
-quant.dequantize) just before its matmul, a few experts at a time (DEQUANT_CHUNK_BYTES), and an
-expert that gets no rows is never dequantized.
+is dequantized (quant.dequantize: q * scale in fp32, rounded once to the activations' dtype) just
+before its matmul, a few experts at a time (DEQUANT_CHUNK_BYTES), and an expert that gets no rows
+is never dequantized. `quant_compute_run(fmt, device)` names the form a set runs (quant.QUANT_COMPUTES).
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from . import quant
 
 _ALIGN_BYTES = 16
 DEQUANT_CHUNK_BYTES = 64 << 20     # dequantized expert weights alive at once in one 8-bit grouped matmul
@@ -90,6 +92,10 @@ class LoopKernels:
             return self.grouped_matmul(x, w, counts)
         return self.quantized_grouped_matmul(x, w, scale, counts)
 
+    def quant_compute_run(self, fmt: str, device: torch.device) -> str:
+        """The compute this set's quantized_grouped_matmul runs for `fmt` experts on `device`."""
+        return "w8a16"
+
     def quantized_grouped_matmul(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                                  counts: torch.Tensor) -> torch.Tensor:
         """grouped_matmul with 8-bit weights: x [N, in] (bf16 rows grouped by expert), q [E, in, out]
@@ -102,7 +108,7 @@ class LoopKernels:
         out, start = x.new_empty(x.shape[0], q.shape[-1]), 0
         for first, stop, rows in dequant_chunks(counts.tolist(), q, x.element_size()):
             if rows:
-                weights = dequantize_experts(q[first:stop], scale[first:stop], x.dtype)
+                weights = quant.dequantize(q[first:stop], scale[first:stop], x.dtype)
                 out[start:start + rows] = self.grouped_matmul(x[start:start + rows], weights, counts[first:stop])
             start += rows
         return out
@@ -251,12 +257,6 @@ def dequant_chunks(counts: list, q: torch.Tensor, element_size: int):
                 stop += 1
         yield first, stop, sum(counts[first:stop])
         first = stop
-
-
-def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """quant.dequantize of a few experts [e, in, out]: q * scale in fp32, rounded once to `dtype`."""
-    wide = q.to(torch.float32)
-    return wide.mul_(scale.to(torch.float32).unsqueeze(-2)).to(dtype)
 
 
 def expert_counts(flat_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

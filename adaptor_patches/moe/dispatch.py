@@ -10,10 +10,10 @@ A dispatcher moves tokens only; the layer (hunyuan.py's HunyuanMoE.forward) runs
     return dispatcher.combine(output, tokens)               TP all-reduce, EP all-gather
 
   Replicated      every expert whole on every rank; nothing moves.
-  TensorParallel  every expert's intermediate split over the "tp" group, the shared MLP too; the
+  TensorParallel  every expert's intermediate split over the "moe_tp" group, the shared MLP too; the
                   routed and shared partial sums are added first and leave through ONE all-reduce
                   (as the recipe's non-EP path adds before its all_reduce).
-  ExpertParallel  experts split contiguously over the "tp" group. The (replicated) token rows are
+  ExpertParallel  experts split contiguously over the "moe_ep" group. The (replicated) token rows are
                   cut into contiguous per-rank chunks (layout.token_chunks: uneven and empty
                   allowed); each rank routes its chunk: all_to_all of per-expert counts,
                   all_to_all_single of the rows, local grouped matmul, all_to_all_single back,
@@ -51,7 +51,7 @@ class Replicated:
 
 class TensorParallel(Replicated):
     def combine(self, output, tokens):
-        dist.all_reduce(output, group=self.rank_context.group("tp"))
+        dist.all_reduce(output, group=self.rank_context.group("moe_tp"))
         return output
 
 
@@ -72,11 +72,11 @@ class ExpertParallel(Replicated):
         return routed if add_to is None else add_to.add_(routed)
 
     def combine(self, output, tokens):
-        return all_gather_rows(output, self._chunks(tokens), self.rank_context.group("tp"))
+        return all_gather_rows(output, self._chunks(tokens), self.rank_context.group("moe_ep"))
 
     def _experts_across_ranks(self, experts, sorted_x, counts):
         """Double routing: rows sorted by global expert go to the expert's owner and come back computed."""
-        group, kernels = self.rank_context.group("tp"), self.kernels
+        group, kernels = self.rank_context.group("moe_ep"), self.kernels
         ep_size, local_experts = dist.get_world_size(group), self.shard.local_experts
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)

@@ -7,8 +7,11 @@ is read from process-global state afterwards, and two models in one process do n
 Outside `building` the patched classes build for a single process on the device the adaptor was
 applied for.
 
-Process groups come from a ("cfg", "tp") DeviceMesh, built at the first collective a module needs;
-a layout that needs them without an initialised process group is refused when the model is built,
+A collective asks for its group by what it carries, `context.group("moe_ep")`; layout.GROUP_DIMS
+says which mesh dimensions each purpose spans (the one mapping). The groups come from a DeviceMesh
+over layout.MESH_DIMS (today ("cfg", "attention_tp")), built at the first collective a module needs;
+a purpose spanning several dimensions gets their flattened group (every dimension: the world group).
+A layout that needs them without an initialised process group is refused when the model is built,
 not discovered as a wrong result later.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Optional
 
 from ..kernels import kernels_for
 from ..kernels.device import Device
-from .layout import Layout, LayoutError
+from .layout import GROUP_DIMS, Layout, LayoutError, group_dims
 
 _building: contextvars.ContextVar = contextvars.ContextVar("adaptor_rank_context", default=None)
 
@@ -70,22 +73,48 @@ class RankContext:
                               f"initialised; call torch.distributed.init_process_group before building the model "
                               f"(run_image_gen.py and run.sh do)")
 
-    def group(self, dim: str):
-        """The process group of mesh dim "cfg" or "tp" (None when the layout is one process)."""
+    def group(self, purpose: str):
+        """The process group that carries `purpose` ("cfg", "attention_tp", "moe_tp", "moe_ep", "vae",
+        "step_cache": layout.GROUP_DIMS); None when the layout is one process."""
+        dims = group_dims(purpose)
         if not self.layout.is_distributed:
             return None
         if self._mesh is None:
-            self.require_process_group(f"{dim} group")
-            from torch.distributed.device_mesh import init_device_mesh
-            self._mesh = init_device_mesh(self.device.kind, (self.layout.cfg, self.layout.tp),
-                                          mesh_dim_names=("cfg", "tp"))
-        return self._mesh.get_group(dim)
+            self.require_process_group(f"{purpose} group")
+            self._mesh = ProcessGroups(self.layout, self.device.kind)
+        return self._mesh.group(dims)
+
+    def group_ranks(self, purpose: str) -> list:
+        """The global ranks this rank shares its `purpose` group with (no process group needed)."""
+        return self.layout.group_ranks(purpose, self.rank)
 
     def shared_mlp_stream(self):
         """A side stream for the shared MLP, or None (multi-stream off, or a device without streams)."""
         if self.multi_stream is False or not self.device.has_streams:
             return None
         return self.device.new_stream()
+
+
+class ProcessGroups:
+    """One job's groups: the DeviceMesh's per dimension, a flattened group per set of several
+    dimensions that GROUP_DIMS names (made together, in one order, on every rank: group creation is
+    collective), the world group for all of them."""
+
+    def __init__(self, layout: Layout, device_kind: str):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        self.dims = tuple(layout.mesh)
+        self.mesh = init_device_mesh(device_kind, tuple(layout.mesh.values()), mesh_dim_names=self.dims)
+        self.flattened = {}
+        for dims in sorted({d for d in GROUP_DIMS.values() if len(d) > 1 and set(d) != set(self.dims)}):
+            purpose = next(p for p, d in GROUP_DIMS.items() if d == dims)
+            self.flattened[dims], _ = dist.new_subgroups_by_enumeration(layout.all_group_ranks(purpose))
+        self.world = dist.group.WORLD
+
+    def group(self, dims: tuple):
+        if len(dims) == 1:
+            return self.mesh.get_group(dims[0])
+        return self.world if set(dims) == set(self.dims) else self.flattened[dims]
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@
                                          (tp, MoE mode): what utils/convert_model.py writes and a
                                          converted checkpoint records
     layout.check(config)              -> LayoutError, before any weight is read
+    layout.mesh / GROUP_DIMS          -> the mesh's dimensions and sizes; which of them each
+                                         collective spans (RankContext.group(purpose) asks this)
 
 The runtime, the loader, the converter, the launcher and the checks all ask this object; every
 layout the runtime can run the converter can write. Errors are one line: `field: problem; fix`.
@@ -19,7 +21,6 @@ Model sizes come from config.json (a dict) or the transformers config object ali
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,10 +43,10 @@ def split_evenly(total: int, parts: int) -> list:
 ENV_ON, ENV_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def env_flag(name: str, env=None) -> bool:
-    """An on/off environment variable (CFG_PARALLEL, USE_VAE_PARALLEL: the cann-recipes names); any
-    other value is refused rather than read as off."""
-    value = (os.environ if env is None else env).get(name, "").strip().lower()
+def env_flag(name: str, env) -> bool:
+    """An on/off variable of `env` (CFG_PARALLEL, USE_VAE_PARALLEL: the cann-recipes names; the entry
+    point passes its environment); any other value is refused rather than read as off."""
+    value = env.get(name, "").strip().lower()
     if value not in ENV_ON + ENV_OFF:
         raise LayoutError(f"{name}: {value!r} is not on or off; set it to 1 or 0 (or unset it)")
     return value in ENV_ON
@@ -58,6 +59,32 @@ def per_layer(value, layer: int):
 
 def _get(config, key, default=None):
     return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
+
+# ---------------------------------------------------------------- the mesh and the groups on it
+
+# The dimensions that split the world, outermost first: rank = cfg index * (ranks per branch) + the
+# index inside the branch. BRANCH: the dimensions inside one CFG branch, whose ranks share one copy of
+# the prediction (issue 29's Ulysses dimension is one more entry here, before "attention_tp").
+BRANCH = ("attention_tp",)
+MESH_DIMS = ("cfg",) + BRANCH
+
+# Every collective asks for its group by what it carries (RankContext.group(purpose)); this is the one
+# place that says which mesh dimensions each spans.
+GROUP_DIMS = {
+    "cfg": ("cfg",),                       # the two CFG branches: the prediction gathered (cfg_split.py)
+    "attention_tp": ("attention_tp",),     # one attention layer's heads: o_proj's all-reduce (hunyuan.py)
+    "moe_tp": BRANCH,                      # a MoE layer's intermediate slices: its all-reduce (moe/dispatch.py)
+    "moe_ep": BRANCH,                      # a MoE layer's experts: all-to-alls, the all-gather (moe/dispatch.py)
+    "vae": MESH_DIMS,                      # the VAE decode's row bands: every rank (vae_bands.py)
+    "step_cache": MESH_DIMS,               # the adaptive step cache's skip decision: every rank (step_cache.py)
+}
+
+
+def group_dims(purpose: str) -> tuple:
+    if purpose not in GROUP_DIMS:
+        raise ValueError(f"group: {purpose!r} is not one of {', '.join(GROUP_DIMS)}")
+    return GROUP_DIMS[purpose]
 
 
 # ---------------------------------------------------------------- model sizes
@@ -110,7 +137,7 @@ def divisors(n: int) -> list:
 
 @dataclass(frozen=True)
 class HeadShard:
-    """Which attention heads one rank of the "tp" group holds.
+    """Which attention heads one rank of the "attention_tp" group holds.
 
     Upstream's qkv_proj output is interleaved per KV group: for each of the K KV heads, its
     g = H/K query heads, then its key head, then its value head. t <= K (t | K): rank r keeps KV
@@ -240,9 +267,9 @@ class Layout:
         return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel))
 
     @classmethod
-    def from_args(cls, args, env=None) -> "Layout":
-        """run_image_gen.py's flags (and CFG_PARALLEL / USE_VAE_PARALLEL) over torchrun's WORLD_SIZE."""
-        env = os.environ if env is None else env
+    def from_args(cls, args, env) -> "Layout":
+        """run_image_gen.py's flags (and CFG_PARALLEL / USE_VAE_PARALLEL of `env`, the entry point's
+        environment) over torchrun's WORLD_SIZE."""
         return cls.from_flags(int(env.get("WORLD_SIZE", 1)),
                               cfg_parallel=bool(getattr(args, "cfg_parallel", False)) or env_flag("CFG_PARALLEL", env),
                               moe_tp=getattr(args, "moe_tp", False), moe_ep=getattr(args, "moe_ep", False),
@@ -294,6 +321,31 @@ class Layout:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def mesh(self) -> dict:
+        """{mesh dimension: size} in MESH_DIMS order (the process groups' DeviceMesh)."""
+        return dict(zip(MESH_DIMS, (self.cfg, self.tp)))
+
+    def group_ranks(self, purpose: str, rank: int) -> list:
+        """The global ranks of `rank`'s group for `purpose` (GROUP_DIMS), in group-rank order."""
+        return [r for r in range(self.world_size) if self._coordinates(r, purpose) == self._coordinates(rank, purpose)]
+
+    def all_group_ranks(self, purpose: str) -> list:
+        """Every group of `purpose`, each as its global ranks: the enumeration a process group is made from."""
+        groups = {}
+        for r in range(self.world_size):
+            groups.setdefault(self._coordinates(r, purpose), []).append(r)
+        return list(groups.values())
+
+    def _coordinates(self, rank: int, purpose: str) -> tuple:
+        """`rank`'s indices along the mesh dimensions `purpose`'s group does not span (its group's key)."""
+        spanned, key = group_dims(purpose), []
+        for dim, size in reversed(list(self.mesh.items())):
+            rank, index = divmod(rank, size)
+            if dim not in spanned:
+                key.append(index)
+        return tuple(key)
 
     @property
     def weights(self) -> "Layout":

@@ -1,11 +1,11 @@
 """VAE-parallel decode: the VAE decoder runs on horizontal bands of the latent, one per rank.
 
 Called by the patched `Decoder.forward` (adaptor_patches/autoencoder_kl_3d.py), under compat's
-`AutoencoderKLConv3D.decode` shim (dtype, autocast), when the layout has vae_parallel and the
-world group more than one rank; otherwise upstream's forward runs untouched.
+`AutoencoderKLConv3D.decode` shim (dtype, autocast), when the layout has vae_parallel over more
+than one rank; otherwise upstream's forward runs untouched.
 
-Split: the latent's rows are dealt out in contiguous bands over every rank of the world group, the
-first `rows % world` ranks one row more. With fewer rows than ranks the last ranks hold empty bands:
+Split: the latent's rows are dealt out in contiguous bands over every rank of the "vae" group
+(RankContext.group("vae"): every rank of the job), the first `rows % ranks` ranks one row more. With fewer rows than ranks the last ranks hold empty bands:
 they compute nothing but still join every collective. Each spatial upsample doubles every band.
 Every step gives the single-device result:
   - convolutions: a band is extended by its neighbours' edge rows (isend/irecv with the rank above
@@ -39,12 +39,20 @@ def swish(x):
 
 
 class Bands:
-    """This rank's band of a map split by rows over the world group, and the exact ops across bands."""
+    """This rank's band of a map split by rows over `group` (None: the default group), and the exact
+    ops across bands. `rank` is this rank's index in the group."""
 
-    def __init__(self, rows: list, rank: int):
+    def __init__(self, rows: list, rank: int, group=None):
         self.rows = list(rows)
         self.rank = rank
         self.world = len(rows)
+        self.group = group
+
+    def _peer(self, group_rank: int) -> int:
+        """A band's owner as point-to-point ops name it (a global rank)."""
+        if self.group is None or self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
 
     @property
     def empty(self) -> bool:
@@ -62,7 +70,7 @@ class Bands:
         """The whole map from every rank's band (each padded to the tallest band for the collective)."""
         tallest = max(self.rows)
         padded = F.pad(band, (0, 0, 0, tallest - band.shape[-2]))
-        parts = all_gather_dim0(padded.unsqueeze(0), None)
+        parts = all_gather_dim0(padded.unsqueeze(0), self.group)
         return torch.cat([part[..., :rows, :] for part, rows in zip(parts, self.rows)], dim=-2)
 
     def conv(self, conv, band):
@@ -82,11 +90,12 @@ class Bands:
         above, below = band.new_zeros(edge_shape), band.new_zeros(edge_shape)
         ops = []
         if self.rank > 0:  # bands are filled from rank 0, so a non-empty band's upper neighbour is too
-            ops += [dist.P2POp(dist.isend, band[..., :rows, :].contiguous(), self.rank - 1),
-                    dist.P2POp(dist.irecv, above, self.rank - 1)]
+            up = self._peer(self.rank - 1)
+            ops += [dist.P2POp(dist.isend, band[..., :rows, :].contiguous(), up), dist.P2POp(dist.irecv, above, up)]
         if self.rank + 1 < self.world and self.rows[self.rank + 1]:
-            ops += [dist.P2POp(dist.isend, band[..., -rows:, :].contiguous(), self.rank + 1),
-                    dist.P2POp(dist.irecv, below, self.rank + 1)]
+            down = self._peer(self.rank + 1)
+            ops += [dist.P2POp(dist.isend, band[..., -rows:, :].contiguous(), down),
+                    dist.P2POp(dist.irecv, below, down)]
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
@@ -100,7 +109,7 @@ class Bands:
             stats = groups.new_zeros(2, batch, norm.num_groups)
         else:
             stats = torch.stack([groups.mean(-1), groups.var(-1, unbiased=False)])
-        band_means, band_vars = all_gather_dim0(stats.unsqueeze(0), None).unbind(1)  # [world, batch, groups] each
+        band_means, band_vars = all_gather_dim0(stats.unsqueeze(0), self.group).unbind(1)  # [world, batch, groups] each
         # Every element count is rows x (channels per group x frames x width): weight bands by rows.
         weights = stats.new_tensor([rows / sum(self.rows) for rows in self.rows]).view(-1, 1, 1)
         mean = (weights * band_means).sum(0)
@@ -183,20 +192,20 @@ def unsupported(decoder):
     return None
 
 
-def check_same_latent_shape(z) -> None:
+def check_same_latent_shape(z, group) -> None:
     """Every rank must hold a latent of one shape, or the band exchanges would mismatch."""
     shape = torch.tensor(z.shape, device=z.device)
-    shapes = all_gather_dim0(shape.unsqueeze(0), None)
+    shapes = all_gather_dim0(shape.unsqueeze(0), group)
     if not bool((shapes == shape).all()):
         raise ValueError(f"vae-parallel: ranks hold latents of different shapes {shapes.tolist()}")
 
 
-def parallel_decode(decoder, z):
-    """The whole image on every rank, each rank having decoded one band of `z`'s rows."""
+def parallel_decode(decoder, z, group):
+    """The whole image on every rank of `group`, each rank having decoded one band of `z`'s rows."""
     # A collective first: it checks the shapes and means no rank's first call is point-to-point.
-    check_same_latent_shape(z)
-    world = dist.get_world_size()
-    bands = Bands(split_evenly(z.shape[-2], world), dist.get_rank())
+    check_same_latent_shape(z, group)
+    world = dist.get_world_size(group)
+    bands = Bands(split_evenly(z.shape[-2], world), dist.get_rank(group), group)
     if z.shape[-2] < world:
         log.info(f"vae-parallel: {z.shape[-2]} latent rows over {world} ranks; ranks {z.shape[-2]}..{world - 1} "
                  f"hold empty bands")

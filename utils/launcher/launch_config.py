@@ -248,9 +248,7 @@ def check_model_args(margs, build_tiny: bool, config_path: Path | None = None) -
             if key in ("attn-impl", "moe-impl"):
                 fix += " (on an NPU the fused NPU kernels run with any of them)"
             raise ConfigError(f"model_args.{key}", f"{value!r} is not one of {'|'.join(allowed)}{why}", fix)
-    if get("quant-compute", "weight") == "8bit" and get("device", "auto") in ("cuda", "cpu"):
-        raise ConfigError("model_args.quant-compute", f"8bit (W8A8) runs only on npu, the job's device is "
-                          f"{get('device')}", "use quant-compute: weight")
+    check_quant_compute(get("quant-compute"), get("device", "auto"))
     if get("multi-stream") not in (None, True, False, "on", "off"):
         raise ConfigError("model_args.multi-stream", f"{margs['multi-stream']!r} is not on|off", "use on or off")
     config = model_config(get("model-id"), build_tiny)
@@ -266,6 +264,19 @@ def check_step_cache(get) -> None:
         schema.step_cache_of(lambda name: get(name.replace("_", "-")), steps)
     except FieldError as exc:
         raise exc.renamed(f"model_args.{exc.field}") from None
+
+
+def check_quant_compute(compute, device: str) -> None:
+    """--quant-compute against the job's device, by the kernel layer's table (auto: decided on the node)."""
+    if compute is None or device not in ("npu", "cuda", "cpu"):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from adaptor_patches.kernels import quant_compute_problem
+    problem = quant_compute_problem(device, compute)
+    if problem:
+        field, rest = problem.split(": ", 1)
+        raise ConfigError(f"model_args.{field}", *rest.split("; ", 1))
 
 
 def check_text_task(bot_task, save_text: bool, model_dir: Path) -> None:

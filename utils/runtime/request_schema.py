@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from dataclasses import dataclass, field as dataclass_field, make_dataclass, replace
 from typing import Any, Callable, Optional
 
 from adaptor_patches.kernels.device import DEVICE_CHOICES
-from adaptor_patches.kernels import QUANT_COMPUTES
+from adaptor_patches.kernels import COMPUTE_MEANS, OLD_COMPUTE_NAMES, QUANT_COMPUTES
 from adaptor_patches.kernels.quant import FORMATS as EXPERT_FORMATS
 from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS, StepCacheError, \
     StepCacheSettings, settings_from_value
@@ -70,6 +71,7 @@ class Field:
     example: str = ""
     api_name: Optional[str] = None  # its key in an HTTP body; None: not settable over HTTP
     cli: bool = True                # a run_image_gen.py flag
+    renamed: tuple = ()             # choice: (old name, new name) pairs still accepted, as the new name
     # "step_cache": a mode name or an object of settings -> StepCacheSettings; "step_cache_setting":
     # one of its settings (the --step-cache-* flags); both checked by adaptor_patches/step_cache.py
 
@@ -124,6 +126,8 @@ class Field:
         bad = utf8_problem(value)
         if bad:
             self.refuse(f"{ascii(value)} {bad}", "pass the text as UTF-8", field=name)
+        if self.kind == "choice" and value in dict(self.renamed):
+            value = dict(self.renamed)[value]
         if self.kind == "choice" and value not in self.choices:
             self.refuse(f"{value!r} is not one of {', '.join(self.choices)}", field=name)
         if self.kind == "text" and not value.strip():
@@ -139,6 +143,11 @@ class Field:
             if not value.strip() or value.endswith(("/", "\\")):
                 self.refuse(f"{value!r} is not a file name", field=name)
         return value
+
+    def rename_note(self, value) -> Optional[str]:
+        """One `note:` line when `value` is an old name of a choice, else None."""
+        new = dict(self.renamed).get(value) if isinstance(value, str) else None
+        return None if new is None else f"note: {self.flag} {value} is now called {new}; the old name still works"
 
     def from_text(self, text: str):
         """A command-line string -> the typed value, checked (the YAML and JSON values come typed)."""
@@ -204,8 +213,11 @@ JOB_OPTIONS = (
     Field("quantize", "choice", None, "routed experts in 8 bit, quantized while loading (default: an 8-bit "
           "converted folder's format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS,
           optional=True),
-    Field("quant_compute", "choice", "weight", "8-bit experts: weight = W8A16 (8-bit weights, bf16 activations; "
-          "every device), 8bit = W8A8 (activations per token too; NPU, int8 experts)", choices=QUANT_COMPUTES),
+    Field("quant_compute", "choice", QUANT_COMPUTES[0], "how 8-bit experts compute: "
+          + "; ".join(f"{c} = {COMPUTE_MEANS[c]}" for c in QUANT_COMPUTES)
+          + " (where each runs: docs/QUANTIZATION.md; old names: "
+          + ", ".join(f"{old} = {new}" for old, new in OLD_COMPUTE_NAMES.items()) + ")",
+          choices=QUANT_COMPUTES, renamed=tuple(OLD_COMPUTE_NAMES.items())),
 )
 STEP_CACHE_HELP = {"warmup": "first steps always computed",
                    "interval": "taylor: a full step every N steps after the warm-up",
@@ -232,9 +244,13 @@ class _Checked:
 
     def __call__(self, text: str):
         try:
-            return self.spec.from_text(text)
+            value = self.spec.from_text(text)
         except FieldError as exc:
             raise argparse.ArgumentTypeError(f"{exc.problem}; {exc.fix}") from None
+        note = self.spec.rename_note(text)
+        if note:
+            print(note, file=sys.stderr)
+        return value
 
 
 class OneLineParser(argparse.ArgumentParser):

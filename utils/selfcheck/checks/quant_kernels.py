@@ -2,17 +2,19 @@
 
 For every (format, compute) the device runs (kernels.QUANT_SUPPORT): the expert weights are
 quantized per output channel (kernels/quant.py), the device's set built with that compute runs
-its 8-bit grouped matmul (NPU: npu_grouped_matmul W8A16 / W8A8; CUDA fp8: scaled_grouped_mm; else
-the torch W8A16 path) and the whole routed path in bf16; the reference is LoopKernels in fp32 on
-the dequantized weights, same inputs, same device. Error = max |out - ref| / max |ref|, as in
-checks/kernels.py. Limits: weight-only 2e-2 (bf16, as the bf16 kernels); activations in 8 bit too
-(NPU W8A8 int8, CUDA fp8 per token) 6e-2 / 1.2e-1 (int8 / e4m3 rounding of every activation).
+its 8-bit grouped matmul (NPU: npu_grouped_matmul W8A16 / W8A8; CUDA fp8 W8A8: scaled_grouped_mm;
+else the torch W8A16 path) and the whole routed path in bf16; the reference is LoopKernels in fp32
+on the dequantized weights, same inputs, same device. Each row names the form that ran (the set's
+quant_compute_run: CUDA's W8A8 falls back to W8A16 where the GPU has no fp8 grouped GEMM, and the
+row says "W8A16 (asked W8A8)"). Error = max |out - ref| / max |ref|, as in checks/kernels.py.
+Limits: W8A16 2e-2 (bf16, as the bf16 kernels); W8A8 (NPU int8, CUDA fp8, activations per token)
+6e-2 / 1.2e-1 (int8 / e4m3 rounding of every activation).
 """
 from __future__ import annotations
 
 import torch
 
-from adaptor_patches.kernels import QUANT_SUPPORT
+from adaptor_patches.kernels import COMPUTE_MEANS, QUANT_SUPPORT
 from adaptor_patches.kernels.quant import dequantize, quantize_per_channel
 from adaptor_patches.kernels.torch_kernels import LoopKernels
 
@@ -20,8 +22,9 @@ from . import Result, judged
 from .kernels import BF16_LIMIT, _inputs, _rel_err
 
 SECTION = "kernels"
-LIMITS = {("int8", "weight"): BF16_LIMIT, ("fp8", "weight"): BF16_LIMIT, ("int8", "8bit"): 6e-2}
-FP8_ACTIVATIONS_LIMIT = 1.2e-1          # the CUDA fused form quantizes activations to e4m3 per token
+# (format, the compute that ran) -> limit
+LIMITS = {("int8", "w8a16"): BF16_LIMIT, ("fp8", "w8a16"): BF16_LIMIT, ("int8", "w8a8"): 6e-2,
+          ("fp8", "w8a8"): 1.2e-1}
 
 
 def quant_kernel_checks(make_set, kind: str, device: torch.device, shape: dict) -> list:
@@ -36,13 +39,15 @@ def quant_kernel_checks(make_set, kind: str, device: torch.device, shape: dict) 
         (q13, s13), (q2, s2) = quantize_per_channel(inp["w13"], fmt), quantize_per_channel(inp["w2"], fmt)
         w13, w2 = dequantize(q13, s13, torch.float32), dequantize(q2, s2, torch.float32)
         for compute in computes:
-            label = f"{fmt} {'W8A16' if compute == 'weight' else 'W8A8'}"
+            label = f"{fmt} {compute.upper()}"
             try:
                 kernels = make_set(compute)
+                ran = kernels.quant_compute_run(fmt, device)
+                if ran != compute:
+                    label = f"{fmt} {ran.upper()} (asked {compute.upper()})"
                 stored13, stored2 = kernels.expert_weight_storage(q13), kernels.expert_weight_storage(q2)
-                fused_fp8 = fmt == "fp8" and getattr(kernels, "fp8_gemm", lambda d: None)(device) is not None
-                limit = FP8_ACTIVATIONS_LIMIT if fused_fp8 else LIMITS[(fmt, compute)]
-                detail = f"{kernels.name} {label}{' (fp8 activations)' if fused_fp8 else ''} vs loop(fp32) dequantized"
+                limit = LIMITS[(fmt, ran)]
+                detail = f"{kernels.name} {label} ({COMPUTE_MEANS[ran]}) vs loop(fp32) dequantized"
                 out = kernels.quantized_grouped_matmul(sorted_x, stored13, s13, counts)
                 expected = ref.grouped_matmul(sorted_x.float(), w13, counts)
                 results.append(judged(SECTION, f"8-bit grouped_matmul {label} (gate/up)", _rel_err(out, expected),

@@ -13,9 +13,10 @@ Two modes, both opt-in (`none` is the default and leaves every forward as it was
             other layers are skipped and their contribution at the last full step (the residual
             delta: hidden state after the last layer minus after layer `blocks`) is added instead;
             at most `max_skip` steps in a row. The measure depends on data, so the ranks agree on
-            it: one all-reduce MAX over the "step_cache" group (every rank) per candidate step. Under CFG parallel each
-            rank measures its own branch's rows; the MAX is the measure a single process takes over
-            both branches' rows, so single process and every layout decide alike.
+            it: one all-reduce MAX over the "step_cache" group (every rank) per candidate step.
+            Under CFG parallel each rank measures its own branch's rows; the MAX is the measure a
+            single process takes over both branches' rows, so single process and every layout
+            decide alike.
 
 Why forecast both branches rather than the combined guidance: the cache sits at the model's
 forward (the patched HunyuanImage3ForCausalMM.forward), above the CFG split and its gather, so

@@ -6,11 +6,20 @@ seed and steps: PSNR >= 40 dB and final-latent relative error <= 3e-2.
 Everything computes in bf16. Attention TP sums per-rank o_proj partial products, each rounded to
 bf16, in an all-reduce; MoE TP does the same for the experts. That is a few bf16 ulps (2^-8
 relative) per layer, and three denoising steps at guidance 5 carry them into the latents.
-Measured (seeds 7, 1, 2; `checkpoint` below): TP2, TP4, TP2xCFG2 (MoE TP), EP2xCFG2 all gave
-PSNR 49.2-50.8 dB and latent rel err 1.14e-2 - 1.42e-2; CFG2 alone was bit-identical (each
-branch's rows compute the same at batch 1 as at batch 2 here). The bounds leave 2x on the error,
-~10 dB on PSNR. A broken split fails by far: without the o_proj all-reduce 21 dB / 0.55, a
-replicated-KV rank reading the wrong query heads likewise.
+The checkpoint is conftest's gained one (o_proj x32, the experts' and the shared MLP's down_proj
+x16), so that attention and the MoE both decide the image. Measured (seeds 7 and 1; the
+single-process CLI as reference): TP2, TP4, CFG2 x TP2 x MoE TP2 / EP2, CFG2 x TP4 x MoE TP4 / EP4
+51.0-52.8 dB, latent rel err 1.06e-02 - 1.54e-02; CFG2 53.8 dB / 9.5e-03 with fixed size, bit-identical
+in the text run. The bounds leave 2x on the error, >= 11 dB on PSNR. A broken split fails by far
+(scratch runs with each mutation put in on the ranks, the same checkpoint, seed 7):
+  attention TP2 without the o_proj all-reduce            21.3 dB / 0.55
+  MoE TP without its all-reduce                          29.8 dB / 0.22 (2 ranks), 29.9 / 0.21 (CFG2 x TP2)
+  MoE EP, rows meeting the wrong local expert            31.6 / 0.18, 32.2 / 0.17
+  MoE EP, rows of other ranks' experts dropped           31.3 / 0.18, 34.9 / 0.12
+  MoE EP all-gather in reversed rank order               24.5 / 0.40, 26.9 / 0.30
+  MoE EP all-gather leaving other ranks' rows empty      25.1 / 0.37, 29.8 / 0.23
+On the o_proj-only checkpoint before issue 27 the MoE breaks passed (MoE TP without its all-reduce
+49.5 dB, EP's wrong local expert 49.9 dB, reversed gather 45.0 dB).
 
 Every layout runs the text phase (think, then the ratio token of --image-size auto), and two
 8-rank ones are shaped like the 16-card configs; the text and ratio must equal the single-process

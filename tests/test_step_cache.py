@@ -22,7 +22,7 @@ from test_layouts import LATENT_REL_ERR_MAX, LAYOUTS, PSNR_MIN_DB, checkpoint  #
 
 STEPS = 8
 TAYLOR = ["--step-cache", "taylor", "--step-cache-warmup", 2, "--step-cache-interval", 2]
-# Threshold 0.5 on the tiny gained checkpoint: measured relative changes 0.01-0.08 on skipped steps and
+# Threshold 0.5 on the tiny gained checkpoint: measured relative changes 0.15-0.22 on skipped steps and
 # inf / forced on the others, far from 0.5 on every layout (bf16 layout differences move them ~1e-3).
 ADAPTIVE = ["--step-cache", "adaptive", "--step-cache-warmup", 2, "--step-cache-blocks", 1,
             "--step-cache-threshold", 0.5, "--step-cache-max-skip", 2]

@@ -72,12 +72,12 @@ MESH_DIMS = ("cfg",) + BRANCH
 # Every collective asks for its group by what it carries (RankContext.group(purpose)); this is the one
 # place that says which mesh dimensions each spans.
 GROUP_DIMS = {
-    "cfg": ("cfg",),                       # the two CFG branches: the prediction gathered (cfg_split.py)
-    "attention_tp": ("attention_tp",),     # one attention layer's heads: o_proj's all-reduce (hunyuan.py)
-    "moe_tp": BRANCH,                      # a MoE layer's intermediate slices: its all-reduce (moe/dispatch.py)
-    "moe_ep": BRANCH,                      # a MoE layer's experts: all-to-alls, the all-gather (moe/dispatch.py)
-    "vae": MESH_DIMS,                      # the VAE decode's row bands: every rank (vae_bands.py)
-    "step_cache": MESH_DIMS,               # the adaptive step cache's skip decision: every rank (step_cache.py)
+    "cfg": ("cfg",),                     # the two CFG branches: the prediction gathered (cfg_split.py)
+    "attention_tp": ("attention_tp",),   # one attention layer's heads: o_proj's all-reduce (hunyuan.py)
+    "moe_tp": BRANCH,                    # a MoE layer's intermediate slices: its all-reduce (moe/dispatch.py)
+    "moe_ep": BRANCH,                    # a MoE layer's experts: all-to-alls, all-gather (moe/dispatch.py)
+    "vae": MESH_DIMS,                    # the VAE decode's row bands: every rank (vae_bands.py)
+    "step_cache": MESH_DIMS,             # the adaptive step cache's skip decision: every rank
 }
 
 
@@ -329,7 +329,8 @@ class Layout:
 
     def group_ranks(self, purpose: str, rank: int) -> list:
         """The global ranks of `rank`'s group for `purpose` (GROUP_DIMS), in group-rank order."""
-        return [r for r in range(self.world_size) if self._coordinates(r, purpose) == self._coordinates(rank, purpose)]
+        key = self._coordinates(rank, purpose)
+        return [r for r in range(self.world_size) if self._coordinates(r, purpose) == key]
 
     def all_group_ranks(self, purpose: str) -> list:
         """Every group of `purpose`, each as its global ranks: the enumeration a process group is made from."""

@@ -5,8 +5,9 @@ Called by the patched `Decoder.forward` (adaptor_patches/autoencoder_kl_3d.py), 
 than one rank; otherwise upstream's forward runs untouched.
 
 Split: the latent's rows are dealt out in contiguous bands over every rank of the "vae" group
-(RankContext.group("vae"): every rank of the job), the first `rows % ranks` ranks one row more. With fewer rows than ranks the last ranks hold empty bands:
-they compute nothing but still join every collective. Each spatial upsample doubles every band.
+(RankContext.group("vae"): every rank of the job), the first `rows % ranks` ranks one row more.
+With fewer rows than ranks the last ranks hold empty bands: they compute nothing but still join
+every collective. Each spatial upsample doubles every band.
 Every step gives the single-device result:
   - convolutions: a band is extended by its neighbours' edge rows (isend/irecv with the rank above
     and the rank below; zero rows at the image border, as the conv's own zero padding would give),

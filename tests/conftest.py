@@ -46,7 +46,7 @@ def unpatched_upstream():
 
 
 ATTENTION_GAIN = 32.0
-MOE_GAIN = 16.0
+MOE_GAIN = 12.0
 
 
 def gain_of(key: str) -> float:

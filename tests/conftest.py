@@ -65,10 +65,12 @@ def gained_model(tiny_model, tmp_path_factory):
     equivalence tests and the 8-bit ones.
 
     At the tiny model's init scale the residual stream swamps attention and the MoE: a broken split
-    still reached 47-50 dB of the single-process image (attention TP without its all-reduce 47 dB,
-    MoE TP without its all-reduce 49.5 dB, EP rows meeting the wrong local expert 49.9 dB) and
-    passed the 40 dB bound. Gained, every correct layout stays at 51-54 dB while a broken split
-    drops to 21-35 dB (numbers and commands: tests/test_layouts.py), and the routed experts decide
-    enough of the image that 8-bit errors in them show (tests/test_quant.py)."""
+    still reached 47-50 dB of the single-process image (attention TP without its all-reduce 47 dB;
+    with o_proj alone gained, MoE TP without its all-reduce 49.5 dB, EP rows meeting the wrong local
+    expert 49.9 dB) and passed the 40 dB bound. Gained, every correct layout stays at 50-55 dB on
+    both stacks while a broken split drops to 21-37 dB (tests/test_layouts.py lists them), and the
+    routed experts decide enough of the image that 8-bit errors in them show (tests/test_quant.py).
+    MOE_GAIN 16 separated a little more (broken <= 35 dB) but on the compat stack (torch 2.7.1) put
+    the MoE layouts' latent error at 2.2e-2 and let bf16 noise flip a think token on TP4 layouts."""
     from generation import scaled_checkpoint
     return scaled_checkpoint(tiny_model, tmp_path_factory.mktemp("gained") / "tiny", gain_of)

@@ -7,17 +7,18 @@ Everything computes in bf16. Attention TP sums per-rank o_proj partial products,
 bf16, in an all-reduce; MoE TP does the same for the experts. That is a few bf16 ulps (2^-8
 relative) per layer, and three denoising steps at guidance 5 carry them into the latents.
 The checkpoint is conftest's gained one (o_proj x32, the experts' and the shared MLP's down_proj
-x16), so that attention and the MoE both decide the image. Measured (seeds 7 and 1; the
+x12), so that attention and the MoE both decide the image. Measured (seeds 7 and 1; the
 single-process CLI as reference): TP2, TP4, CFG2 x TP2 x MoE TP2 / EP2, CFG2 x TP4 x MoE TP4 / EP4
-51.0-52.8 dB, latent rel err 1.06e-02 - 1.54e-02; CFG2 53.8 dB / 9.5e-03 with fixed size, bit-identical
-in the text run. The bounds leave 2x on the error, >= 11 dB on PSNR. A broken split fails by far
-(scratch runs with each mutation put in on the ranks, the same checkpoint, seed 7):
-  attention TP2 without the o_proj all-reduce            21.3 dB / 0.55
-  MoE TP without its all-reduce                          29.8 dB / 0.22 (2 ranks), 29.9 / 0.21 (CFG2 x TP2)
-  MoE EP, rows meeting the wrong local expert            31.6 / 0.18, 32.2 / 0.17
-  MoE EP, rows of other ranks' experts dropped           31.3 / 0.18, 34.9 / 0.12
-  MoE EP all-gather in reversed rank order               24.5 / 0.40, 26.9 / 0.30
-  MoE EP all-gather leaving other ranks' rows empty      25.1 / 0.37, 29.8 / 0.23
+51.0-52.0 dB, latent rel err 1.21e-02 - 1.41e-02 (compat stack: 50.3-52.3 dB, <= 1.63e-02); CFG2
+52.8 dB / 1.04e-02 at fixed size, bit-identical in the text run. The bounds leave 2x on the error,
+>= 10 dB on PSNR. A broken split fails by far (each mutation put in on the ranks, the same
+checkpoint, seed 7; 2 ranks, then the CFG2 layout):
+  attention TP2 without the o_proj all-reduce            21.4 dB / 0.55
+  MoE TP without its all-reduce                          31.7 dB / 0.17, 31.5 / 0.18
+  MoE EP, rows meeting the wrong local expert            33.5 / 0.14, 34.1 / 0.13
+  MoE EP, rows of other ranks' experts dropped           33.6 / 0.14, 36.9 / 0.093
+  MoE EP all-gather in reversed rank order               26.4 / 0.32, 28.6 / 0.24
+  MoE EP all-gather leaving other ranks' rows empty      27.0 / 0.29, 31.6 / 0.18
 On the o_proj-only checkpoint before issue 27 the MoE breaks passed (MoE TP without its all-reduce
 49.5 dB, EP's wrong local expert 49.9 dB, reversed gather 45.0 dB).
 

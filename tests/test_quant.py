@@ -144,9 +144,10 @@ def load(model_dir, quantize=None, layout=None, rank=0):
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
-    context = RankContext(layout or Layout(), rank, model_adaptor.apply("cpu"))
+    context = RankContext(layout or Layout(), rank, model_adaptor.apply("cpu"),
+                          expert_format=None if quantize in (None, "none") else quantize)
     with contextlib.redirect_stderr(io.StringIO()):
-        return load_model(model_dir, context, quantize=quantize)
+        return load_model(model_dir, context)
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +186,10 @@ def test_moe_layer_with_8bit_experts_is_close_to_bf16(models, form, fmt):
 # ---------------------------------------------------------------- the ways in: identical weights
 
 def rank_tensors_read(model_dir, layout, tp_rank, quantize=None):
-    """{name: tensor} of one rank as the loader plans and reads it (weights.load.weights_source)."""
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.weights.load import check_checkpoint, weights_source
-    context = RankContext(layout, tp_rank)
-    context.expert_format = check_checkpoint(model_dir, layout, tp_rank, quantize=quantize)
-    files, tensors = weights_source(model_dir, context).plan()
+    """{name: tensor} of one rank as the loader plans and reads it (Checkpoint.plan)."""
+    from adaptor_patches.weights.checkpoint import open_checkpoint
+    checkpoint = open_checkpoint(model_dir)
+    files, tensors = checkpoint.plan(layout, tp_rank, checkpoint.check_for_run(layout, tp_rank, quantize=quantize))
     return {t.name: t.read(files) for t in tensors}
 
 
@@ -237,7 +236,7 @@ def split_layout(split):
 @pytest.mark.parametrize("split", [pytest.param("one", marks=pytest.mark.slow), "tp2",
                                    pytest.param("ep2", marks=pytest.mark.slow)])
 def test_every_way_in_gives_the_same_8bit_weights(tiny_model, folders, split):
-    from adaptor_patches.weights.rank_slices import rank_state_dict
+    from rank_state import rank_state_dict
     layout = split_layout(SPLITS[split])
     full = {k: v for path in sorted(tiny_model.glob("*.safetensors")) for k, v in load_file(path).items()}
     config = json.loads((tiny_model / "config.json").read_text())

@@ -91,12 +91,12 @@ def handed_to_model(model_dir: Path, layout: Layout, rank: int, quantize) -> dic
     """{name: tensor} that rank `rank`'s loader gives transformers' from_pretrained (its lazy state
     dict, every value read), for a text-to-image job as run_image_gen.py makes it."""
     from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.weights.load import check_checkpoint, weights_source
-    context = RankContext(layout, rank, text_to_image_only=True)
-    context.expert_format = check_checkpoint(model_dir, layout, rank, quantize=quantize)
-    files, tensors = weights_source(model_dir, context).plan()
-    skipped = tuple(f"{path}." for path in context.skipped_components)
-    return {t.name: t.read(files) for t in tensors if not t.name.startswith(skipped)}
+    from adaptor_patches.weights.checkpoint import open_checkpoint
+    from adaptor_patches.weights.load import lazy_state_dict
+    checkpoint = open_checkpoint(model_dir)
+    expert_format = checkpoint.check_for_run(layout, rank, quantize=quantize)
+    lazy = lazy_state_dict(checkpoint, RankContext(layout, rank, text_to_image_only=True, expert_format=expert_format))[0]
+    return {name: value[...] for name, value in lazy.items()}
 
 
 def entry(tensor: torch.Tensor) -> str:

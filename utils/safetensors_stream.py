@@ -25,12 +25,11 @@ import threading
 from pathlib import Path
 
 
-from adaptor_patches.weights.safetensors_io import DTYPES, tensor_bytes
+from adaptor_patches.weights.safetensors_io import DTYPE_NAMES, tensor_bytes
 
 HASH_CHUNK = 16 << 20
 WRITE_CHUNK = 64 << 20
 NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def header_bytes(entries, metadata=None) -> bytes:
@@ -208,3 +207,28 @@ def copy_with_sha256(source: Path, target: Path) -> tuple:
     data = source.read_bytes()
     target.write_bytes(data)
     return len(data), hashlib.sha256(data).hexdigest()
+
+
+class ByteBudget:
+    """At most `limit` bytes of output tensors in memory across all workers (a larger tensor alone)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.aborted = limit, 0, False
+        self._changed = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.aborted or self.used == 0 or self.used + nbytes <= self.limit)
+            if self.aborted:
+                raise RuntimeError("conversion aborted after a failure elsewhere")
+            self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._changed:
+            self.used -= nbytes
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        with self._changed:
+            self.aborted = True
+            self._changed.notify_all()

@@ -252,6 +252,57 @@ def test_every_way_in_gives_the_same_8bit_weights(tiny_model, folders, split):
             assert_same_tensors(rank_tensors_read(folders[bf16], layout, rank, "int8"), at_load)
 
 
+def test_an_8bit_folder_decides_the_format_before_the_model_is_built(folders):
+    """A context that leaves the format open gets the folder's: a new context made before the model
+    is built, every layer built with it; the caller's context is never written (it cannot be)."""
+    import dataclasses
+    import model_adaptor
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.weights.load import load_model
+    context = RankContext(device=model_adaptor.apply("cpu"))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = load_model(folders["int8_one"], context)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            context.expert_format = "int8"
+    finally:
+        model_adaptor.remove()
+    assert context.expert_format is None and model.rank_context.expert_format == "int8"
+    moe = model.model.layers[0].mlp
+    assert moe.rank_context is model.rank_context and moe.experts.w13.dtype == torch.int8
+
+
+@pytest.mark.slow
+def test_a_run_reads_each_checkpoint_file_once(folders, tmp_path):
+    """The CLI's check and the loader share one Checkpoint, checked once: every index, safetensors
+    header, config.json and manifest.json our code reads is read once per process (the run's own
+    reads of tensor bytes aside), for our 8-bit folder and the recipe's."""
+    from unittest import mock
+    from adaptor_patches.weights import checkpoint, safetensors_io
+    reads = []
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def read(path, *args, **kwargs):
+            reads.append((name, str(path)))
+            return real(path, *args, **kwargs)
+        return mock.patch.object(module, name, read)
+
+    for folder in (folders["int8_one"], folders["recipe_int8_one"]):
+        reads.clear()
+        checkpoint._OPENED.clear()              # as in a fresh process
+        with counted(safetensors_io, "read_header"), counted(safetensors_io, "read_index"), \
+                counted(checkpoint, "read_header"), counted(checkpoint, "read_index"), \
+                counted(checkpoint, "read_config"), counted(checkpoint, "read_manifest"):
+            _, _, args = generate_args(folder, tmp_path, folder.name, steps=1)
+            proc = run_cli_in_process(args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        again = sorted({read for read in reads if reads.count(read) > 1})
+        assert not again, f"{folder.name}: read more than once: {again}"
+        assert any(name == "read_header" for name, _ in reads) and ("read_config", str(folder / "config.json")) in reads
+
+
 def test_converted_fp8_loads_as_quantized_at_load(models, folders):
     converted = load(folders["fp8_one"]).state_dict()
     assert_same_tensors(converted, models["fp8"].state_dict())

@@ -60,7 +60,7 @@ from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_EXPERT_FORM
 from adaptor_patches.weights.safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles,  # noqa: E402
                                                     LoadingError, rank_dir_name)
 from utils.safetensors_stream import (ByteBudget, StreamingWriter, copy_file, copy_with_sha256,  # noqa: E402
-                                      file_sha256)
+                                      file_sha256, write_json)
 
 GB = 10 ** 9
 SHARD_SIZE_RANGE_GB = (0.001, 1000.0)      # 1 MB .. 1 TB: smaller makes a shard per tensor, larger is no cap
@@ -162,12 +162,6 @@ def side_files(source: Path) -> list:
     skip = {INDEX_FILE, SINGLE_FILE}
     return sorted(p for p in source.iterdir()
                   if p.is_file() and p.name not in skip and not p.name.endswith(".safetensors"))
-
-
-def write_json(path: Path, data: dict) -> tuple:
-    raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
-    path.write_bytes(raw)
-    return len(raw), hashlib.sha256(raw).hexdigest()
 
 
 def write_small_files(source: Path, out: Path, config: dict, layout_block: dict, jobs: list) -> dict:
@@ -347,9 +341,7 @@ def validate(args) -> tuple:
         if problem:
             raise ConvertError(problem)
         checkpoint.verify()         # the loader's checks: headers, offsets, shapes against config.json
-    except CheckpointError as exc:
-        raise ConvertError(exc.for_field("model-path")) from None
-    except LoadingError as exc:
+    except LoadingError as exc:          # `model-id: problem; fix`, under the converter's field
         raise ConvertError("model-path:" + str(exc).split(":", 1)[1]) from None
     return source, out, layout, checkpoint
 

@@ -41,6 +41,8 @@ from .rank_slices import RankTensor
 from .safetensors_io import CheckpointFiles, LoadingError
 
 
+# ---------------------------------------------------------------- loading
+
 def checked_context(checkpoint: Checkpoint, context: RankContext, per_rank: bool = True) -> RankContext:
     """`context`, once `checkpoint` is checked for it (Checkpoint.check_for_run; answered from memory
     when the CLI asked first). Its expert_format is the one the experts run in; None leaves it to
@@ -49,8 +51,6 @@ def checked_context(checkpoint: Checkpoint, context: RankContext, per_rank: bool
     expert_format = checkpoint.check_for_run(context.layout, context.rank, per_rank, context.expert_format)
     return context if expert_format == context.expert_format else replace(context, expert_format=expert_format)
 
-
-# ---------------------------------------------------------------- loading
 
 def load_tokenizer(model_dir):
     """The checkpoint's fast tokenizer, read directly from tokenizer.json.

@@ -213,7 +213,8 @@ def replay(case: dict, tmp: Path, models: Models) -> dict:
             names["port"] = str(busy.getsockname()[1])
         write_inputs(case, tmp, names)
         try:
-            code, _, stderr = call(case["entry"], substitute(case["argv"], names), substitute(case.get("env", {}), names))
+            code, _, stderr = call(case["entry"], substitute(case["argv"], names),
+                                   substitute(case.get("env", {}), names))
         except Exception as exc:        # the entry point let it escape: a traceback, which no case may end in
             code, stderr = "traceback", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     lines = [normalise(line, names) for line in stderr.strip().splitlines()]

@@ -20,3 +20,10 @@ def models(tiny_model, text_model, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[case["id"] for case in CASES])
 def test_a_refusal_gives_the_recorded_line(case, models, tmp_path):
     assert replay(case, tmp_path, models) == {"stderr": case["stderr"], "code": case["code"]}
+
+
+def test_every_recorded_case_is_one_error_line():
+    """What the file may hold: a refusal, never a traceback or a job that ran."""
+    wrong = [(case["id"], case["code"], case["stderr"]) for case in CASES
+             if case["code"] not in (1, 2) or len(case["stderr"]) != 1 or not case["stderr"][0].startswith("error: ")]
+    assert not wrong, wrong

@@ -63,6 +63,12 @@ class RankZeroStream(io.TextIOBase):
         return self.console.isatty()
 
     @property
+    def buffer(self):
+        """The console's bytes, unfiltered: the launcher passes its job's output through (each rank
+        has routed its own)."""
+        return self.console.buffer
+
+    @property
     def encoding(self):
         return self.console.encoding
 

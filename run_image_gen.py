@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from utils.runtime import many_images
-from utils.runtime.job_args import parse_args  # noqa: F401  (the flags; tools and tests import them from here)
+from utils.runtime.job_args import default_request, parse_args  # noqa: F401  (parse_args: tools import it here)
 from utils.runtime.job_check import CheckedJob, check_job, check_prompt_lengths
-from utils.runtime.many_images import default_request
 from utils.runtime.outputs import OutputWriteError, UsageError, write_atomically
 
 # The cann-recipes names of the fused NPU forms -> the upstream choice our patched modules build; the

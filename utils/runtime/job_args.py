@@ -2,7 +2,8 @@
 
 `parse_args(argv)` is the CLI (argparse, every value checked by utils/runtime/request_schema.py);
 `from_model_args(margs, resolve)` gives the launcher the Namespace the ranks will parse from the
-flags it passes them: the same defaults, the YAML's typed values, paths resolved where the job runs.
+flags it passes them: the same defaults, the YAML's typed values, paths resolved where the job runs;
+`default_request(args)` is what a prompts-file line or an HTTP body does not set.
 utils/runtime/job_check.py then checks either one with the same rules.
 """
 from __future__ import annotations
@@ -83,3 +84,11 @@ def from_model_args(margs: dict, resolve: Optional[Callable] = None) -> argparse
             value = str(resolve(value))
         setattr(args, name, value)
     return args
+
+
+def default_request(args):
+    """The CLI's flags as an ImageRequest: what a line or a body does not set."""
+    from utils.runtime.image_requests import ImageRequest
+    from utils.runtime.request_schema import REQUEST_FIELDS
+    fields = {f.name: getattr(args, f.name) for f in REQUEST_FIELDS}
+    return ImageRequest(**{**fields, "prompt": args.prompt or ""}, save_text=args.save_text)

@@ -182,7 +182,7 @@ def read_prompts(args, files: Optional[ModelFiles], rule) -> list:
     """--prompts: every line checked (the tokenizer's check waits: check_prompt_lengths)."""
     from utils.runtime.batch_job import METRICS_FILE
     from utils.runtime.image_requests import RequestChecker, RequestError, read_prompts_file
-    from utils.runtime.many_images import default_request
+    from utils.runtime.job_args import default_request
     metrics = Path(args.save_dir) / METRICS_FILE
     check_output_path("save-dir", str(metrics))
     rule.add("save-dir", metrics)

@@ -8,15 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from utils.runtime.job_args import default_request
 from utils.runtime.outputs import UsageError
-
-
-def default_request(args):
-    """The CLI's flags as an ImageRequest: what a line or a body does not set."""
-    from utils.runtime.image_requests import ImageRequest
-    from utils.runtime.request_schema import REQUEST_FIELDS
-    fields = {f.name: getattr(args, f.name) for f in REQUEST_FIELDS}
-    return ImageRequest(**{**fields, "prompt": args.prompt or ""}, save_text=args.save_text)
 
 
 def start_server(args, log):

@@ -62,6 +62,9 @@ class RankZeroStream(io.TextIOBase):
     def isatty(self) -> bool:        # progress bars draw as they would on the console
         return self.console.isatty()
 
+    def writable(self) -> bool:
+        return True
+
     @property
     def buffer(self):
         """The console's bytes, unfiltered: the launcher passes its job's output through (each rank

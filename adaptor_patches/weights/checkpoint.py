@@ -293,8 +293,7 @@ class Checkpoint:
         if key not in self._accepted:
             self.check_run(layout, rank, per_rank)
             if per_rank:                # the shims alone parallelise nothing
-                layout.check(self.config)
-                self._check_guidance(layout)
+                self.check_layout(layout)
             self.verify()
             held = self.expert_format(layout.tp_rank(rank)) if self.per_rank else None
             expert_format = resolve_expert_format(held, quantize, self.directory)
@@ -304,13 +303,16 @@ class Checkpoint:
             self._accepted[key] = expert_format
         return self._accepted[key]
 
-    def _check_guidance(self, layout: Layout) -> None:
-        """CFG parallel needs an unconditional branch: a guidance scale above 1 in generation_config.json."""
+    def check_layout(self, layout: Layout) -> None:
+        """The one rule of a layout against this checkpoint's JSON files: head / expert divisibility
+        (Layout.check), and CFG parallel needs an unconditional branch, a guidance scale above 1 in
+        generation_config.json (a config-only folder, planned before its weights, has none to check)."""
+        layout.check(self.config)
         path = self.directory / "generation_config.json"
-        if layout.cfg == 1:
+        if layout.cfg == 1 or not path.is_file():
             return
         try:
-            generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            generation = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path} is not readable JSON ({exc})", "repair it or download it again") from None
         if not isinstance(generation, dict):

@@ -25,8 +25,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_model_args,  # noqa: F401
-                                 check_parallel, check_top, env_string, load_config, model_config, resolve_path)
+from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_job_values,  # noqa: F401
+                                          check_model_args, check_top, env_string, load_config, model_config,
+                                          resolve_path)
 from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, RendezvousError, meet
 from utils.runtime.errors import FieldError
 from utils.runtime.rank_console import RANK_LOG_DIR
@@ -299,7 +300,7 @@ def meet_other_nodes(job: dict, log) -> bool:
         os.close(console_fd)
 
 
-def launch(job: dict, env: dict) -> int:
+def launch(job: dict, env: dict, config_path: Path) -> int:
     cmd = torchrun_command(job)
     model_id = job["model_args"]["model-id"]
     path = log_path(job)
@@ -313,7 +314,7 @@ def launch(job: dict, env: dict) -> int:
             if rc:
                 print(f"error: build_tiny_model: {TINY_MODEL_SCRIPT} failed (exit {rc}); see {path}", file=sys.stderr)
                 return rc
-            check_parallel(job, model_config(model_id, False), child_env)
+            check_job_values(job, model_config(model_id, False), config_path, child_env)
         if job["nnodes"] > 1 and not meet_other_nodes(job, log):
             return 1
         return run_tee(cmd, child_env, log)
@@ -345,8 +346,8 @@ def run(argv: list[str]) -> int:
         return selfcheck.main(argv[1:])
     path, options = parse_argv(argv)
     job = check_top(load_config(path))
-    config = check_model_args(job["model_args"], job["build_tiny_model"], path)
-    layout = check_parallel(job, config, {**os.environ, **job["env_vars"]})
+    config = check_model_args(job["model_args"], job["build_tiny_model"])
+    layout = check_job_values(job, config, path, {**os.environ, **job["env_vars"]})
     env = exports(job)
     if not options["dry_run"] and not options["plan"]:
         check_port_free(job)
@@ -356,7 +357,7 @@ def run(argv: list[str]) -> int:
         if options["plan"]:
             return 0
     if not options["dry_run"]:
-        return launch(job, env)
+        return launch(job, env, path)
     if needs_tiny_model(job):
         print(f"note: would first run {TINY_MODEL_SCRIPT} --out {job['model_args']['model-id']}", file=sys.stderr)
     print(shell_line(env, torchrun_command(job)))

@@ -1,6 +1,6 @@
 """`--prompts` and `--serve` inside run_image_gen.py's job: one model load, many images, rank 0 deciding.
 
-run_image_gen.run() loads the model and hands over here; the generation itself stays the CLI's
+run_image_gen.run() prepares and loads and hands over here; the generation itself stays the CLI's
 (`generate`), so an image from a prompts line or an HTTP request equals the `--prompt` run with the
 same seed, size and steps.
 """
@@ -8,32 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from utils.runtime.job_args import default_request
 from utils.runtime.outputs import UsageError
-
-
-def default_request(args):
-    """The CLI's flags as an ImageRequest: what a line or a body does not set."""
-    from utils.runtime.image_requests import ImageRequest
-    from utils.runtime.request_schema import REQUEST_FIELDS
-    fields = {f.name: getattr(args, f.name) for f in REQUEST_FIELDS}
-    return ImageRequest(**{**fields, "prompt": args.prompt or ""}, save_text=args.save_text)
-
-
-def job_step_cache(args):
-    """The CLI's step cache (every request's default) from --step-cache*, checked against the steps
-    (--prompt) and the model's layers; FieldError naming the flag."""
-    import json
-    from utils.runtime.request_schema import FieldError, step_cache_of
-    try:                    # a damaged config.json is the checkpoint check's to report, in its words
-        config = json.loads((Path(args.model_id) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = None
-    layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
-    if args.step_cache not in (None, "none") and args.adaptor != "full":
-        raise FieldError("step-cache", "needs the adaptor's patches, not --adaptor shims",
-                         "use --adaptor full or --step-cache none")
-    return step_cache_of(lambda name: getattr(args, name), args.diff_infer_steps if args.prompt is not None else None,
-                         layers)
 
 
 def start_server(args, log):
@@ -54,8 +30,9 @@ def start_server(args, log):
     return server
 
 
-def run_many(args, model, dist, rank, server, log, generate, is_collective_failure) -> int:
-    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/rank_loop.py)."""
+def run_many(args, requests, model, dist, rank, server, log, generate, is_collective_failure) -> int:
+    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/rank_loop.py).
+    `requests`: the prompts file's, checked (rank 0; None on the others and for --serve)."""
     import signal
     from utils.runtime.batch_job import run_batch
     from utils.runtime.rank_loop import RankLoop
@@ -70,7 +47,7 @@ def run_many(args, model, dist, rank, server, log, generate, is_collective_failu
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     if args.prompts is not None:
-        return run_batch(loop, getattr(args, "requests", []), Path(args.save_dir), args.skip_existing, log)
+        return run_batch(loop, requests or [], Path(args.save_dir), args.skip_existing, log)
     if server is None:
         loop.run(pull=None, deliver=None)
         return 0

@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-existing", action="store_true", help="--prompts: skip lines whose image exists")
     p.add_argument("--serve", action="store_true", help="serve POST /v1/images/generations until SIGTERM")
     p.add_argument("--host", type=str, default="127.0.0.1", help="--serve's address (loopback by default)")
-    schema.add_arguments(p, ["port", "queue_size", "max_n", "client_timeout"])
+    schema.add_arguments(p, ["port", "queue_size", "max_n", "client_timeout", "api_key", "api_key_env"])
     p.add_argument("--model-id", type=str, default="./HunyuanImage-3")
     p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager", "npu"],
                    help="'npu' (the cann-recipes name): the fused NPU attention; on CPU / CUDA the plain form")
@@ -142,6 +142,8 @@ def read_requests(args, rule) -> list:
 
 def validate(args):
     validate_mode(args)
+    from utils.runtime import api_key
+    args.api_key = api_key.from_args(args, os.environ)        # an ApiKey (prints as <hidden>) or None
     model_dir = Path(args.model_id)
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"model-id: {model_dir} has no config.json; pass a HunyuanImage-3 checkpoint dir "

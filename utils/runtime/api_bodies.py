@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from dataclasses import replace
 
 from utils.runtime.image_requests import RequestChecker
@@ -80,3 +81,107 @@ def result_item(result) -> dict:
         item["step_cache"] = {k: result.step_cache[k] for k in
                               ("mode", "computed_steps", "cached_steps", "forwards_saved")}
     return item
+
+
+def take_stream(body: dict) -> bool:
+    """Pop the body's "stream" (server-sent events when true); BadRequest when it is not a boolean."""
+    stream = body.pop("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream", f"{stream!r} is not true or false", "use true for server-sent events, or leave it out")
+    return stream
+
+
+# ---------------------------------------------------------------- POST /v1/images/edits
+
+MAX_IMAGES = 3                     # upstream's Instruct model takes one to three conditioning images
+MAX_IMAGE_BYTES = 20 << 20         # per image, as sent
+MAX_IMAGE_PIXELS = 8192 * 8192     # per image, decoded (a small file may decode huge)
+FORM_INTEGERS = ("n", "seed", "steps")
+
+
+def form_fields(parts: list) -> tuple:
+    """(body dict, image payloads) of multipart form-data parts [(name, filename, bytes)]: text fields
+    typed as the JSON body would carry them, files under image / image[] in order."""
+    import json
+    body, images = {}, []
+    for name, filename, data in parts:
+        if name in ("image", "image[]"):
+            images.append(data)
+            continue
+        if filename is not None:
+            raise BadRequest(name or "body", "is a file, but only image / image[] may be files",
+                             "send the other fields as text")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(name, "is not UTF-8 text", "send the field as UTF-8") from None
+        if name in FORM_INTEGERS and re.fullmatch(r"[0-9]{1,12}", text):
+            value = int(text)
+        elif name == "stream" and text in ("true", "false"):
+            value = text == "true"
+        elif name == "step_cache" and text.lstrip().startswith("{"):
+            try:
+                value = json.loads(text)
+            except (ValueError, RecursionError):
+                raise BadRequest("step_cache", "is not a JSON object", 'send a mode name or {"mode": ...}') from None
+        else:
+            value = text
+        body[name] = value
+    return body, images
+
+
+def json_images(body: dict) -> list:
+    """The JSON form's "image": one base64 string (or data: URL) or a list of them -> their bytes."""
+    value = body.pop("image", None)
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    images = []
+    for i, item in enumerate(items, 1):
+        if not isinstance(item, str):
+            raise BadRequest(f"image[{i}]", f"a JSON {type(item).__name__}, not base64 text",
+                             "send the image file as base64 or a data: URL")
+        text = item.split(",", 1)[1] if item.startswith("data:") and "," in item else item
+        try:
+            images.append(base64.b64decode(text, validate=True))
+        except ValueError:
+            raise BadRequest(f"image[{i}]", "is not base64", "send the image file as base64 or a data: URL") from None
+    return images
+
+
+def decode_images(payloads: list) -> list:
+    """The conditioning images as RGB PIL images: 1..MAX_IMAGES of them, each a whole image file within
+    the limits; BadRequest naming image or image[i]."""
+    from PIL import Image
+    if not 1 <= len(payloads) <= MAX_IMAGES:
+        raise BadRequest("image", f"{len(payloads)} images", f"send 1 to {MAX_IMAGES} (image[] in a form, or "
+                                                            f"\"image\": [base64, ...] in JSON)")
+    images = []
+    for i, data in enumerate(payloads, 1):
+        if len(data) > MAX_IMAGE_BYTES:
+            raise BadRequest(f"image[{i}]", f"{len(data)} bytes, more than {MAX_IMAGE_BYTES}", "send a smaller file")
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                width, height = opened.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise BadRequest(f"image[{i}]", f"{width}x{height} pixels, more than {MAX_IMAGE_PIXELS}",
+                                     "send a smaller image")
+                images.append(opened.convert("RGB"))
+        except BadRequest:
+            raise
+        except Exception as exc:          # PIL raises many kinds for a file that is not a whole image
+            raise BadRequest(f"image[{i}]", f"is not an image PIL can read ({type(exc).__name__})",
+                             "send a PNG, JPEG or WebP file") from None
+    return images
+
+
+def edit_requests(requests: list, images: list, limit: int) -> list:
+    """The hand-off from the HTTP side to the model: requests whose images condition the generation.
+    A checkpoint that takes none (limit 0, the base model) is refused here; issue 28 (the Instruct
+    model) fills in how the images travel with the requests to every rank."""
+    if limit == 0:
+        raise BadRequest("image", "this checkpoint takes no conditioning images",
+                         "use POST /v1/images/generations, or serve an Instruct checkpoint")
+    if len(images) > limit:
+        raise BadRequest("image", f"{len(images)} images; this checkpoint takes at most {limit}", f"send 1 to {limit}")
+    raise BadRequest("image", "conditioning images do not reach the model yet", "use POST /v1/images/generations")

@@ -1,7 +1,11 @@
-"""`--serve`: an OpenAI-style images API on rank 0; every request runs on all ranks together.
+"""`--serve`: an OpenAI-style images API and a page on rank 0; every request runs on all ranks together.
 
+    GET  /                        the page (utils/runtime/web/), a client of the API below like any other
     POST /v1/images/generations   {"prompt", "n", "size": "WxH" | "auto", "response_format": "b64_json",
-                                   our extras "seed", "steps", "bot_task", "step_cache"} -> {"created", "data": [...]}
+                                   our extras "seed", "steps", "bot_task", "step_cache", "stream"}
+                                   -> {"created", "data": [...]}; "stream": true -> server-sent events
+    POST /v1/images/edits         the same with 1..3 conditioning images (multipart image[] or JSON base64)
+    GET  /v1/models               the checkpoint and what it takes: sizes, steps, bot tasks, images
     GET  /health                  200 {"status": "ok", ...} once the model is loaded (503 "loading" before)
     GET  /metrics                 Prometheus text: requests by code, images, queue depth, latency
 
@@ -11,15 +15,14 @@ pinned, often offline Python environment gets no extra packages (FastAPI + uvico
 Handler threads (utils/runtime/http_api.py: the routing table and one function per endpoint) only
 parse, check (utils/runtime/api_bodies.py) and queue; the job's main thread pulls from the bounded
 FIFO queue and runs the rank loop (utils/runtime/rank_loop.py). This class is what both sides share:
-the queue, the running job, the metrics (utils/runtime/server_metrics.py) and the server's life.
-Queue full -> 503 with Retry-After; a bad body -> 400 with an OpenAI-style JSON error; a failure
-inside the model on every rank -> 500 and serving goes on. SIGTERM / Ctrl-C: stop accepting, answer
-queued requests 503, finish the running one, stop every rank. Binds 127.0.0.1 unless told
-otherwise; there is no authentication, so binding elsewhere is the user's explicit choice (logged).
+the queue, the running job and its progress, the metrics (utils/runtime/server_metrics.py), the
+key and the server's life. A job's client that leaves (closes its connection) cancels it: queued,
+it never runs; running, every rank stops at the next denoising step (adaptor_patches/denoise_watch.py).
+A rank lost mid-request: that request's client gets a 500 saying so before the process exits.
 """
 from __future__ import annotations
 
-import queue
+import collections
 import signal
 import threading
 import time
@@ -32,26 +35,104 @@ from utils.runtime.rank_loop import HEARTBEAT_S
 from utils.runtime.server_metrics import Metrics  # noqa: F401  (the server's counters)
 
 ANSWER_GRACE_S = 60.0                          # how long close() waits for a finished request's response
+SHUTTING_DOWN = "server is shutting down"
 
 
 class Job:
+    """One request's images on their way through the queue and the ranks; handler threads follow it."""
+
     def __init__(self, requests):
-        self.requests, self.results, self.done = requests, None, threading.Event()
+        self.requests, self.results = requests, None
         self.created = time.time()
-        self.error = None                       # set when the server stops before running it
+        self.refusal = None                     # ApiError: stopped before it ran, or its run was lost
+        self.done = threading.Event()
         self.answered = threading.Event()       # its response is written (or its client is gone)
+        self.cancelled = threading.Event()      # its client left: do not run it, or stop it at the next step
+        self.changed = threading.Condition()
+        self.version = 0                        # bumped on every change a follower may show
+        self.progress = None                    # {"image", "images", "step", "steps"} while it runs
+        self.image = -1                         # index of the image the ranks are making
+
+    def touch(self, **progress) -> None:
+        with self.changed:
+            if progress:
+                self.progress = progress
+            self.version += 1
+            self.changed.notify_all()
+
+    def wait_change(self, seen: int, timeout: float) -> int:
+        with self.changed:
+            if self.version == seen:
+                self.changed.wait(timeout)
+            return self.version
+
+    def finish(self, results=None, refusal=None) -> None:
+        self.results, self.refusal = results, refusal
+        self.done.set()
+        self.touch()
+
+
+class JobQueue:
+    """Bounded FIFO of jobs that also answers a job's place in line and lets a cancelled one go."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize, self.items, self.lock = maxsize, collections.deque(), threading.Condition()
+
+    def qsize(self) -> int:
+        with self.lock:
+            return len(self.items)
+
+    def put(self, job) -> bool:
+        with self.lock:
+            if len(self.items) >= self.maxsize:
+                return False
+            self.items.append(job)
+            self.lock.notify_all()
+        return True
+
+    def get(self, timeout: float):
+        with self.lock:
+            if not self.items:
+                self.lock.wait(timeout)
+            job = self.items.popleft() if self.items else None
+            behind = list(self.items)
+        for waiting in behind:
+            waiting.touch()                      # everyone behind it moved up
+        return job
+
+    def remove(self, job) -> bool:
+        with self.lock:
+            if job not in self.items:
+                return False
+            self.items.remove(job)
+            behind = list(self.items)
+        for waiting in behind:
+            waiting.touch()
+        return True
+
+    def position(self, job) -> int:
+        """1 for the next to run; 0 when not waiting."""
+        with self.lock:
+            return self.items.index(job) + 1 if job in self.items else 0
+
+    def drain(self) -> list:
+        with self.lock:
+            jobs, self.items = list(self.items), collections.deque()
+        return jobs
 
 
 class ImageServer:
     def __init__(self, host: str, port: int, defaults, checker: RequestChecker, queue_size: int, max_n: int, log,
-                 client_timeout: float = 30.0):
+                 client_timeout: float = 30.0, api_key=None):
         self.defaults, self.checker, self.max_n, self.log = defaults, checker, max_n, log
+        self.api_key = api_key                        # utils/runtime/api_key.ApiKey, or None: no key asked
         self.client_timeout = client_timeout          # a client silent this long is dropped (slow or half-open)
         self.unanswered: list = []                    # jobs delivered whose response is not written yet
-        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.jobs = JobQueue(queue_size)
         self.metrics, self.loaded, self.stopping = Metrics(), threading.Event(), threading.Event()
         self.closed = threading.Event()
         self.running, self.check_lock = None, threading.Lock()
+        self._model_card = None
         self.httpd = ThreadingHTTPServer((host, port), handler_for(self, client_timeout))
         self.httpd.daemon_threads = True
         self.httpd.handle_error = self._connection_failed
@@ -82,24 +163,46 @@ class ImageServer:
         """The rank loop's next message: a queued job, a heartbeat tick after HEARTBEAT_S idle, or stop."""
         deadline = time.monotonic() + HEARTBEAT_S
         while not self.stopping.is_set():
-            try:
-                job = self.jobs.get(timeout=0.5)
-            except queue.Empty:
+            job = self.jobs.get(timeout=0.5)
+            if job is None:
                 if time.monotonic() >= deadline:
                     return ("tick", None)
+                continue
+            if job.cancelled.is_set():               # its client left while it waited
+                job.finish(refusal=ApiError(499, "cancelled", kind="cancelled"))
                 continue
             from utils.runtime.batch_job import choose_seed
             job.requests = [choose_seed(r) for r in job.requests]
             self.running = job
+            job.touch()
             return ("run", job.requests)
         self._refuse_queued()
         return ("stop", None)
 
+    def watch(self, request):
+        """Rank 0's DenoiseWatch for the running job's next image: its progress, its client's cancel."""
+        from adaptor_patches.denoise_watch import DenoiseWatch
+        job = self.running
+        job.image += 1
+        index, images = job.image, len(job.requests)
+        return DenoiseWatch(request.diff_infer_steps, cancelled=job.cancelled.is_set,
+                            on_step=lambda step, steps: job.touch(image=index + 1, images=images, step=step,
+                                                                  steps=steps))
+
     def deliver(self, results) -> None:
         job, self.running = self.running, None
-        job.results = results
         self.unanswered = [j for j in self.unanswered if not j.answered.is_set()] + [job]
-        job.done.set()
+        job.finish(results)
+
+    def fail_running(self, reason: str) -> None:
+        """The rank loop ended in an error (a rank lost, the ranks disagreeing): the running request's
+        client hears it (500) before close() lets the process exit."""
+        job, self.running = self.running, None
+        if job is None:
+            return
+        self.unanswered.append(job)
+        job.finish(refusal=ApiError(500, f"the job lost a rank while making this image ({reason}); the server is "
+                                         f"stopping, restart it", kind="server_error"))
 
     def _connection_failed(self, _request, client_address) -> None:
         """socketserver would print a traceback; a client that vanished is one log line."""
@@ -108,13 +211,8 @@ class ImageServer:
         self.log(f"http {client_address[0]} connection dropped: {type(exc).__name__}: {exc}")
 
     def _refuse_queued(self) -> None:
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                return
-            job.error = "server is shutting down"
-            job.done.set()
+        for job in self.jobs.drain():
+            job.finish(refusal=ApiError(503, SHUTTING_DOWN, kind="unavailable"))
 
     def close(self) -> None:
         self.stopping.set()
@@ -132,31 +230,35 @@ class ImageServer:
     def status(self) -> str:
         return "stopping" if self.stopping.is_set() else "ok" if self.loaded.is_set() else "loading"
 
-    def parse(self, body: dict) -> list:
+    def model_card(self) -> dict:
+        if self._model_card is None:
+            from utils.runtime.model_card import model_card
+            self._model_card = model_card(self.checker, self.defaults, self.max_n)
+        return self._model_card
+
+    def parse(self, body: dict, parse=parse_body) -> list:
         """The body's checked ImageRequests, or BadRequest."""
         with self.check_lock:                    # the tokenizer is shared by the handler threads
-            return parse_body(body, self.defaults, self.checker, self.max_n)
+            return parse(body, self.defaults, self.checker, self.max_n)
 
     def submit(self, requests: list) -> Job:
         """Queue a job, or ApiError 503 (stopping, still loading, queue full)."""
         if self.stopping.is_set():
-            raise ApiError(503, "server is shutting down", kind="unavailable")
+            raise ApiError(503, SHUTTING_DOWN, kind="unavailable")
         if not self.loaded.is_set():
             raise ApiError(503, "the model is still loading", kind="unavailable", headers=[("Retry-After", "30")])
         job = Job(requests)
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
+        if not self.jobs.put(job):
             wait = int(max(1, self.metrics.mean_latency() * (self.jobs.qsize() + 1)))
             raise ApiError(503, f"queue full ({self.jobs.maxsize} waiting); retry later", kind="unavailable",
-                           headers=[("Retry-After", str(wait))]) from None
+                           headers=[("Retry-After", str(wait))])
         return job
 
-    def wait(self, job: Job) -> None:
-        """Until the job is done; ApiError 503 when it was queued after the last drain (it never runs)."""
-        while not job.done.wait(1.0):
-            if self.closed.is_set():
-                raise ApiError(503, "server is shutting down", kind="unavailable")
+    def cancel(self, job: Job) -> None:
+        """Its client left: a waiting job leaves the queue, a running one stops at the next denoising step."""
+        job.cancelled.set()
+        if self.jobs.remove(job):
+            job.finish(refusal=ApiError(499, "cancelled", kind="cancelled"))
 
     def count_images(self, job: Job, seconds: float) -> None:
         steps = sum(r.request.diff_infer_steps for r in job.results)

@@ -222,3 +222,54 @@ def test_a_client_that_leaves_its_queued_request_cancels_it(tiny_model):
         assert srv.jobs.qsize() == 0 and any("client left" in line for line in lines), lines
     finally:
         srv.close()
+
+
+BAD_KEY = "bad key 9f8e7d"
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--serve", "--api-key", BAD_KEY], {}, "error: api-key: is not 1 to 4096 visible ASCII characters"),
+    (["--serve", "--api-key-env", "PAGE_KEY"], {"PAGE_KEY": BAD_KEY}, "error: api-key-env: the key is not 1 to 4096"),
+    (["--serve", "--api-key-env", "NO_SUCH_KEY_VAR"], {}, "error: api-key-env: NO_SUCH_KEY_VAR is not set or empty"),
+    (["--serve", "--api-key-env", "NOT-A-NAME"], {}, "error: api-key-env: 'NOT-A-NAME' is not an environment variable"),
+    (["--serve", "--api-key", "k3y", "--api-key-env", "PAGE_KEY"], {"PAGE_KEY": "k3y"}, "error: api-key: given twice"),
+    (["--prompt", "a fox", "--api-key", "k3y"], {}, "error: api-key: only with --serve"),
+])
+def test_key_refusals_are_one_line_that_never_shows_the_key(tiny_model, argv, env, message):
+    from generation import run_cli_in_process
+    proc = run_cli_in_process([*argv, "--model-id", tiny_model, "--device", "cpu"], env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and BAD_KEY not in proc.stderr + proc.stdout
+
+
+def launcher(tmp_path, model_args: dict, env_vars=None, *options):
+    import contextlib
+    import io
+    from utils.launcher import launch
+    from generation import ROOT
+    config = {"world_size": 1, "master_port": 29619, "entry_script": "run_image_gen.py",
+              "env_vars": env_vars or {}, "model_args": {"serve": True, "device": "cpu", **model_args}}
+    (tmp_path / "job.yaml").write_text(json.dumps(config))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = launch.main([str(tmp_path / "job.yaml"), "--dry-run", "--no-plan", *options])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_a_yaml_key_reaches_the_ranks_in_the_environment_never_on_the_command_line(tiny_model, tmp_path):
+    code, out, err = launcher(tmp_path, {"model-id": str(tiny_model), "api-key": "yaml-key-31337"})
+    assert code == 0 and "--api-key-env HUNYUAN_API_KEY" in out and "yaml-key-31337" not in out + err, out + err
+    assert "note: api-key: handed to the ranks in the environment variable HUNYUAN_API_KEY" in err
+    code, out, err = launcher(tmp_path, {"model-id": str(tiny_model), "api-key-env": "SERVE_KEY"},
+                              {"SERVE_KEY": "env-key-31337"})
+    assert code == 0 and "SERVE_KEY=<hidden>" in out and "--api-key-env SERVE_KEY" in out and "31337" not in out
+
+
+@pytest.mark.parametrize("model_args, message", [
+    ({"api-key": 987654321}, "error: model_args.api-key: is not 1 to 4096 visible ASCII characters"),
+    ({"api-key": "k3y", "api-key-env": "SERVE_KEY"}, "error: model_args.api-key: given with api-key-env"),
+    ({"api-key-env": "NO_SUCH_KEY_VAR"}, "error: model_args.api-key-env: NO_SUCH_KEY_VAR is not set"),
+])
+def test_yaml_key_refusals(tiny_model, tmp_path, model_args, message):
+    code, out, err = launcher(tmp_path, {"model-id": str(tiny_model), **model_args})
+    assert code == 2 and err.startswith(message) and "987654321" not in err, err

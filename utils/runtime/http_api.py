@@ -29,8 +29,8 @@ WEB = Path(__file__).resolve().parent / "web"
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/page.js": ("page.js", "text/javascript; charset=utf-8"),
           "/page.css": ("page.css", "text/css; charset=utf-8")}
 # The page loads nothing but itself: no CDN, no inline script, images from data: and blob: URLs only.
-PAGE_HEADERS = [("Content-Security-Policy", "default-src 'self'; img-src 'self' data: blob:; object-src 'none'; "
-                                            "base-uri 'none'; frame-ancestors 'none'"),
+PAGE_HEADERS = [("Content-Security-Policy", "default-src 'self'; img-src 'self' data: blob:; connect-src 'self' blob:; "
+                                            "object-src 'none'; base-uri 'none'; frame-ancestors 'none'"),
                 ("X-Content-Type-Options", "nosniff"), ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-cache")]
 
 

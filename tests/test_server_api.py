@@ -273,3 +273,26 @@ def test_a_yaml_key_reaches_the_ranks_in_the_environment_never_on_the_command_li
 def test_yaml_key_refusals(tiny_model, tmp_path, model_args, message):
     code, out, err = launcher(tmp_path, {"model-id": str(tiny_model), **model_args})
     assert code == 2 and err.startswith(message) and "987654321" not in err, err
+
+
+@pytest.mark.parametrize("host, key, line", [
+    ("0.0.0.0", None, "warning: listening on 0.0.0.0 with no API key: anyone who reaches port"),
+    ("0.0.0.0", ApiKey(KEY), "note: listening on 0.0.0.0: reachable from other machines; every API call needs the key"),
+    ("127.0.0.2", None, None),
+])
+def test_binding_beyond_loopback_without_a_key_warns_at_start(tiny_model, host, key, line):
+    import run_image_gen
+    from utils.runtime.many_images import start_server
+    args = run_image_gen.parse_args(["--serve", "--model-id", str(tiny_model), "--host", host, "--port", "0"])
+    args.api_key = key
+    import signal
+    lines, handlers = [], {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server = start_server(args, lines.append)
+        server.close()
+    finally:
+        for sig, handler in handlers.items():          # start_server installs the server's own
+            signal.signal(sig, handler)
+    found = [text for text in lines if text.startswith(("warning:", "note:"))]
+    assert (found == []) if line is None else (len(found) == 1 and found[0].startswith(line)), lines
+    assert not any(KEY in text for text in lines)

@@ -195,11 +195,13 @@ def test_the_page_generates_with_progress_cancels_and_keeps_its_key(served, brow
     assert np.array_equal(np.asarray(png.convert("RGB")), pixels(shown))
     saved = json.loads(png.info["parameters"])
     assert (saved["prompt"], saved["seed"], saved["steps"], saved["size"]) == ("a red fox in the snow", 7, STEPS, "64x64")
-    browser.set_window_size(1100, 820)
     browser.save_screenshot(str(tmp_path / "page.png"))
-    browser.set_window_size(1200, 1100)
-    if os.environ.get("UPDATE_PAGE_SCREENSHOT") == "1":
-        Image.open(tmp_path / "page.png").convert("RGB").save(ROOT / "docs" / "page.png", optimize=True)
+    if os.environ.get("UPDATE_PAGE_SCREENSHOT") == "1":        # cropped to the page's content
+        from PIL import ImageChops
+        shot = Image.open(tmp_path / "page.png").convert("RGB")
+        content = ImageChops.difference(shot, Image.new("RGB", shot.size, shot.getpixel((2, shot.height - 2))))
+        box = content.getbbox()
+        shot.crop((0, 0, shot.width, min(shot.height, box[3] + 12))).save(ROOT / "docs" / "page.png", optimize=True)
 
     # Esc cancels a long request: the page says so and the server is free soon after.
     find("steps").clear()

@@ -19,6 +19,8 @@ the queue, the running job and its progress, the metrics (utils/runtime/server_m
 key and the server's life. A job's client that leaves (closes its connection) cancels it: queued,
 it never runs; running, every rank stops at the next denoising step (adaptor_patches/denoise_watch.py).
 A rank lost mid-request: that request's client gets a 500 saying so before the process exits.
+Binds 127.0.0.1 unless told otherwise; with a key (utils/runtime/api_key.py) every endpoint but
+/health and the page's files needs `Authorization: Bearer KEY`.
 """
 from __future__ import annotations
 

@@ -36,6 +36,14 @@ def job_step_cache(args):
                          layers)
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def start_server(args, log):
     """Rank 0's HTTP server, listening (health says "loading") before the weights load."""
     from utils.runtime.image_requests import RequestChecker
@@ -48,7 +56,7 @@ def start_server(args, log):
                          f"--port or stop what uses it") from None
     server.install_signal_handlers()
     server.start()
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not is_loopback(args.host):
         log(f"note: listening on {args.host}: reachable from other machines; every API call needs the key"
             if args.api_key is not None else
             f"warning: listening on {args.host} with no API key: anyone who reaches port {server.httpd.server_address[1]} "

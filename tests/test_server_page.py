@@ -91,9 +91,24 @@ class Served:
         return texts
 
     def remove(self):
+        """After a failed test too: SIGTERM through run.sh (it forwards it to torchrun, which lives in a
+        session of its own); if that does not end it, SIGKILL to every process under it."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+            from utils.launcher.launch import child_processes
+            tree, todo = [], [self.proc.pid]
+            while todo:
+                pid = todo.pop()
+                tree.append(pid)
+                todo += [child for child, _ in child_processes(pid)]
+            try:
+                self.stop()
+            except subprocess.TimeoutExpired:
+                for pid in tree:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                self.proc.wait(30)
         for folder in (ROOT / "res").glob(f"*/{self.name}"):
             shutil.rmtree(folder)
             if not any(folder.parent.iterdir()):

@@ -24,7 +24,7 @@ LAYERS = (
     ("weights.checkpoint",),                # the one checkpoint object
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
-    ("hunyuan", "autoencoder_kl_3d", "step_cache", "text_phase", "compat", "metrics"),
+    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "compat", "metrics"),
 )
 EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__")
 

@@ -101,6 +101,8 @@ def check_job(args, *, world_size: int, env: Mapping, writes_outputs: bool, inpu
     path the check itself adds is made (the launcher's: relative to the project root);
     `model_ready`: False while the launcher's tiny checkpoint is still to be built (its checks wait)."""
     check_mode(args, resolve or str)
+    from utils.runtime import api_key
+    args.api_key = api_key.from_args(args, env)       # an ApiKey (prints as <hidden>) or None
     files = ModelFiles(args.model_id) if model_ready else None
     args.step_cache = job_step_cache(args, files.layers if files else None)
     if args.use_system_prompt == "custom" and not args.system_prompt:

@@ -2,8 +2,8 @@
 
 A static check (the source's syntax tree, not a run): no module under adaptor_patches/ reads
 `os.environ` / `os.getenv` (any alias of `os`, or the names imported from it). The entry points read
-their environment and pass what matters down (Layout.from_args(args, os.environ), the launcher's
-YAML `env_vars`); tests inject what they need into the objects they build.
+their environment and pass what matters down (utils/runtime/job_check.py's `env`: the process's, or
+the launcher's YAML `env_vars`); tests inject what they need into the objects they build.
 """
 import ast
 from pathlib import Path

@@ -214,18 +214,19 @@ def test_which_combinations_run_where(kind, fmt, compute, expected):
         assert problem.startswith(expected) and "; " in problem and "\n" not in problem
 
 
-def test_every_check_asks_the_one_table(monkeypatch, tmp_path):
-    """W8A8 on CPU refused by the kernel layer, the CLI's device check and the YAML launcher alike;
-    with the table saying CPU runs it, none of them refuses: the rule is written nowhere else."""
+def test_every_check_asks_the_one_table(monkeypatch):
+    """W8A8 on CPU refused by the kernel layer and by the job check (the CLI's, the launcher's, every
+    rank's) alike; with the table saying CPU runs it, neither refuses: the rule is written nowhere else."""
     from adaptor_patches.kernels import quant
-    from utils.launcher.launch_config import ConfigError, check_quant_compute
+    from utils.runtime.errors import FieldError
+    from utils.runtime.job_check import check_quant_compute
     assert quant_compute_problem("cpu", "w8a8").startswith(W8A8_ONLY + "cpu;")
     assert quant_compute_problem("npu", "w8a8") is None and quant_compute_problem("cuda", "w8a8") is None
-    with pytest.raises(ConfigError, match=r"model_args\.quant-compute: w8a8 .* runs on npu with int8 experts"):
-        check_quant_compute("w8a8", "cpu")
+    with pytest.raises(FieldError, match=r"quant-compute: w8a8 .* runs on npu with int8 experts"):
+        check_quant_compute("cpu", "w8a8")
     monkeypatch.setitem(quant.QUANT_SUPPORT, ("cpu", "int8"), ("w8a16", "w8a8"))
     assert quant_problem("cpu", "int8", "w8a8") is None and quant_compute_problem("cpu", "w8a8") is None
-    check_quant_compute("w8a8", "cpu")
+    check_quant_compute("cpu", "w8a8")
 
 
 def test_old_compute_names_are_accepted_with_one_note(capsys):
@@ -233,10 +234,10 @@ def test_old_compute_names_are_accepted_with_one_note(capsys):
     from utils.runtime import request_schema as schema
     parser = argparse.ArgumentParser()
     schema.add_arguments(parser, ["quant_compute"])
-    assert parser.parse_args([]).quant_compute == "w8a16" and capsys.readouterr().err == ""
+    assert parser.parse_args([]).quant_compute == "w8a16" and capsys.readouterr().out == ""
     for old, new in (("weight", "w8a16"), ("8bit", "w8a8")):
         assert parser.parse_args(["--quant-compute", old]).quant_compute == new
-        assert capsys.readouterr().err.splitlines() == [f"note: quant-compute {old} is now called {new}; "
+        assert capsys.readouterr().out.splitlines() == [f"note: quant-compute {old} is now called {new}; "
                                                         f"the old name still works"]
     assert schema.JOB["quant_compute"].check("8bit", field="model_args.quant-compute") == "w8a8"     # the YAML's check
 

@@ -78,6 +78,7 @@ GROUP_DIMS = {
     "moe_ep": BRANCH,                    # a MoE layer's experts: all-to-alls, all-gather (moe/dispatch.py)
     "vae": MESH_DIMS,                    # the VAE decode's row bands: every rank (vae_bands.py)
     "step_cache": MESH_DIMS,             # the adaptive step cache's skip decision: every rank
+    "denoise_cancel": MESH_DIMS,         # rank 0's cancel of a served image: every rank (denoise_watch.py)
 }
 
 
@@ -265,15 +266,6 @@ class Layout:
             raise LayoutError("moe-tp/moe-ep: both set; they are exclusive, keep one")
         moe = "tp" if moe_tp else "ep" if moe_ep else "replicated"
         return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel))
-
-    @classmethod
-    def from_args(cls, args, env) -> "Layout":
-        """run_image_gen.py's flags (and CFG_PARALLEL / USE_VAE_PARALLEL of `env`, the entry point's
-        environment) over torchrun's WORLD_SIZE."""
-        return cls.from_flags(int(env.get("WORLD_SIZE", 1)),
-                              cfg_parallel=bool(getattr(args, "cfg_parallel", False)) or env_flag("CFG_PARALLEL", env),
-                              moe_tp=getattr(args, "moe_tp", False), moe_ep=getattr(args, "moe_ep", False),
-                              vae_parallel=bool(getattr(args, "vae_parallel", False)) or env_flag("USE_VAE_PARALLEL", env))
 
     @classmethod
     def from_degrees(cls, tp_attn: int, tp_moe: int = 1, ep: int = 1) -> "Layout":

@@ -13,9 +13,14 @@ Two modes, both opt-in (`none` is the default and leaves every forward as it was
             other layers are skipped and their contribution at the last full step (the residual
             delta: hidden state after the last layer minus after layer `blocks`) is added instead;
             at most `max_skip` steps in a row. The measure depends on data, so the ranks agree on
-            it: one all-reduce MAX over the world group per candidate step. Under CFG parallel each
-            rank measures its own branch's rows; the MAX is the measure a single process takes over
-            both branches' rows, so single process and every layout decide alike.
+            it: one all-reduce MAX per candidate step over every rank of the job (the default
+            group, which run_image_gen makes the layout's world). Every rank, because the tp ranks
+            of a branch meet in the skipped layers' collectives (ranks that disagreed would leave
+            the others waiting in an all-reduce), and both CFG branches, because each measures only
+            its own rows: the MAX over them is the measure a single process takes over both
+            branches' rows, so single process and every layout decide alike. The agreed value is a
+            float32 tensor on the rank's device (NCCL and HCCL take device tensors only), rounded
+            to float32 on one rank as on many.
 
 Why forecast both branches rather than the combined guidance: the cache sits at the model's
 forward (the patched HunyuanImage3ForCausalMM.forward), above the CFG split and its gather, so
@@ -149,18 +154,14 @@ def extrapolate(history: list, step: int, order: int) -> torch.Tensor:
     return result
 
 
-def _world():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
-
-
 class StepCacheRun:
-    """One image's cache: which step the loop is on, what was computed, what was forecast or skipped."""
+    """One image's cache: which step the loop is on, what was computed, what was forecast or skipped.
+    `device`: the rank's device (torch.device, None: the CPU); `world`: torch.distributed when the
+    job spans several ranks (the agreement's all-reduce), else None; `rank`: this rank's global rank."""
 
-    def __init__(self, settings: StepCacheSettings, steps: int, layers: int):
+    def __init__(self, settings: StepCacheSettings, steps: int, layers: int, device=None, world=None, rank: int = 0):
         self.settings, self.steps, self.layers = settings, steps, layers
+        self.device, self.world, self.rank = device, world, rank
         self.forced = set(full_steps(settings, steps))
         self.step = -1
         self.computed, self.cached, self.measures = [], [], {}
@@ -198,13 +199,12 @@ class StepCacheRun:
             self._decide(False)
             return
         measure = self._local_measure(hidden)
-        if self._perturb is not None and self._perturb[0] == _rank():
+        if self._perturb is not None and self._perturb[0] == self.rank:
             measure *= self._perturb[1]
         import torch
-        agreed = torch.tensor([measure], dtype=torch.float64)
-        world = _world()
-        if world is not None:
-            world.all_reduce(agreed, op=world.ReduceOp.MAX)
+        agreed = torch.tensor([measure], dtype=torch.float32, device=self.device)
+        if self.world is not None:
+            self.world.all_reduce(agreed, op=self.world.ReduceOp.MAX)      # default group: every rank of the job
         self.measures[self.step] = float(agreed)
         self._decide(float(agreed) < self.settings.threshold)
 
@@ -248,11 +248,6 @@ def round_record(summary: Optional[dict], dist=None) -> dict:
     return {**summary, "computed_steps_per_rank": per_rank}
 
 
-def _rank() -> int:
-    world = _world()
-    return world.get_rank() if world is not None else 0
-
-
 def _perturbation():
     value = os.environ.get(PERTURB_ENV)
     if not value:
@@ -286,7 +281,13 @@ def running(model, settings: StepCacheSettings, steps: int):
     problem = next(iter(settings.problems(steps, layers)), None)
     if problem:
         raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
-    slot.run = StepCacheRun(settings, steps, layers)
+    context = getattr(model, "rank_context", None)
+    device = context.device.torch_device if context is not None else None
+    world = None
+    if context is not None and context.layout.is_distributed:
+        import torch.distributed as dist
+        world = dist
+    slot.run = StepCacheRun(settings, steps, layers, device, world, context.rank if context is not None else 0)
     try:
         yield slot.run
     finally:

@@ -79,7 +79,7 @@ def bandwidth(dist, device_obj, rank: int, n: int, size: int, iterations: int) -
             device_obj.synchronize()
             if i >= 2:
                 times.append(time.perf_counter() - start)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float32, device=dev)   # HCCL documents no float64 on A2/A3
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         seconds = slowest.item()
         result[name] = {"bytes": nbytes, "seconds": seconds,

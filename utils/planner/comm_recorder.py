@@ -7,7 +7,7 @@
 
 While it is entered, the public collectives of `torch.distributed` (the module attributes the
 adaptor calls: all_reduce, all_gather_into_tensor / all_gather_single, all_gather,
-reduce_scatter_tensor, reduce_scatter, all_to_all_single, all_to_all, broadcast, send / recv,
+reduce_scatter_tensor / reduce_scatter_single, reduce_scatter, all_to_all_single, all_to_all, broadcast, send / recv,
 batch_isend_irecv (its isend ops), barrier, broadcast_object_list, all_gather_object) are wrapped: each call is
 recorded with its phase, kind, group size, payload and the bytes it sends (traffic.sent_bytes, the
 definitions the planner uses), then runs unchanged. torch.distributed's own internal calls (an
@@ -41,7 +41,8 @@ from utils.planner.traffic import DENOISING_STEP, FIRST_STEP, VAE_DECODE, sent_b
 TEXT_PHASE, OTHER = "text phase", "other"
 # name -> kind; those absent from this torch are skipped
 WRAPPED = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-           "all_gather": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+           "all_gather": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+           "reduce_scatter_single": "reduce_scatter", "reduce_scatter": "reduce_scatter",
            "all_to_all_single": "all_to_all", "all_to_all": "all_to_all", "broadcast": "broadcast",
            "send": "send", "recv": "recv", "batch_isend_irecv": "send",
            "barrier": "barrier", "broadcast_object_list": "broadcast", "all_gather_object": "all_gather"}
@@ -126,7 +127,7 @@ class CollectiveRecorder:
             self._add(name, kind, group, nbytes(a["tensor"]))
         elif name in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
             self._add(name, kind, group, nbytes(a.get("input_tensor", a.get("tensor"))))
-        elif name == "reduce_scatter_tensor":
+        elif name in ("reduce_scatter_tensor", "reduce_scatter_single"):
             self._add(name, kind, group, nbytes(a["input"]))
         elif name == "reduce_scatter":
             self._add(name, kind, group, sum(nbytes(t) for t in a["input_list"]))

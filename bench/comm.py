@@ -98,7 +98,7 @@ def real_model_table(model_dir, size: tuple, device_kind: str = "npu") -> tuple:
     """(markdown, data): per rank and denoising step on ep8_cfg's layout, today and planned."""
     from adaptor_patches.parallel.layout import Layout
     from utils.planner.memory_plan import plan, planned_role_bytes, read_config
-    from utils.planner.traffic import (DENOISING_STEP, PLANNED, TODAY, Sizes, for_layout, forward_lines,
+    from utils.planner.traffic import (DENOISING_STEP, PLANNED, Sizes, built_design, for_layout, forward_lines,
                                        image_lines, image_tokens, per_step)
     config, raw = read_config(model_dir)
     layout = Layout(*EP8_CFG)
@@ -110,7 +110,7 @@ def real_model_table(model_dir, size: tuple, device_kind: str = "npu") -> tuple:
             "image_size": list(size), "rows": []}
     data["rows"].append({"design": "today, image tokens only (the issue's count)", "built": True,
                          "lines": issue, "memory": max(r.total() for r in roles)})
-    for design in (TODAY,) + PLANNED:
+    for design in (built_design(layout),) + PLANNED:
         design = for_layout(design, layout)
         lines = per_step(image_lines(config, raw, layout, size, 0, design=design, device_kind=device_kind))
         memory = max(r.total() for r in roles) if design.built else max(

@@ -190,7 +190,7 @@ class CollectiveRecorder:
         self._undo += [h.remove for h in handles]
         vae = getattr(model, "vae", None)
         if vae is not None:
-            decode = vae.decode
+            decode, own = vae.decode, vars(vae).get("decode")      # own: another instrument's wrapper, kept
 
             @functools.wraps(decode)
             def decode_in_phase(*args, **kwargs):
@@ -201,7 +201,7 @@ class CollectiveRecorder:
                     self.phase = OTHER
 
             vae.decode = decode_in_phase
-            self._undo.append(lambda: vars(vae).pop("decode", None))
+            self._undo.append(lambda: setattr(vae, "decode", own) if own is not None else vars(vae).pop("decode", None))
         return self
 
     # ------------------------------------------------------------ results

@@ -204,8 +204,9 @@ def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
 
 
 def traffic_by_phase(config, raw: dict, layout, image_size, tp_rank: int = 0, device_kind: str = "npu",
-                     design: Design = TODAY) -> dict:
-    """{phase: {purpose: bytes sent}} of one image on tp rank `tp_rank` of CFG branch 0."""
+                     design=None) -> dict:
+    """{phase: {purpose: bytes sent}} of one image on tp rank `tp_rank` of CFG branch 0 (design None:
+    the code as built, traffic.built_design)."""
     lines = image_lines(config, raw, layout, image_size, tp_rank, design=design, device_kind=device_kind)
     return {phase: {k: int(v) for k, v in per_step(lines, phase).items()} for phase in PHASES}
 

@@ -107,8 +107,9 @@ def traffic_report(role) -> list:
 
 
 def planned_report(model_dir, layout, image_size, device_kind: str, roles, quantize=None) -> list:
-    """One line per planned design (utils/planner/traffic.PLANNED) of this layout's world: bytes per
-    denoising step and per-rank memory, marked as not yet built."""
+    """One line per planned design (utils/planner/traffic.PLANNED) of this layout's world and CFG
+    split, with the MoE expert-parallel (the designs are EP designs): bytes per denoising step and
+    per-rank memory, marked as not yet built."""
     from dataclasses import replace
     from adaptor_patches.parallel.layout import Layout, LayoutError
     from utils.planner.memory_plan import planned_role_bytes, read_config
@@ -119,7 +120,7 @@ def planned_report(model_dir, layout, image_size, device_kind: str, roles, quant
     out = ["  planned, not yet built (issue 29; per rank: sent per denoising step / memory):"]
     for design in PLANNED:
         design = for_layout(design, layout)
-        moe = "ep" if layout.moe_mode in ("ep", "replicated") else layout.moe_mode
+        moe = "ep"                                   # the planned designs are MoE EP designs
         try:
             planned = replace(layout, moe=moe, ulysses=design.ulysses)
             planned.check(raw)

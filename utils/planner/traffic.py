@@ -19,10 +19,13 @@ Lines are per phase of one image:
   first step       the first denoising forward: every text and image token of the sequence
   denoising step   each later forward: the timestep token and the image tokens (the text is cached)
   VAE decode       the band-parallel decode (parallel/vae_bands.py)
-The lines of today's code (`built` layouts) are what the code does, checked against counted runs
-(bench/comm.py, tests/test_comm.py); a `Design` describes a layout not yet built (sequence-sharded
-layers, Ulysses attention, int8 dispatch, one copy per destination rank): its lines are the
-arithmetic of that design, marked planned.
+A `Design` says how a layer's tokens move. `built_design(layout)` is what the code does (today's:
+rows replicated between layers), checked against counted runs (bench/comm.py, tests/test_comm.py);
+PLANNED are layouts not built yet (sequence-sharded layers, Ulysses attention, int8 dispatch, one
+copy per destination rank): their lines are the arithmetic of that design, marked planned. To
+build one: make the model path follow it, return it from built_design for the layouts that run
+it, and the counted tests hold the new code to these lines; a new collective is one more Line in
+forward_lines.
 """
 from __future__ import annotations
 
@@ -109,6 +112,15 @@ PLANNED = (
     Design("Ulysses + int8 dispatch + dedup", sequence_sharded=True, ulysses=-1, dispatch="int8", dedup=True,
            built=False),
 )
+
+
+def built_design(layout) -> Design:
+    """How the code as built moves `layout`'s tokens: today every rank of a branch holds every row
+    between layers (TODAY), whatever layout.sequence_sharded says. When the model path follows the
+    layout (sequence-sharded layers, Ulysses), this returns Design("built", sequence_sharded=
+    layout.sequence_sharded, ulysses=layout.ulysses) and the counted runs (bench/comm.py,
+    tests/test_comm.py) check those lines; int8 dispatch and dedup add their flags the same way."""
+    return TODAY
 
 
 def for_layout(design: Design, layout) -> Design:
@@ -315,11 +327,14 @@ def vae_lines(raw: dict, layout, image_size, rank: int, itemsize: int) -> list:
 TEXT_TOKENS = 512       # the first step's text (prompt, system prompt, template), generously
 
 
-def image_lines(config, raw: dict, layout, image_size, tp_rank: int = 0, cfg_rank: int = 0, design: Design = TODAY,
-                first_step_rows: Optional[int] = None, device_kind: str = "npu") -> list:
+def image_lines(config, raw: dict, layout, image_size, tp_rank: int = 0, cfg_rank: int = 0,
+                design: Optional[Design] = None, first_step_rows: Optional[int] = None,
+                device_kind: str = "npu") -> list:
     """Every collective of one image on the rank (tp_rank, cfg_rank): the first step (every token of
     the sequence: `first_step_rows`, default TEXT_TOKENS + the image tokens), one later denoising
-    step (the timestep token and the image tokens) and the VAE decode."""
+    step (the timestep token and the image tokens) and the VAE decode. `design`: None, the code as
+    built for this layout (built_design); or a planned one."""
+    design = built_design(layout) if design is None else design
     sizes = Sizes.of(config, raw)
     tokens = image_tokens(config, image_size)
     prediction = (2 // layout.cfg) * sizes.latent_channels * tokens * BF16      # diffusion_prediction, bf16

@@ -170,16 +170,12 @@ def read_json(path: Path) -> dict:
 
 
 def open_checked_checkpoint(args, layout, rank: int, per_rank: bool):
-    """The checkpoint, opened once (the loader uses the same object): can this run load it (format,
-    layout), then every file against its index and config.json, from JSON and safetensors headers
-    (no hashes), before any weight is read."""
+    """(the checkpoint, the format its experts run in), opened and checked once, before any weight is
+    read (the loader uses the same object): format and layout, config.json and the guidance against
+    the layout, every file's header, 8-bit experts' scales against --quantize (Checkpoint.check_for_run)."""
     from adaptor_patches.weights.checkpoint import open_checkpoint
     checkpoint = open_checkpoint(args.model_id)
-    checkpoint.check_run(layout, rank, per_rank)
-    if args.adaptor == "full":        # the shims alone parallelise nothing
-        check_layout(args, layout, checkpoint.config)
-    checkpoint.verify()               # after the layout: the cheaper, likelier mistake first
-    return checkpoint
+    return checkpoint, checkpoint.check_for_run(layout, rank, per_rank, args.quantize)
 
 
 def check_prompt_length(args) -> None:
@@ -200,21 +196,6 @@ def check_text_task(args):
     if problem:
         field, what, fix = problem
         raise UsageError(f"{field}: {what}; {fix}")
-
-
-def check_layout(args, layout, config: dict):
-    """Refuse a layout this checkpoint cannot run, from its JSON files, before any weight is read:
-    head / expert divisibility (Layout.check), and cfg-parallel without guidance."""
-    from adaptor_patches.parallel.layout import LayoutError
-    model_dir = Path(args.model_id)
-    layout.check(config)
-    if layout.cfg == 1:
-        return
-    path = model_dir / "generation_config.json"
-    scale = read_json(path).get("diff_guidance_scale") if path.is_file() else None
-    if scale is None or scale <= 1:
-        raise LayoutError(f"cfg-parallel: guidance scale {scale} (diff_guidance_scale in {path}) leaves no "
-                            f"unconditional branch to run in parallel; turn cfg-parallel off (and unset CFG_PARALLEL)")
 
 
 def implementations(args, device_kind: str, kernel_set: str) -> tuple:
@@ -346,12 +327,11 @@ def run(args, phase: "JobPhase | None" = None):
     from adaptor_patches.step_cache import round_record
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import check_checkpoint, load_model
+    from adaptor_patches.weights.load import load_model
 
     layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
-    checkpoint = open_checked_checkpoint(args, layout, rank, per_rank)
-    expert_format = check_checkpoint(checkpoint.directory, layout, rank, per_rank, args.quantize)
+    checkpoint, expert_format = open_checked_checkpoint(args, layout, rank, per_rank)
     if args.prompt is not None:
         check_prompt_length(args)
     log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
@@ -367,7 +347,8 @@ def run(args, phase: "JobPhase | None" = None):
         raise UsageError(problem)
     multi_stream = {"on": True, "off": False, None: None}[args.multi_stream]
     context = RankContext(layout, rank, device, multi_stream, text_to_image_only=args.adaptor == "full",
-                          kernels=kernels_for(device.kind, quant_compute=args.quant_compute))
+                          kernels=kernels_for(device.kind, quant_compute=args.quant_compute),
+                          expert_format=expert_format)
     problem = quant_problem(device.kind, expert_format, args.quant_compute)
     if problem:
         raise UsageError(problem)
@@ -385,7 +366,7 @@ def run(args, phase: "JobPhase | None" = None):
 
     with torch.no_grad():
         phase.name = "loading weights"
-        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank, quantize=args.quantize)
+        model = load_model(checkpoint, context, attn_impl, moe_impl, per_rank=per_rank)
         if dist is not None:
             phase.name = "waiting for the other ranks to finish loading"
             dist.barrier()

@@ -394,9 +394,8 @@ def check_converted(model_dir: Path, layout, per_rank: bool, quantize=None) -> N
     """The checkpoint as the ranks will check it: converted (ours or the cann-recipes converter's)
     for this layout, every index and shard header sound, an original's shapes as config.json says;
     8-bit experts with their scales, and model_args.quantize agreeing with an 8-bit folder."""
-    from adaptor_patches.weights.load import check_checkpoint
     checkpoint = open_model(model_dir)
-    checkpoint.check_run(layout, 0, per_rank=per_rank)
-    if checkpoint.has_weights:          # a config.json alone is planned, not checked (the ranks refuse it)
-        checkpoint.verify()
-        check_checkpoint(model_dir, layout, 0, per_rank=per_rank, quantize=quantize)
+    if checkpoint.has_weights:
+        checkpoint.check_for_run(layout, 0, per_rank, quantize)
+    else:                               # a config.json alone is planned, not checked (the ranks refuse it)
+        checkpoint.check_run(layout, 0, per_rank)

@@ -13,10 +13,13 @@ Two modes, both opt-in (`none` is the default and leaves every forward as it was
             other layers are skipped and their contribution at the last full step (the residual
             delta: hidden state after the last layer minus after layer `blocks`) is added instead;
             at most `max_skip` steps in a row. The measure depends on data, so the ranks agree on
-            it: one all-reduce MAX over the "step_cache" group (every rank) per candidate step.
-            Under CFG parallel each rank measures its own branch's rows; the MAX is the measure a
-            single process takes over both branches' rows, so single process and every layout
-            decide alike.
+            it: one all-reduce MAX over the "step_cache" group (every rank of the job) per candidate
+            step. Every rank, because the tp ranks of a branch meet in the skipped layers'
+            collectives (ranks that disagreed would leave the others waiting in an all-reduce), and
+            both CFG branches, because each measures only its own rows: the MAX over them is the
+            measure a single process takes over both branches' rows, so single process and every
+            layout decide alike. The agreed value is a float32 tensor on the rank's device (NCCL and
+            HCCL take device tensors only), rounded to float32 on one rank as on many.
 
 Why forecast both branches rather than the combined guidance: the cache sits at the model's
 forward (the patched HunyuanImage3ForCausalMM.forward), above the CFG split and its gather, so
@@ -149,10 +152,11 @@ def extrapolate(history: list, step: int, order: int) -> torch.Tensor:
 
 class StepCacheRun:
     """One image's cache: which step the loop is on, what was computed, what was forecast or skipped.
-    `group`: the ranks that agree on adaptive skips (None: one process)."""
+    `group`: the ranks that agree on adaptive skips (None: one process); `device`: the rank's device
+    (torch.device, None: the CPU), where the agreement's tensor lives."""
 
-    def __init__(self, settings: StepCacheSettings, steps: int, layers: int, group=None):
-        self.settings, self.steps, self.layers, self.group = settings, steps, layers, group
+    def __init__(self, settings: StepCacheSettings, steps: int, layers: int, group=None, device=None):
+        self.settings, self.steps, self.layers, self.group, self.device = settings, steps, layers, group, device
         self.forced = set(full_steps(settings, steps))
         self.step = -1
         self.computed, self.cached, self.measures = [], [], {}
@@ -189,7 +193,7 @@ class StepCacheRun:
             self._decide(False)
             return
         import torch
-        agreed = torch.tensor([self.local_measure(hidden)], dtype=torch.float64)
+        agreed = torch.tensor([self.local_measure(hidden)], dtype=torch.float32, device=self.device)
         if self.group is not None:
             import torch.distributed as dist
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
@@ -263,7 +267,9 @@ def running(model, settings: StepCacheSettings, steps: int):
     problem = next(iter(settings.problems(steps, layers)), None)
     if problem:
         raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
-    slot.run = StepCacheRun(settings, steps, layers, group=model.rank_context.group("step_cache"))
+    context = model.rank_context
+    slot.run = StepCacheRun(settings, steps, layers, group=context.group("step_cache"),
+                            device=context.device.torch_device)
     try:
         yield slot.run
     finally:

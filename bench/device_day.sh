@@ -3,8 +3,11 @@
 # of under 10 minutes:   bash bench/device_day.sh [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]
 #   1 selfcheck   python -m utils.selfcheck on one device: env, every kernel and the 8-bit kernels vs the
 #                 reference at real shapes, the MoE layer with the side stream on/off + overlap_pct
-#   2 moe_layer   bench/device_layer.py: upstream eager vs patched vs the dense-GEMM floor, bf16 vs 8-bit
-#   3 e2e         bench/e2e.py: the mid-size model end to end, upstream eager vs the adaptor
+#   2 collectives the self-check's collectives section over every device of the node (CPU: 2 gloo ranks):
+#                 all_reduce / all_gather / all_to_all, and all_gather_matmul / matmul_reduce_scatter
+#                 in the device's fused form vs the plain collectives (skipped with one device)
+#   3 moe_layer   bench/device_layer.py: upstream eager vs patched vs the dense-GEMM floor, bf16 vs 8-bit
+#   4 e2e         bench/e2e.py: the mid-size model end to end, upstream eager vs the adaptor
 # Each step runs under `timeout` (STEP_LIMITS; DEVICE_DAY_LIMIT_S overrides them all): a stuck or
 # failing step is recorded (status, exit code, seconds, log) and the next one runs. Writes
 # OUT_DIR/device_day.json and OUT_DIR/device_day.md (default OUT_DIR: outputs/device_day/<UTC time>).
@@ -18,7 +21,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=${2:-}; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     --*) echo "error: $1: unknown option; use [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]" >&2; exit 2 ;;
     *) out=$1; shift ;;
   esac
@@ -47,11 +50,15 @@ if [ "$quick" = 1 ]; then
   [ -f "$tiny/config.json" ] || "$py" utils/make_tiny_model.py --out "$tiny" > "$out/tiny_model.log" 2>&1
   step selfcheck 180 "$py" -m utils.selfcheck --device "$device" --nproc 1 --shapes small --repeat 2 \
        --skip collectives,generation --out "$out/selfcheck"
+  step collectives 180 "$py" -m utils.selfcheck --device "$device" --shapes small --collective-mib 4 \
+       --skip env,kernels,moe-stream,generation --out "$out/collectives"
   step moe_layer 480 "$py" bench/device_layer.py --device "$device" --shapes small --tokens 64 --repeat 2 \
        --json "$out/moe_layer.json"
   step e2e 300 "$py" bench/e2e.py --device "$device" --model "$tiny" --size 64 --steps 2 --rounds 1 --warmup 0
 else
   step selfcheck 240 "$py" -m utils.selfcheck --device "$device" --nproc 1 --out "$out/selfcheck"
+  step collectives 180 "$py" -m utils.selfcheck --device "$device" --skip env,kernels,moe-stream,generation \
+       --out "$out/collectives"
   step moe_layer 180 "$py" bench/device_layer.py --device "$device" --json "$out/moe_layer.json"
   step e2e 150 "$py" bench/e2e.py --device "$device" --steps 8 --rounds 2 --warmup 1
 fi
@@ -68,7 +75,8 @@ for line in (out / "steps.tsv").read_text().splitlines():
     log = out / f"{name}.log"
     steps[name] = {"status": status, "exit_code": rc, "seconds": round(int(seconds) / 1000, 1), "limit_s": int(limit),
                    "log": str(log), "tail": log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []}
-for name, path in (("selfcheck", out / "selfcheck" / "selfcheck.json"), ("moe_layer", out / "moe_layer.json")):
+for name, path in (("selfcheck", out / "selfcheck" / "selfcheck.json"), ("moe_layer", out / "moe_layer.json"),
+                   ("collectives", out / "collectives" / "selfcheck.json")):
     if name in steps and path.is_file():
         steps[name]["result"] = json.loads(path.read_text())
 summary = {"device": device, "quick": quick, "steps": steps}
@@ -80,11 +88,12 @@ for name, s in steps.items():
     table = [l for l in s["tail"] if l.startswith("|")]
     if table:
         lines += ["", f"## {name}", ""] + table
-sc = steps.get("selfcheck", {}).get("result")
-if sc:
-    lines += ["", "## selfcheck", "", "| section | check | status | value | limit |", "|---|---|---|---|---|"]
-    lines += [f"| {r['section']} | {r['check']} | {r['status']} | {r['value']} | {r['limit']} |" for r in sc["results"]
-              if r["section"] in ("kernels", "moe-stream")]
+for name, sections in (("selfcheck", ("kernels", "moe-stream")), ("collectives", ("collectives",))):
+    sc = steps.get(name, {}).get("result")
+    if sc:
+        lines += ["", f"## {name}", "", "| section | check | status | value | limit | detail |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['section']} | {r['check']} | {r['status']} | {r['value']} | {r['limit']} | {r['detail']} |"
+                  for r in sc["results"] if r["section"] in sections]
 (out / "device_day.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 print(f"\ndevice_day: {out / 'device_day.json'}")

@@ -1,4 +1,5 @@
-"""TEST DOUBLE of torch's fp8 grouped GEMM (scaled_grouped_mm, rowwise scales, 2-D x 3-D) -- plain torch, tests only.
+"""TEST DOUBLE of torch's fp8 grouped GEMM (scaled_grouped_mm, rowwise scales, 2-D x 3-D) and of the
+symmetric-memory fused collective matmuls (`symm_mem` below) -- plain torch, tests only.
 
 Called as kernels/cuda.py calls torch's: fn(a, b, scale_a, scale_b, offs) -> bf16. It checks what
 torch's own checks (torch/_meta_registrations.py, _meta_grouped_mm_common) require for this case,
@@ -50,3 +51,56 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offs):
         out[start:end] = rows @ (b[g].float() * scale_b[g][None, :])
         start = end
     return out.to(torch.bfloat16)
+
+
+class symm_mem:
+    """TEST DOUBLE of torch.ops.symm_mem's fused collective matmuls (torch.distributed._symmetric_memory),
+    over the group torch resolves `group_name` to (gloo here). Checks as torch's implementations
+    check (_fused_all_gather_matmul_impl, _fused_matmul_reduce_scatter_impl) plus what their
+    collectives need: the gathered / scattered dim splits evenly over the group.
+
+        CudaKernels(symm_mem=cuda_double.symm_mem)
+    """
+
+    calls: list = []                     # the fused ops' names, in call order
+
+    @staticmethod
+    def _group(group_name):
+        from torch.distributed import distributed_c10d as c10d
+        return c10d._resolve_process_group(group_name)
+
+    @staticmethod
+    def fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name, *, return_A=True):
+        import torch.distributed as dist
+        _require(A_shard.dim() >= 2, "A_shard must be a matrix")
+        _require(all(B.dim() == 2 for B in Bs), "B must be a matrix")
+        _require(0 <= gather_dim < A_shard.dim(), "Invalid gather_dim")
+        _require(all(B.shape[0] == A_shard.shape[-1] and B.dtype == A_shard.dtype for B in Bs),
+                 "B must be [K, N] of A_shard's dtype")
+        group = symm_mem._group(group_name)
+        symm_mem.calls.append("fused_all_gather_matmul")
+        n = dist.get_world_size(group)
+        flat = A_shard.movedim(gather_dim, 0).contiguous()
+        gathered = flat.new_empty(n * flat.shape[0], *flat.shape[1:])
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, flat, group=group)
+        A = gathered.movedim(0, gather_dim)
+        outs = [(A.float() @ B.float()).to(A.dtype) for B in Bs]
+        return (A if return_A else None), outs
+
+    @staticmethod
+    def fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
+        import torch.distributed as dist
+        _require(A.dim() >= 2, "A_shard must be a matrix")
+        _require(0 <= scatter_dim < A.dim(), "Invalid gather_dim")
+        _require(B.dim() == 2 and B.shape[0] == A.shape[-1], "B must be a [K, N] matrix")
+        _require(reduce_op in ("sum", "avg"), "reduce_op must be sum or avg")
+        group = symm_mem._group(group_name)
+        n = dist.get_world_size(group)
+        _require(A.shape[scatter_dim] % n == 0, f"dim {scatter_dim} of A ({A.shape[scatter_dim]}) must split over {n}")
+        symm_mem.calls.append("fused_matmul_reduce_scatter")
+        product = (A.float() @ B.float()).to(A.dtype).movedim(scatter_dim, 0).contiguous()
+        out = product.new_empty(product.shape[0] // n, *product.shape[1:])
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, product, group=group)
+        if reduce_op == "avg":
+            out = out / n
+        return out.movedim(0, scatter_dim)

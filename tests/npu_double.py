@@ -269,3 +269,77 @@ def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, num_h
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True) if softmax_lse_flag else torch.empty(0)
     return torch.matmul(probs, v).to(query.dtype), lse
+
+
+# ---------------------------------------------------------------- communication fused with matmuls
+
+class npu:                                       # the torch_npu.npu functions the kernel set reads
+    device_name = "Ascend910_9392"               # an A3 name; tests set an A2 one ("Ascend910B3")
+
+    @classmethod
+    def get_device_name(cls, device=None):
+        return cls.device_name
+
+
+_communicators: dict = {}                        # HCCL communicator name -> process group (gloo here)
+fused_calls: list = []                           # the fused ops' names, in call order, for tests to inspect
+FUSED_WORLD_SIZES = {"A2": (2, 4, 8), "A3": (2, 4, 8, 16, 32)}
+
+
+def hccl_comm_name(group) -> str:
+    """Stands in for ProcessGroupHCCL.get_hccl_comm_name(rank): a name the fused ops resolve to the group."""
+    import torch.distributed as dist
+    name = "hcom_double_" + "_".join(map(str, dist.get_process_group_ranks(group)))
+    _communicators[name] = group
+    return name
+
+
+def _fused_common(x1, x2, hcom, world_size, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode):
+    """The constraints both fused ops document (op-plugin docs, torch_npu 2.13 schemas)."""
+    import torch.distributed as dist
+    _require(hcom in _communicators, f"hcom {hcom!r} is not a communicator name from get_hccl_comm_name")
+    group = _communicators[hcom]
+    soc = "A2" if "Ascend910B" in npu.device_name else "A3"
+    _require(world_size == dist.get_world_size(group), f"world_size {world_size} is not the communicator's size "
+                                                       f"{dist.get_world_size(group)}")
+    _require(world_size in FUSED_WORLD_SIZES[soc], f"world_size {world_size}: {soc} supports {FUSED_WORLD_SIZES[soc]}")
+    _require(x1.dim() == 2 and x2.dim() == 2, "x1 and x2 must be 2-D, (m, k) and (k, n)")
+    _require(x1.dtype in (torch.float16, torch.bfloat16) and x2.dtype == x1.dtype,
+             f"x1 / x2 must be fp16 or bf16 of one dtype (int8 needs the quantized form, not modelled), "
+             f"got {x1.dtype} / {x2.dtype}")
+    _require(x1.shape[1] == x2.shape[0], f"k axes differ: x1 {list(x1.shape)}, x2 {list(x2.shape)}")
+    _require(256 <= x1.shape[1] < 65535, f"k = {x1.shape[1]} is outside [256, 65535)")
+    _require(x1.is_contiguous(), "x1 must not be a transposed (non-contiguous) tensor; only x2 may be")
+    _require(bias is None or not bool(bias.any()), "bias must be None (non-zero bias is unsupported)")
+    _require(x1_scale is None and x2_scale is None and output_dtype is None, "the quantized form is not modelled")
+    _require(comm_turn == 0, f"comm_turn {comm_turn}: only 0 is supported")
+    _require(comm_mode in (None, "ai_cpu", "aiv"), f"comm_mode {comm_mode!r} is not ai_cpu or aiv")
+    return group
+
+
+def npu_all_gather_base_mm(x1, x2, hcom, world_size, *, bias=None, x1_scale=None, x2_scale=None, gather_index=0,
+                           gather_output=True, comm_turn=0, output_dtype=None, comm_mode=None):
+    """(allgather(x1) @ x2, allgather(x1) or an empty tensor): x1 (m, k) gathered in rank order."""
+    import torch.distributed as dist
+    group = _fused_common(x1, x2, hcom, world_size, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode)
+    _require(gather_index == 0, f"gather_index {gather_index}: only 0 (gather x1) is supported")
+    fused_calls.append("npu_all_gather_base_mm")
+    gathered = x1.new_empty(world_size * x1.shape[0], x1.shape[1])
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, x1, group=group)
+    out = (gathered.float() @ x2.float()).to(x1.dtype)
+    return out, gathered if gather_output else x1.new_empty(0)
+
+
+def npu_mm_reduce_scatter_base(input, x2, hcom, world_size, *, reduce_op="sum", bias=None, x1_scale=None,
+                               x2_scale=None, comm_turn=0, output_dtype=None, comm_mode=None):
+    """reducescatter(input @ x2): every rank's (m, n) product summed, rank r keeping rows
+    [r*m/world_size, (r+1)*m/world_size)."""
+    import torch.distributed as dist
+    group = _fused_common(input, x2, hcom, world_size, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode)
+    _require(reduce_op == "sum", f"reduce_op {reduce_op!r}: only 'sum' is supported")
+    _require(input.shape[0] % world_size == 0, f"m = {input.shape[0]} must divide by world_size {world_size}")
+    fused_calls.append("npu_mm_reduce_scatter_base")
+    product = (input.float() @ x2.float()).to(input.dtype)
+    out = product.new_empty(input.shape[0] // world_size, x2.shape[1])
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, product, group=group)
+    return out

@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "adaptor_patches"
 # Bottom first. A tuple is one layer; its members may import each other (but not in a circle).
 LAYERS = (
     ("kernels.device",),
-    ("kernels.quant", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu", "kernels.__init__"),
+    ("kernels.quant", "kernels.collective_matmul", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
+     "kernels.__init__"),
     ("parallel.layout",),
     ("parallel.collectives", "parallel.context", "parallel.cfg_split", "parallel.vae_bands"),
     ("weights.safetensors_io",),            # bytes and headers

@@ -161,6 +161,9 @@ def test_run_sh_selfcheck_on_cpu_passes_every_section(tmp_path):
     assert all(collectives[f"{op}, 2 ranks"]["status"] == "pass" for op in ("all_reduce", "all_gather",
                                                                            "all_to_all (uneven)"))
     assert collectives["all_to_all bus bandwidth"]["value"] > 0
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        assert collectives[f"{op}, 2 ranks, uneven shares"]["status"] == "pass"
+        assert collectives[f"{op} time"]["data"]["form"] == "plain"
     generation = {r["check"]: r for r in by_section["generation"]}
     assert generation["cpu-2ranks vs cpu-1rank"]["status"] == "pass"
     assert generation["cpu-2ranks vs cpu-1rank"]["value"] < 0.03
@@ -181,5 +184,28 @@ def test_collectives_section_catches_a_wrong_all_to_all(monkeypatch, tmp_path):
         monkeypatch.setattr(dist, "all_to_all_single",
                             lambda out, inp, **kw: (real(out, inp, **kw), out.add_(1)))
         assert collectives.correctness(dist, torch.device("cpu"), 0, 1)["all_to_all (uneven)"] is False
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collective_matmul_rows_catch_a_wrong_fused_form(tmp_path):
+    """The fused ops' rows hold each form against the product: a form off by one unit fails (one
+    gloo rank: the same code as N ranks with n = 1)."""
+    import torch.distributed as dist
+    from adaptor_patches.kernels.cpu import CpuKernels
+    from adaptor_patches.kernels.device import Device
+    from utils.selfcheck.checks import collective_matmuls, collectives
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{collectives.free_port()}", rank=0, world_size=1)
+    try:
+        kernels = CpuKernels()
+        good = collective_matmuls.rows(collective_matmuls.measure(dist, Device("cpu"), kernels, 0, 1, SHAPES["small"], 1), 1)
+        assert [r.status for r in good if r.limit is not None] == ["pass", "pass"]
+        real = kernels.all_gather_matmul
+        kernels.all_gather_matmul = lambda *args: real(*args) + 1
+        bad = collective_matmuls.rows(collective_matmuls.measure(dist, Device("cpu"), kernels, 0, 1, SHAPES["small"], 1), 1)
+        assert {r.check: r.status for r in bad if r.limit is not None} == {
+            "all_gather_matmul, 1 ranks, uneven shares": "fail", "matmul_reduce_scatter, 1 ranks, uneven shares": "pass"}
     finally:
         dist.destroy_process_group()

@@ -15,14 +15,28 @@ runs instead (dequantize per group + bf16 grouped matmul, torch_kernels.py) and 
 says so (the self-check's rows show which form ran). w8a16 (the default) and int8 experts always
 run that reference.
 
+Communication fused with matmuls (all_gather_matmul / matmul_reduce_scatter, collective_matmul.py):
+torch.distributed._symmetric_memory's `torch.ops.symm_mem.fused_all_gather_matmul(A_shard, [B],
+gather_dim, group_name, return_A=False)` -> (None, [all_gather(A_shard) @ B]) and
+`fused_matmul_reduce_scatter(A, B, "sum", scatter_dim, group_name)` -> reduce_scatter(A @ B), with
+B = weight.t(), gather / scatter dim 0 on the padded shares. Whether they run is asked once per
+group: this torch has the ops and the rows are on a CUDA device, on every rank of the group (one
+MIN all-reduce of that flag, so all ranks take one form); then the group is registered for
+symmetric memory (`enable_symm_mem_for_group`, which torch 2.7 requires; 2.14 deprecates it as unneeded).
+Symmetric memory needs the group's GPUs peer-accessible (one node, NVLink or PCIe P2P); where the
+fused call then fails it raises, it does not fall back silently.
+
 Written from torch's documented signature and its meta checks; NOT run on a GPU in this project:
-tested on CPU against tests/cuda_double.py, a double of scaled_grouped_mm with those checks.
+tested on CPU against tests/cuda_double.py, a double of scaled_grouped_mm and of the two symm_mem
+ops with those checks.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from .collective_matmul import pad_rows, process_group, share_size
 from .quant import quantize_per_token
 from .torch_kernels import GroupedMmKernels
 
@@ -44,11 +58,62 @@ def torch_scaled_grouped_mm():
 class CudaKernels(GroupedMmKernels):
     name = "cuda"
 
-    def __init__(self, scaled_grouped_mm=None, quant_compute: str = "w8a16"):
-        """`scaled_grouped_mm` stands in for torch's (the tests' double); None: torch's, if it runs."""
+    def __init__(self, scaled_grouped_mm=None, quant_compute: str = "w8a16", symm_mem=None):
+        """`scaled_grouped_mm` stands in for torch's and `symm_mem` for torch.ops.symm_mem (the tests'
+        doubles); None: torch's, where they run."""
         self._injected = scaled_grouped_mm
         self.quant_compute = quant_compute
         self._fp8_gemm_by_device: dict = {}
+        self._symm_mem_injected = symm_mem
+        self._fused_by_group: dict = {}
+
+    # ------------------------------------------------------------ communication fused with matmuls
+
+    def _symm_mem(self, x, group):
+        """The symm_mem ops for `group`, or None: decided once per group, alike on every rank."""
+        if group in self._fused_by_group:
+            return self._fused_by_group[group]
+        ops = self._symm_mem_injected
+        if ops is None and x.device.type == "cuda":
+            ops = _torch_symm_mem_ops()
+        usable = torch.tensor([int(ops is not None and x.dim() == 2)], device=x.device)
+        dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
+        if not int(usable):
+            ops = None
+        elif self._symm_mem_injected is None:
+            from torch.distributed import _symmetric_memory
+            enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)
+            if enable is not None and not getattr(enable, "__deprecated__", None):      # needed up to torch 2.8
+                enable(process_group(group).group_name)
+        self._fused_by_group[group] = ops
+        return ops
+
+    def collective_matmul_forms(self, x, weight, group) -> dict:
+        fused = self._symm_mem(x, group) is not None
+        return {"all_gather_matmul": "symm_mem fused_all_gather_matmul" if fused else "plain",
+                "matmul_reduce_scatter": "symm_mem fused_matmul_reduce_scatter" if fused else "plain"}
+
+    def all_gather_matmul(self, x_local, weight, group, shares):
+        size = share_size(shares)
+        ops = self._symm_mem(x_local, group) if size else None
+        if ops is None:
+            return super().all_gather_matmul(x_local, weight, group, shares)
+        if x_local.shape[0] != shares[dist.get_rank(group)]:
+            raise ValueError(f"x: {x_local.shape[0]} rows, the shares say {shares[dist.get_rank(group)]}")
+        name = process_group(group).group_name
+        _, outputs = ops.fused_all_gather_matmul(pad_rows(x_local, size), [weight.t()], 0, name, return_A=False)
+        return outputs[0][:sum(shares)]
+
+    def matmul_reduce_scatter(self, x, weight, group, shares):
+        size = share_size(shares)
+        ops = self._symm_mem(x, group) if size else None
+        if ops is None:
+            return super().matmul_reduce_scatter(x, weight, group, shares)
+        if x.shape[0] != sum(shares):
+            raise ValueError(f"x: {x.shape[0]} rows, the shares say {sum(shares)}")
+        name = process_group(group).group_name
+        out = ops.fused_matmul_reduce_scatter(pad_rows(x, len(shares) * size), weight.t(), "sum", 0, name)
+        return out[:shares[dist.get_rank(group)]]
 
     def fp8_gemm(self, device: torch.device):
         """The fp8 grouped GEMM usable on `device`, or None (probed once per device)."""
@@ -79,6 +144,16 @@ class CudaKernels(GroupedMmKernels):
         x_q, x_scale = quantize_per_token(x, "fp8")
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return gemm(x_q, column_major(q), x_scale, scale.float().contiguous(), offsets)
+
+
+def _torch_symm_mem_ops():
+    """torch.ops.symm_mem with the two fused ops, or None in this torch (importing the module registers them)."""
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+        ops = torch.ops.symm_mem
+        return ops if hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter") else None
+    except (ImportError, AttributeError, RuntimeError):
+        return None
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,21 @@
                      w8a16: npu_grouped_matmul, int8 `weight` + bf16 `antiquant_scale` [E, N]
                      w8a8: npu_dynamic_quant per token, then npu_grouped_matmul int8 x int8
                      with bf16 `scale` [E, N], fp32 `per_token_scale` [M], output_dtype bf16
+    all_gather_matmul      npu_all_gather_base_mm (A2 and A3), as the recipe calls it before qkv_proj
+    matmul_reduce_scatter  A3: npu_mm_reduce_scatter_base; A2 ("Ascend910B" in the device name): a
+                     plain matmul + reduce-scatter, the recipe's own split (its o_proj path)
+                     Both (docs, torch_npu / op-plugin 7.x): x fp16/bf16 2-D (m, k) and not
+                     transposed, x2 = weight.t() (k, n) may be, k in [256, 65535), world_size 2/4/8
+                     on A2 and 2/4/8/16/32 on A3, gather_index 0, comm_turn 0, no bias; the
+                     reduce-scatter's m divisible by world_size (the padded shares make it so).
+                     Outside those, the plain form (collective_matmul.py) runs; every rank decides
+                     alike (same dtype, shapes, group size, device model). The HCCL group name:
+                     `group._get_backend(torch.device("npu")).get_hccl_comm_name(global rank)`
+                     (docs: the current device must be set; the rank is the global rank). On A2 the
+                     docs allow the fused ops of one model a single communicator (ai_cpu mode): the
+                     attention's are all on the branch's group. comm_mode is left at its default,
+                     as the recipe leaves it (its docs call ai_cpu a training mode and aiv both;
+                     which one inference on A3 wants is not verified here).
 
 Considered and not adopted (issue 13): fusing the shared-MLP add into finalize_routing (skip1)
 rounds once where upstream rounds twice (routed sum, then + shared), so it is not the same math,
@@ -29,21 +44,81 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.distributed as dist
 
+from .collective_matmul import pad_rows, process_group, share_size
 from .quant import format_of
 from .torch_kernels import LoopKernels
 
 
 ACL_FORMAT_FRACTAL_NZ = 29
+FUSED_K_RANGE = (256, 65535)               # k in [256, 65535)
+FUSED_WORLD_SIZES = {"A2": (2, 4, 8), "A3": (2, 4, 8, 16, 32)}
+
+
+def hccl_comm_name(group) -> str:
+    """The HCCL communicator name of `group` (torch_npu's ProcessGroupHCCL)."""
+    return group._get_backend(torch.device("npu")).get_hccl_comm_name(dist.get_rank())
 
 
 class NpuKernels(LoopKernels):
     name = "npu"
 
-    def __init__(self, npu=None, quant_compute: str = "w8a16"):
+    def __init__(self, npu=None, quant_compute: str = "w8a16", comm_name=None):
+        """`npu` stands in for torch_npu and `comm_name(group)` for its HCCL name (the tests' double)."""
         self.npu = npu if npu is not None else importlib.import_module("torch_npu")
         self.quant_compute = quant_compute
+        self.comm_name = comm_name or hccl_comm_name
         self._mask_in, self._mask_out = None, None      # (mask, its version), inverted: _masked_positions
+        self._hcom: dict = {}
+        self._soc = None
+
+    # ------------------------------------------------------------ communication fused with matmuls
+
+    @property
+    def soc(self) -> str:
+        """"A2" or "A3": the recipe tells them apart by "Ascend910B" in the device name (A2); which
+        names A3 reports (Ascend910_93xx) is not verified here: anything else is taken for A3."""
+        if self._soc is None:
+            self._soc = "A2" if "Ascend910B" in self.npu.npu.get_device_name() else "A3"
+        return self._soc
+
+    def _fused_fits(self, x, weight, group) -> bool:
+        return (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and x.dim() == 2
+                and weight.dim() == 2 and FUSED_K_RANGE[0] <= x.shape[1] < FUSED_K_RANGE[1]
+                and dist.get_world_size(group) in FUSED_WORLD_SIZES[self.soc])
+
+    def _group_name(self, group) -> str:
+        group = process_group(group)
+        if group not in self._hcom:
+            self._hcom[group] = self.comm_name(group)
+        return self._hcom[group]
+
+    def collective_matmul_forms(self, x, weight, group) -> dict:
+        fits = self._fused_fits(x, weight, group)
+        return {"all_gather_matmul": "npu_all_gather_base_mm" if fits else "plain",
+                "matmul_reduce_scatter": "npu_mm_reduce_scatter_base" if fits and self.soc == "A3"
+                else f"plain ({self.soc})" if fits else "plain"}
+
+    def all_gather_matmul(self, x_local, weight, group, shares):
+        size = share_size(shares)
+        if size == 0 or not self._fused_fits(x_local, weight, group):
+            return super().all_gather_matmul(x_local, weight, group, shares)
+        if x_local.shape[0] != shares[dist.get_rank(group)]:
+            raise ValueError(f"x: {x_local.shape[0]} rows, the shares say {shares[dist.get_rank(group)]}")
+        out, _ = self.npu.npu_all_gather_base_mm(pad_rows(x_local, size), weight.t(), self._group_name(group),
+                                                 len(shares), gather_index=0, gather_output=False, comm_turn=0)
+        return out[:sum(shares)]
+
+    def matmul_reduce_scatter(self, x, weight, group, shares):
+        size = share_size(shares)
+        if size == 0 or self.soc == "A2" or not self._fused_fits(x, weight, group):
+            return super().matmul_reduce_scatter(x, weight, group, shares)
+        if x.shape[0] != sum(shares):
+            raise ValueError(f"x: {x.shape[0]} rows, the shares say {sum(shares)}")
+        out = self.npu.npu_mm_reduce_scatter_base(pad_rows(x, len(shares) * size), weight.t(), self._group_name(group),
+                                                  len(shares), reduce_op="sum", comm_turn=0)
+        return out[:shares[dist.get_rank(group)]]
 
     def expert_weight_storage(self, w):
         return self.npu.npu_format_cast(w, ACL_FORMAT_FRACTAL_NZ)

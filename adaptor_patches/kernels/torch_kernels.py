@@ -13,6 +13,8 @@
     ungroup(y, order)                      inverse of regroup
     swiglu(x)                              silu(first half) * second half
     attention(q, k, v, mask, scale)        GQA attention, upstream's bool mask (True = attend)
+    all_gather_matmul / matmul_reduce_scatter   sequence shares gathered into / scattered out of a
+                                           matmul (collective_matmul.py: the plain forms)
 
 `LoopKernels` runs one matmul per expert; `GroupedMmKernels` uses torch._grouped_mm where its
 dtype and alignment rules allow (CPU: fp32/bf16/fp16; CUDA: bf16, not run on CUDA here). cpu.py
@@ -45,13 +47,14 @@ import torch
 import torch.nn.functional as F
 
 from . import quant
+from .collective_matmul import CollectiveMatmuls
 
 _ALIGN_BYTES = 16
 DEQUANT_CHUNK_BYTES = 64 << 20     # dequantized expert weights alive at once in one 8-bit grouped matmul
 _GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
 
-class LoopKernels:
+class LoopKernels(CollectiveMatmuls):
     name = "loop"
 
     # ------------------------------------------------------------ expert MLPs

@@ -1,14 +1,18 @@
 """The gathers the adaptor issues, in one place (the all-reduce and all-to-alls are plain torch calls).
 
 torch 2.14 renamed `all_gather_into_tensor` to `all_gather_single` and deprecated the old name;
-older torch (2.7.1, the one torch_npu builds exist for) has only the old one. Feature-detected.
+older torch (2.7.1, the one torch_npu builds exist for) has only the old one. Feature-detected at
+each call (not bound once at import), so a wrapper of torch.distributed's attributes (the traffic
+recorder, utils/planner/comm_recorder.py) sees these gathers too.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local, group=group)
 
 
 def all_gather_dim0(local: torch.Tensor, group) -> torch.Tensor:

@@ -1,11 +1,16 @@
 """The one description of how a job splits HunyuanImage-3.0, and what each rank holds under it.
 
-    Layout(world_size, cfg, moe, vae_parallel)
+    Layout(world_size, cfg, moe, vae_parallel, ulysses)
         the (cfg x tp) mesh: cfg = 2 runs the conditional and unconditional branch of every
         denoise step on two halves of the world; the tp = world_size / cfg ranks of a branch split
         attention by heads and the MoE by expert intermediate ("tp") or by whole experts ("ep"),
-        or keep the MoE whole ("replicated"); vae_parallel splits the VAE decode by rows over all.
-    layout.heads(config, tp_rank)     -> HeadShard: which attention heads a rank keeps
+        or keep the MoE whole ("replicated"); vae_parallel splits the VAE decode by rows over all;
+        ulysses N: attention by all-to-all over heads within groups of N ranks (planned, not built
+        yet: see `ulysses` below), attention TP over the other tp / N.
+    layout.heads(config, tp_rank)     -> HeadShard: which attention heads' weights a rank keeps
+    layout.attention_heads(config, tp_rank) -> HeadShard: the heads it computes attention for
+    layout.token_shares(rows) / token_share(rows, tp_rank)
+                                      -> which rows of the sequence a rank holds between layers
     layout.moe_shard(experts, tp_rank) -> MoeShard: which experts, or which intermediate slice
     layout.token_chunks(rows)         -> the contiguous per-rank token chunks of an EP layer
     layout.weights                    -> the part of the layout a checkpoint's split depends on
@@ -31,6 +36,15 @@ MOE_MODES = ("replicated", "tp", "ep")
 
 class LayoutError(ValueError):
     """A layout or flag this job cannot run; str() is a one-line `field: problem; fix` message."""
+
+
+def padded_shares(total: int, parts: int) -> list:
+    """Contiguous shares of `total` over `parts` as the cann-recipes recipe pads them: each share is
+    ceil(total / parts) except at the end, where one share is short and any after it are 0. Padded
+    to that common size, the shares stack into one equal-split collective whose first `total` rows
+    are the real ones (no reordering after an all-gather). Sequence shares between layers."""
+    size = -(-total // parts)
+    return [min(size, max(0, total - part * size)) for part in range(parts)]
 
 
 def split_evenly(total: int, parts: int) -> list:
@@ -247,6 +261,7 @@ class Layout:
     cfg: int = 1                      # 2: the two CFG branches on two halves of the world
     moe: str = "replicated"           # replicated | tp | ep, over the tp ranks of a branch
     vae_parallel: bool = False
+    ulysses: int = 1                  # Ulysses degree within a branch (planned: only the layout knows it yet)
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -259,13 +274,19 @@ class Layout:
             options = sorted({self.world_size + 1, max(self.world_size - 1, 2)})
             raise LayoutError(f"cfg-parallel: needs an even world size, got {self.world_size}; "
                               f"use {' or '.join(map(str, options))} ranks, or turn it off")
+        if not isinstance(self.ulysses, int) or isinstance(self.ulysses, bool) or self.ulysses < 1:
+            raise LayoutError(f"ulysses: degree {self.ulysses!r}; use an integer >= 1 (1: no Ulysses)")
+        if self.tp % self.ulysses:
+            raise LayoutError(f"ulysses: degree {self.ulysses} does not divide the {self.tp} ranks of a CFG branch; "
+                              f"use one of {divisors(self.tp)}")
 
     @classmethod
-    def from_flags(cls, world_size: int, cfg_parallel=False, moe_tp=False, moe_ep=False, vae_parallel=False):
+    def from_flags(cls, world_size: int, cfg_parallel=False, moe_tp=False, moe_ep=False, vae_parallel=False,
+                   ulysses: int = 1):
         if moe_tp and moe_ep:
             raise LayoutError("moe-tp/moe-ep: both set; they are exclusive, keep one")
         moe = "tp" if moe_tp else "ep" if moe_ep else "replicated"
-        return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel))
+        return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel), ulysses)
 
     @classmethod
     def from_degrees(cls, tp_attn: int, tp_moe: int = 1, ep: int = 1) -> "Layout":
@@ -341,9 +362,26 @@ class Layout:
         return tuple(key)
 
     @property
+    def attention_tp(self) -> int:
+        """Ranks that split the attention weights by heads: the branch's ranks over the Ulysses degree."""
+        return self.tp // self.ulysses
+
+    @property
+    def sequence_sharded(self) -> bool:
+        """Between decoder layers, does each rank of a branch hold a share of the sequence
+        (token_shares) rather than every row? Under MoE EP (the recipe's design: attention gathers
+        the rows before qkv_proj and reduce-scatters after o_proj, the MoE works on the local rows,
+        and the all-gather after every MoE layer goes) and under Ulysses (its all-to-alls start and
+        end on sequence shares). Not under MoE TP or a replicated MoE: a ring all-reduce is a
+        reduce-scatter plus an all-gather, so the gather / scatter pair around attention (and
+        around the TP experts) moves exactly today's all-reduce bytes; the issue's rule shards
+        under MoE TP only where it saves bytes, and there it saves none."""
+        return self.tp > 1 and (self.moe_mode == "ep" or self.ulysses > 1)
+
+    @property
     def weights(self) -> "Layout":
         """The split of the weights alone: one CFG branch's tp ranks and the MoE mode."""
-        return Layout(self.tp, 1, self.moe_mode)
+        return Layout(self.tp, 1, self.moe_mode, ulysses=self.ulysses)
 
     # ------------------------------------------------------------ per rank
 
@@ -353,9 +391,28 @@ class Layout:
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
+    def ulysses_rank(self, tp_rank: int) -> int:
+        """The rank's place in its Ulysses group. The branch's ranks are ulysses x attention_tp, the
+        attention-TP ranks contiguous: tp_rank = ulysses_rank * attention_tp + attention_tp_rank."""
+        return tp_rank // self.attention_tp
+
+    def attention_tp_rank(self, tp_rank: int) -> int:
+        return tp_rank % self.attention_tp
+
     def heads(self, config, tp_rank: int) -> HeadShard:
+        """The attention heads whose weights this rank keeps (its attention-TP shard; whole under
+        Ulysses alone)."""
         sizes = attention_sizes(config)
-        return HeadShard(sizes.heads, sizes.kv_heads, sizes.head_dim, tp_rank, self.tp)
+        return HeadShard(sizes.heads, sizes.kv_heads, sizes.head_dim, self.attention_tp_rank(tp_rank), self.attention_tp)
+
+    def attention_heads(self, config, tp_rank: int) -> HeadShard:
+        """The heads this rank computes attention for: its weights' heads, or under Ulysses its part
+        of its TP shard's heads after the all-to-all (KV heads replicated where the ranks outnumber
+        them, as TP does). The heads of (TP shard a, Ulysses rank u) are HeadShard(tp, a*N + u):
+        shard a's heads cut in N contiguous parts."""
+        sizes = attention_sizes(config)
+        rank = self.attention_tp_rank(tp_rank) * self.ulysses + self.ulysses_rank(tp_rank)
+        return HeadShard(sizes.heads, sizes.kv_heads, sizes.head_dim, rank, self.tp)
 
     def moe_shard(self, num_experts: int, tp_rank: int) -> MoeShard:
         if self.moe_mode == "ep":
@@ -369,8 +426,33 @@ class Layout:
         return MoeShard("replicated", num_experts, 0, num_experts)
 
     def token_chunks(self, rows: int) -> list:
-        """The contiguous token chunk of each EP rank (the rows are replicated before the layer)."""
+        """The contiguous token chunk of each EP rank (today's code: the rows are replicated before
+        the layer and each EP rank routes its chunk)."""
         return split_evenly(rows, self.moe_degree)
+
+    def token_shares(self, rows: int) -> list:
+        """How many of a sequence's `rows` each rank of a branch holds between decoder layers, in
+        tp-rank order: every row on every rank, or under sequence sharding the recipe's padded
+        shares (padded_shares: ceil(rows / tp) each, the trailing ones short). Inside Ulysses
+        attention a rank holds every row of its heads instead (attention_heads)."""
+        return padded_shares(rows, self.tp) if self.sequence_sharded else [rows] * self.tp
+
+    def token_share(self, rows: int, tp_rank: int) -> slice:
+        """The rows of the sequence (positions [start, stop)) this rank holds between layers."""
+        if not self.sequence_sharded:
+            return slice(0, rows)
+        shares = self.token_shares(rows)
+        start = sum(shares[:tp_rank])
+        return slice(start, start + shares[tp_rank])
+
+    def ulysses_share(self, rows: int, tp_rank: int) -> slice:
+        """The rows a rank projects q / k / v for under Ulysses: its attention-TP group's shares
+        (gathered over that group), i.e. the union of token_shares of tp ranks
+        [u * attention_tp, (u + 1) * attention_tp)."""
+        shares = self.token_shares(rows)
+        first = self.ulysses_rank(tp_rank) * self.attention_tp
+        start = sum(shares[:first])
+        return slice(start, start + sum(shares[first:first + self.attention_tp]))
 
     # ------------------------------------------------------------ checks
 
@@ -391,6 +473,10 @@ class Layout:
             if self.tp not in good:
                 per = " per CFG branch" if self.cfg > 1 else ""
                 world = "world size = degree x 2 with cfg-parallel" if self.cfg > 1 else "world size = degree"
+                if self.ulysses > 1:       # Ulysses x attention TP split the heads over every rank of the branch
+                    return (f"ulysses: {heads.heads} attention heads with {heads.kv_heads} KV heads do not split "
+                            f"over ulysses {self.ulysses} x attention TP {self.attention_tp} = {self.tp} ranks{per}; "
+                            f"use a branch size in {good}")
                 return (f"attention-tp: {heads.heads} attention heads with {heads.kv_heads} KV heads do not split "
                         f"over {self.tp} ranks{per}; use a degree in {good} ({world})")
         return None
@@ -417,4 +503,5 @@ class Layout:
 
     def describe(self) -> dict:
         return {"world_size": self.world_size, "cfg_degree": self.cfg, "tp_degree": self.tp,
-                "moe_mode": self.moe_mode, "moe_degree": self.moe_degree, "vae_parallel": self.vae_parallel}
+                "moe_mode": self.moe_mode, "moe_degree": self.moe_degree, "vae_parallel": self.vae_parallel,
+                "ulysses": self.ulysses, "sequence_sharded": self.sequence_sharded}

@@ -8,8 +8,9 @@ compares them with loaded tiny models in every layout).
 
 Activations are an estimate from the config, the layout and the image size (the first denoising
 step, the largest: every text and image token; see activation_bytes), calibrated against measured
-CPU peaks (bench/plan_accuracy.py, docs/BENCHMARKS.md). Communication is per denoising step,
-summed over the layers, in bytes this rank sends.
+CPU peaks (bench/plan_accuracy.py, docs/BENCHMARKS.md). Communication: the traffic model
+(utils/planner/traffic.py), bytes this rank sends per phase of one image (the first step, each
+later denoising step, the VAE decode), checked against counted runs (bench/comm.py).
 
 8-bit experts (`quantize` "int8" / "fp8"): the meta model is built with that expert format, so
 the routed experts count 1 byte per parameter plus their float32 per-channel scales, exactly as
@@ -24,12 +25,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils.planner.traffic import (DENOISING_STEP, PHASES, TEXT_TOKENS, TODAY, Design, image_lines,  # noqa: F401
+                                   image_tokens, per_step)
+
 GiB = 2**30
 COMPONENTS = (("routed experts", (".mlp.experts.",)), ("shared MLP", (".mlp.shared_mlp.",)),
               ("MoE router", (".mlp.gate.",)), ("attention", (".self_attn.",)),
               ("embeddings / lm_head", ("model.wte.", "lm_head.")), ("VAE", ("vae.",)),
               ("vision encoder", ("vision_model.", "vision_aligner.")))
-TEXT_TOKENS = 512           # prompt + system prompt + template, generously (the think system prompt is ~160)
 ROUTING_SKEW = 2.0          # EP: an expert owner may receive this many times its even share of rows
 WORKSPACE_BYTES = {"cpu": GiB // 2, "cuda": 2 * GiB, "npu": 2 * GiB}   # runtime, collective buffers, allocator
 
@@ -41,8 +44,9 @@ class RolePlan:
     params: dict                     # component -> bytes the loaded model holds
     read_bytes: int                  # bytes this rank reads from the checkpoint
     activations: dict                # what -> bytes at the peak
-    comm_per_step: dict              # collective -> bytes sent per denoising step
+    comm_per_step: dict              # purpose -> bytes sent per denoising step
     workspace: int = WORKSPACE_BYTES["npu"]
+    traffic: dict = None             # phase -> {purpose: bytes sent} (first step, denoising step, VAE decode)
 
     @property
     def param_bytes(self) -> int:
@@ -60,7 +64,7 @@ class RolePlan:
         return {"tp_rank": self.tp_rank, "ranks": self.ranks, "params": self.params, "param_bytes": self.param_bytes,
                 "read_bytes": self.read_bytes, "activations": self.activations,
                 "activation_bytes": self.activation_bytes, "workspace_bytes": self.workspace,
-                "total_bytes": self.total(), "comm_per_step": self.comm_per_step}
+                "total_bytes": self.total(), "comm_per_step": self.comm_per_step, "traffic": self.traffic}
 
 
 def read_config(model_dir):
@@ -123,18 +127,15 @@ def checkpoint_read_bytes(model, layout, stored_itemsize: int = 2) -> int:
     return total
 
 
-def image_tokens(config, image_size) -> int:
-    height, width = image_size
-    down = config.vae_downsample_factor
-    return (height // (down[0] * config.patch_size)) * (width // (down[1] * config.patch_size))
-
-
 def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "npu", text_tokens: int = TEXT_TOKENS,
-                     quantize=None):
+                     quantize=None, design: Design = TODAY):
     """Peak transient bytes of one rank: the first denoising step (the longest sequence) and the VAE
-    decode, plus the KV cache that lives through the denoising."""
+    decode, plus the KV cache that lives through the denoising. A planned `design` (traffic.Design)
+    changes what is alive: sequence sharding keeps the residual stream to the rank's share (plus
+    the gathered attention input), Ulysses adds the q / k / v of its rows before the all-to-all,
+    int8 dispatch brings the received rows as int8 + a float32 scale."""
     bf16, fp32 = 2, 4
-    heads = layout.heads(raw, 0)
+    heads = layout.attention_heads(raw, 0)                          # the heads a rank computes (and caches)
     batch = 2 // layout.cfg                                          # CFG branches on this rank
     seq = image_tokens(config, image_size) + text_tokens
     hidden, head_dim = config.hidden_size, config.attention_head_dim
@@ -148,14 +149,21 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
     topk = max(per_layer(config.moe_topk, i) for i in layers)                      # an int or one per layer
     intermediate = max(per_layer(config.moe_intermediate_size, i) for i in layers)
     inter_local = intermediate // layout.tp if layout.moe_mode == "tp" else intermediate
-    chunk = math.ceil(tokens / layout.tp) if layout.moe_mode == "ep" else tokens
+    chunk = math.ceil(tokens / layout.tp) if layout.moe_mode == "ep" or design.sequence_sharded else tokens
     rows = chunk * topk * (ROUTING_SKEW if layout.moe_mode == "ep" and layout.tp > 1 else 1)
     if device_kind == "cpu":
         rows *= 1.25                                                # padded bmm pads groups up to 25 %
-    moe = int(rows * (2 * hidden + 3 * inter_local) * bf16 + chunk * hidden * fp32 + tokens * hidden * bf16)
+    row_in = (hidden + fp32) if design.dispatch == "int8" else hidden * bf16
+    replicated_out = chunk if design.sequence_sharded else tokens      # today: the all-gathered MoE output
+    moe = int(rows * (row_in + hidden * bf16 + 3 * inter_local * bf16) + chunk * hidden * fp32
+              + replicated_out * hidden * bf16)
     if quantize and device_kind != "npu":
         moe += dequantized_expert_bytes(config, layout, hidden, inter_local)
-    residual = 4 * tokens * hidden * bf16
+    residual = 4 * (chunk if design.sequence_sharded else tokens) * hidden * bf16
+    if design.sequence_sharded:
+        attention += tokens * hidden * bf16                         # the gathered input of qkv_proj
+    if design.ulysses > 1:                                          # q / k / v of the rank's rows, before the all-to-all
+        attention += chunk * design.ulysses * (heads.heads + 2 * heads.kv_heads) * head_dim * bf16
     denoise = residual + max(attention, moe)          # image steps produce no LM logits
     return {"KV cache": kv_cache, "denoise step": int(denoise), "VAE decode": vae_decode_bytes(raw, layout, image_size,
                                                                                             device_kind)}
@@ -195,28 +203,17 @@ def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
     return int(peak)
 
 
-def comm_per_step(config, raw: dict, layout, image_size, text_tokens: int = TEXT_TOKENS) -> dict:
-    """Bytes a rank sends per denoising step (image tokens only: the text's KV is cached)."""
-    bf16, layers, hidden = 2, config.num_hidden_layers, config.hidden_size
-    tokens = (2 // layout.cfg) * image_tokens(config, image_size)
-    degree = layout.tp
-    out = {}
-    if degree > 1:
-        ring = 2 * (degree - 1) / degree
-        out["all_reduce (attention TP)"] = int(layers * tokens * hidden * bf16 * ring)
-        if layout.moe_mode == "tp":
-            out["all_reduce (MoE TP)"] = int(layers * tokens * hidden * bf16 * ring)
-        if layout.moe_mode == "ep":
-            chunk = tokens / degree
-            share = (degree - 1) / degree
-            from adaptor_patches.parallel.layout import per_layer
-            topk = max(per_layer(config.moe_topk, i) for i in range(layers))
-            out["all_to_all (MoE EP)"] = int(layers * 2 * chunk * topk * hidden * bf16 * share)
-            out["all_gather (MoE EP rows)"] = int(layers * chunk * hidden * bf16 * (degree - 1))
-    if layout.cfg > 1:
-        latent = image_tokens(config, image_size) * raw["vae"]["latent_channels"] * 4
-        out["all_gather (CFG)"] = int(latent)
-    return out
+def traffic_by_phase(config, raw: dict, layout, image_size, tp_rank: int = 0, device_kind: str = "npu",
+                     design=None) -> dict:
+    """{phase: {purpose: bytes sent}} of one image on tp rank `tp_rank` of CFG branch 0 (design None:
+    the code as built, traffic.built_design)."""
+    lines = image_lines(config, raw, layout, image_size, tp_rank, design=design, device_kind=device_kind)
+    return {phase: {k: int(v) for k, v in per_step(lines, phase).items()} for phase in PHASES}
+
+
+def comm_per_step(config, raw: dict, layout, image_size, tp_rank: int = 0) -> dict:
+    """Bytes a rank sends per denoising step after the first, by purpose (the text's KV is cached)."""
+    return traffic_by_phase(config, raw, layout, image_size, tp_rank)[DENOISING_STEP]
 
 
 def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None) -> list:
@@ -230,9 +227,10 @@ def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None)
         params = parameter_bytes(model)
         same = next((r for r in roles if r.params == params), None)
         if same is None:
+            traffic = traffic_by_phase(config, raw, layout, image_size, tp_rank, device_kind)
             roles.append(RolePlan(tp_rank, [], params, checkpoint_read_bytes(model, layout),
                                   activation_bytes(config, raw, layout, image_size, device_kind, quantize=quantize),
-                                  comm_per_step(config, raw, layout, image_size), WORKSPACE_BYTES[device_kind]))
+                                  traffic[DENOISING_STEP], WORKSPACE_BYTES[device_kind], traffic))
     for tp_rank in range(layout.tp):            # the ranks each role stands for
         role = roles[-1] if tp_rank == layout.tp - 1 else roles[0]
         role.ranks += [tp_rank + branch * layout.tp for branch in range(layout.cfg)]
@@ -246,3 +244,18 @@ def shortfall(roles: list, device_memory: int, headroom: float):
     budget = int(device_memory * (1 - headroom))
     worst = max(roles, key=lambda r: r.total())
     return (worst, worst.total(), budget) if worst.total() > budget else None
+
+
+def planned_role_bytes(config, raw: dict, layout, image_size, role: RolePlan, device_kind: str = "npu",
+                       design: Design = TODAY, quantize=None) -> int:
+    """Per-rank bytes of `role` under a planned `design` (traffic.Design, not built yet): its
+    parameters with the attention weights of the design's attention-TP degree (Ulysses N keeps N
+    times today's share), the design's activations, the same workspace. An estimate, like every
+    activation figure here."""
+    from dataclasses import replace
+    from utils.planner.traffic import for_layout
+    design = for_layout(design, layout)
+    layout = replace(layout, ulysses=design.ulysses)
+    params = sum(role.params.values()) + role.params.get("attention", 0) * (design.ulysses - 1)
+    acts = activation_bytes(config, raw, layout, image_size, device_kind, quantize=quantize, design=design)
+    return params + max(acts["denoise step"], acts["VAE decode"]) + acts["KV cache"] + role.workspace

@@ -81,8 +81,7 @@ def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM, qua
                      + f"  -> peak {gib(role.activation_bytes)} (KV cache + the larger of the two)")
         lines.append(f"    workspace {gib(role.workspace)}   total {gib(role.total())}   "
                      f"reads {gib(role.read_bytes)} from the checkpoint")
-        comm = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in role.comm_per_step.items()) or "none"
-        lines.append(f"    sent per denoising step: {comm}")
+        lines += traffic_report(role)
     if device_memory:
         worst = max(r.total() for r in roles)
         budget = device_memory * (1 - headroom)
@@ -91,6 +90,50 @@ def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM, qua
     else:
         lines.append("  no device memory given (--device-memory / device_memory): no fit check")
     return "\n".join(lines)
+
+
+def traffic_report(role) -> list:
+    """The rank's traffic lines (utils/planner/traffic.py: what "sent" means per collective)."""
+    from utils.planner.traffic import DENOISING_STEP, PHASES
+    out = []
+    for phase in PHASES:
+        lines = (role.traffic or {DENOISING_STEP: role.comm_per_step}).get(phase, {})
+        total = sum(lines.values())
+        if phase == DENOISING_STEP or total:
+            where = f"sent per {phase}" if phase != "VAE decode" else "sent in the VAE decode"
+            text = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in lines.items()) or "nothing"
+            out.append(f"    {where}: {total / 2**20:.1f} MiB ({text})")
+    return out
+
+
+def planned_report(model_dir, layout, image_size, device_kind: str, roles, quantize=None) -> list:
+    """One line per planned design (utils/planner/traffic.PLANNED) of this layout's world and CFG
+    split, with the MoE expert-parallel (the designs are EP designs): bytes per denoising step and
+    per-rank memory, marked as not yet built."""
+    from dataclasses import replace
+    from adaptor_patches.parallel.layout import Layout, LayoutError
+    from utils.planner.memory_plan import planned_role_bytes, read_config
+    from utils.planner.traffic import DENOISING_STEP, PLANNED, for_layout, image_lines, per_step
+    if layout.tp < 2:
+        return []
+    config, raw = read_config(model_dir)
+    out = ["  planned, not yet built (issue 29; per rank: sent per denoising step / memory):"]
+    for design in PLANNED:
+        design = for_layout(design, layout)
+        moe = "ep"                                   # the planned designs are MoE EP designs
+        try:
+            planned = replace(layout, moe=moe, ulysses=design.ulysses)
+            planned.check(raw)
+        except LayoutError as exc:
+            out.append(f"    {design.name}: not for this layout ({exc})")
+            continue
+        sent = sum(per_step(image_lines(config, raw, planned, image_size, 0, design=design,
+                                        device_kind=device_kind), DENOISING_STEP).values())
+        memory = max(planned_role_bytes(config, raw, planned, image_size, role, device_kind, design, quantize)
+                     for role in roles)
+        out.append(f"    {design.name}{' (MoE EP)' if moe != layout.moe_mode else ''}: {sent / 2**20:.1f} MiB, "
+                   f"{gib(memory)} GiB")
+    return out
 
 
 def layout_words(layout) -> str:
@@ -194,6 +237,7 @@ def main(argv=None) -> int:
         memory = parse_memory(args.device_memory) if args.device_memory else None
         roles = plan(args.model_id, layout, size, args.device, quantize)
         print(report(roles, layout, size, memory, quantize=quantize))
+        print("\n".join(planned_report(args.model_id, layout, size, args.device, roles, quantize)))
         if args.json:
             args.json.write_text(json.dumps([r.as_json() for r in roles], indent=2))
         if memory:

@@ -10,7 +10,9 @@ Sections (utils/selfcheck/checks/):
                and its 8-bit expert kernels (each format and compute the device runs)
   moe-stream   the MoE layer with the shared-MLP side stream on / off: time, overlap_pct from a
                profiler trace (kept in DIR for Perfetto / TensorBoard)
-  collectives  uneven all_to_all, all_gather, all_reduce over N ranks: exact values, bus bandwidth
+  collectives  uneven all_to_all, all_gather, all_reduce over N ranks: exact values, bus bandwidth;
+               all_gather_matmul / matmul_reduce_scatter (the fused forms where the device has them)
+               against the product and timed against the plain collectives
   generation   the tiny model on the device vs the CPU, 1 rank and N ranks (latent error, PSNR)
 A table on the console, DIR/selfcheck.json, exit 1 when any check fails (2: bad arguments).
 Defaults: real shapes and every device of the node on accelerators; small shapes, 2 ranks on CPU.
@@ -162,7 +164,7 @@ def run_sections(device, nproc, skip, shapes, size, out, repeat) -> list:
                             + quant_kernel_checks(lambda compute: kernels_for(device.kind, quant_compute=compute),
                                                   device.kind, device.torch_device, shape)),
         "moe-stream": lambda: moe_stream_checks(device, shape, out, repeat),
-        "collectives": lambda: collective_checks(device.kind, nproc, size, out),
+        "collectives": lambda: collective_checks(device.kind, nproc, size, out, shape=shape),
         "generation": lambda: generation_checks(device.kind, nproc, out / "generation"),
     }
     results = []

@@ -1,4 +1,5 @@
 """The collectives the adaptor issues, over the node's devices: correctness and bus bandwidth.
+(With a shape: also the matmuls fused with a collective, collective_matmuls.py.)
 
 N ranks are spawned (one per device, the backend the job would use: hccl / nccl / gloo). Each
 collective is first checked on values every rank can predict (exact), including an all_to_all
@@ -79,7 +80,7 @@ def bandwidth(dist, device_obj, rank: int, n: int, size: int, iterations: int) -
             device_obj.synchronize()
             if i >= 2:
                 times.append(time.perf_counter() - start)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float32, device=dev)   # HCCL documents no float64 on A2/A3
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         seconds = slowest.item()
         result[name] = {"bytes": nbytes, "seconds": seconds,
@@ -87,7 +88,8 @@ def bandwidth(dist, device_obj, rank: int, n: int, size: int, iterations: int) -
     return result
 
 
-def _rank_main(rank: int, n: int, kind: str, port: int, size: int, iterations: int, out_file: str) -> None:
+def _rank_main(rank: int, n: int, kind: str, port: int, size: int, iterations: int, out_file: str,
+               shape=None) -> None:
     import torch.distributed as dist
     from adaptor_patches.kernels.device import resolve
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -98,6 +100,11 @@ def _rank_main(rank: int, n: int, kind: str, port: int, size: int, iterations: i
     try:
         report = {"backend": device.dist_backend, "correct": correctness(dist, device.torch_device, rank, n),
                   "bandwidth": bandwidth(dist, device, rank, n, size, iterations)}
+        if shape is not None:
+            from adaptor_patches.kernels import kernels_for
+            from utils.selfcheck.checks import collective_matmuls
+            report["collective_matmuls"] = collective_matmuls.measure(dist, device, kernels_for(device.kind), rank, n,
+                                                                      shape, iterations)
         agreed = [None] * n
         dist.all_gather_object(agreed, report["correct"])
         report["correct"] = {name: all(r[name] for r in agreed) for name in report["correct"]}
@@ -107,13 +114,13 @@ def _rank_main(rank: int, n: int, kind: str, port: int, size: int, iterations: i
         dist.destroy_process_group()
 
 
-def collective_checks(kind: str, nproc: int, size: int, out_dir: Path, iterations: int = 5) -> list:
+def collective_checks(kind: str, nproc: int, size: int, out_dir: Path, iterations: int = 5, shape=None) -> list:
     if nproc < 2:
         return [Result(SECTION, "collectives", "skip", detail="one rank: pass --nproc N (N > 1) to check them")]
     import torch.multiprocessing as mp
     out_file = out_dir / "collectives.json"
     try:
-        mp.start_processes(_rank_main, args=(nproc, kind, free_port(), size, iterations, str(out_file)),
+        mp.start_processes(_rank_main, args=(nproc, kind, free_port(), size, iterations, str(out_file), shape),
                            nprocs=nproc, join=True, start_method="spawn")
         report = json.loads(out_file.read_text())
     except Exception as exc:
@@ -125,4 +132,7 @@ def collective_checks(kind: str, nproc: int, size: int, out_dir: Path, iteration
     for name, m in report["bandwidth"].items():
         results.append(Result(SECTION, f"{name} bus bandwidth", "info", round(m["busbw_gbps"], 3), None,
                               f"GB/s, {m['bytes'] / 2**20:.0f} MiB, {m['seconds'] * 1e3:.3f} ms", m))
+    if "collective_matmuls" in report:
+        from utils.selfcheck.checks import collective_matmuls
+        results += collective_matmuls.rows(report["collective_matmuls"], nproc)
     return results

@@ -1,0 +1,95 @@
+"""Matmuls with the collective around them: gather the sequence shares then x @ w.T; x @ w.T then reduce-scatter.
+
+    kernels.all_gather_matmul(x_local, weight, group, shares)     -> [sum(shares), N]
+        x_local [shares[r], K], this rank's rows of the sequence; weight [N, K] (nn.Linear's):
+        every rank's rows gathered in group-rank order, times weight.T (qkv_proj on the whole sequence)
+    kernels.matmul_reduce_scatter(x, weight, group, shares)       -> [shares[r], N]
+        x [sum(shares), K] on every rank, weight [N, K]: sum over the group of x @ weight.T, of which
+        this rank keeps its rows (o_proj's partial sums, each rank back on its share)
+
+`shares` are the rows each rank of `group` holds, in group-rank order, as the layout gives them
+(parallel/layout.py padded_shares: ceil(rows / n) each, the trailing ones short, as the cann-recipes
+recipe pads the last rank). Padded to that common size they make one equal-split collective, and
+the first `rows` rows of a gather are the real ones: no reordering, and the fused forms (which need
+equal splits) take them as they are. Any other split is refused (ValueError). No bias: the fused
+ops take none (their docs: "bias unsupported"); a caller with one adds it after, on its rows.
+
+Every rank must take the same form (fused or plain), or the collectives inside would not match:
+each kernel set decides from what every rank shares (dtype, shapes, group size, the device model)
+or agrees on it by a collective (CUDA).
+
+This file is the plain form, on every device: gloo all_gather_into_tensor / reduce_scatter_tensor
+around F.linear, the reference the fused forms (npu.py, cuda.py) are tested against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def share_size(shares: list) -> int:
+    """The common (padded) size of padded shares; ValueError for any other split."""
+    size = max(shares) if shares else 0
+    rows = sum(shares)
+    expected = [min(size, max(0, rows - i * size)) for i in range(len(shares))]
+    if shares != expected or (size and -(-rows // len(shares)) != size):
+        raise ValueError(f"shares: {shares} are not the padded shares of {rows} rows over {len(shares)} ranks "
+                         f"({expected if size else []}); take them from the layout (token_shares)")
+    return size
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows` (x itself when it has them)."""
+    if x.shape[0] == rows:
+        return x.contiguous()
+    out = x.new_zeros(rows, *x.shape[1:])
+    out[:x.shape[0]] = x
+    return out
+
+
+def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, full: torch.Tensor, group) -> None:
+    """torch 2.14 renamed reduce_scatter_tensor too (the old name warns); 2.7 has only the old one."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full, group=group)
+
+
+def process_group(group):
+    """`group`, or the default group for None (the fused ops name a group object)."""
+    return group if group is not None else dist.group.WORLD
+
+
+def _check(x: torch.Tensor, shares: list, group, rows_of_x: int) -> int:
+    if len(shares) != dist.get_world_size(group):
+        raise ValueError(f"shares: {len(shares)} shares for a group of {dist.get_world_size(group)} ranks")
+    if x.shape[0] != rows_of_x:
+        raise ValueError(f"x: {x.shape[0]} rows, the shares say {rows_of_x}")
+    return share_size(shares)
+
+
+class CollectiveMatmuls:
+    """The plain forms (a kernel set's base)."""
+
+    def all_gather_matmul(self, x_local: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
+        size = _check(x_local, shares, group, shares[dist.get_rank(group)])
+        if size == 0:
+            return x_local.new_empty(0, weight.shape[0])
+        gathered = x_local.new_empty(len(shares) * size, x_local.shape[1])
+        _all_gather_single(gathered, pad_rows(x_local, size), group)
+        return F.linear(gathered[:sum(shares)], weight)
+
+    def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
+        size = _check(x, shares, group, sum(shares))
+        if size == 0:
+            return x.new_empty(0, weight.shape[0])
+        partial = pad_rows(F.linear(x, weight), len(shares) * size)
+        out = partial.new_empty(size, partial.shape[1])
+        _reduce_scatter_single(out, partial, group)
+        return out[:shares[dist.get_rank(group)]]
+
+    def collective_matmul_forms(self, x: torch.Tensor, weight: torch.Tensor, group) -> dict:
+        """Which form each op takes here for rows like x's (the self-check's rows say it)."""
+        return {"all_gather_matmul": "plain", "matmul_reduce_scatter": "plain"}

@@ -1,0 +1,184 @@
+"""Bytes on the wire, counted on real gloo ranks and checked against the planner; the real model's table.
+
+    .venv/bin/python bench/comm.py [--model DIR] [--layouts NAME ...] [--size 64] [--steps 3]
+                                   [--real-model config/real_model] [--real-size 1024x1024] [--json PATH]
+
+1. Counted: the tiny model (built if DIR is missing) generates one image on each layout's ranks
+   (spawned gloo processes, tests/multirank.py's pool) under utils/planner/comm_recorder.py, which
+   wraps torch.distributed's collectives and counts what each rank sends per phase and kind. Each
+   count is set against the planner's traffic lines (utils/planner/traffic.py) for the same
+   layout, config and sequence: within 2 %, rank by rank (all-to-all: the payload over all ranks;
+   its leaving share depends on the routing and is shown, not judged). Exit 1 on a miss.
+2. The real model (config/real_model) at 1024x1024 on config/ep8_cfg.yaml's layout (CFG2 x
+   attention TP8, MoE EP8, VAE parallel, 16 ranks): per rank and denoising step, today's lines
+   (first as the issue counts them, image tokens only) and the planned layouts (not built yet),
+   with the per-rank memory of each.
+Markdown on stdout (docs/BENCHMARKS.md, docs/MULTI_STREAM.md); --json keeps everything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "a red fox standing in fresh snow"
+# name -> (world size, cfg, moe, vae_parallel)
+LAYOUTS = {"tp2": (2, 1, "replicated", False), "ep2": (2, 1, "ep", False),
+           "tp2_cfg2_moe_tp": (4, 2, "tp", True), "ep2_cfg2_moe_ep": (4, 2, "ep", True)}
+EP8_CFG = (16, 2, "ep", True)
+MiB = 2 ** 20
+
+
+# ---------------------------------------------------------------- counted (on each rank)
+
+def load_rank_model(rank: int, world_size: int, model_dir, layout_args: tuple, device=None):
+    """(model, context) of this rank, loaded as run_image_gen loads it."""
+    import model_adaptor
+    from adaptor_patches.kernels.device import Device
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.parallel.layout import Layout
+    from adaptor_patches.weights.load import load_model
+    device = model_adaptor.apply(device or Device("cpu"))
+    context = RankContext(Layout(world_size, *layout_args), rank, device, text_to_image_only=True)
+    model = load_model(model_dir, context)
+    model.pipeline.set_progress_bar_config(disable=True)
+    return model, context
+
+
+def generate(model, size: int, steps: int, step_cache=None):
+    """One image, as run_image_gen generates it (the step cache's run around it when given)."""
+    from adaptor_patches import step_cache as cache
+    with cache.running(model, step_cache, steps):
+        return model.generate_image(prompt=PROMPT, seed=7, image_size=f"{size}x{size}", diff_infer_steps=steps,
+                                    verbose=0)
+
+
+def count_on_rank(rank: int, world_size: int, model_dir, layout_args: tuple, size: int, steps: int) -> dict:
+    """This rank's recorder summary of one image (multirank.run_ranks calls it on every rank)."""
+    import torch
+    from utils.planner.comm_recorder import CollectiveRecorder
+    with torch.no_grad():
+        model, context = load_rank_model(rank, world_size, model_dir, layout_args)
+        with CollectiveRecorder(context.device.torch_device) as recorder:
+            recorder.attach(model)
+            generate(model, size, steps)
+    return recorder.summary()
+
+
+def planned_for(model_dir, layout_args: tuple, world_size: int, size: int, counted: list) -> list:
+    """Every rank's planned lines for the run `counted` describes (its first step's sequence length)."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.memory_plan import read_config
+    from utils.planner.traffic import FIRST_STEP, image_lines
+    config, raw = read_config(model_dir)
+    layout = Layout(world_size, *layout_args)
+    first = counted[0]["forward_rows"][FIRST_STEP][0]
+    return [image_lines(config, raw, layout, (size, size), layout.tp_rank(r), layout.cfg_rank(r),
+                        first_step_rows=first, device_kind="cpu") for r in range(world_size)]
+
+
+def counted_table(results: dict) -> str:
+    rows = ["| layout | phase | kind | compared | counted (B) | planned (B) | difference | within 2 % |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, compared in results.items():
+        for r in compared:
+            verdict = "" if r["ok"] is None else ("yes" if r["ok"] else "**NO**")
+            rows.append(f"| {name} | {r['phase']} | {r['kind']} | {r['quantity']} | {r['counted']:.0f} | "
+                        f"{r['planned']:.0f} | {100 * r['error']:.2f} % | {verdict} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- the real model
+
+def real_model_table(model_dir, size: tuple, device_kind: str = "npu") -> tuple:
+    """(markdown, data): per rank and denoising step on ep8_cfg's layout, today and planned."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.memory_plan import plan, planned_role_bytes, read_config
+    from utils.planner.traffic import (DENOISING_STEP, PLANNED, Sizes, built_design, for_layout, forward_lines,
+                                       image_lines, image_tokens, per_step)
+    config, raw = read_config(model_dir)
+    layout = Layout(*EP8_CFG)
+    roles = plan(model_dir, layout, size, device_kind)
+    sizes = Sizes.of(config, raw)
+    tokens = image_tokens(config, size)
+    issue = per_step(forward_lines(sizes, layout, DENOISING_STEP, tokens, 0))      # image tokens only
+    data = {"layout": "CFG2 x attention TP8, MoE EP8, VAE parallel (config/ep8_cfg.yaml)",
+            "image_size": list(size), "rows": []}
+    data["rows"].append({"design": "today, image tokens only (the issue's count)", "built": True,
+                         "lines": issue, "memory": max(r.total() for r in roles)})
+    for design in (built_design(layout),) + PLANNED:
+        design = for_layout(design, layout)
+        lines = per_step(image_lines(config, raw, layout, size, 0, design=design, device_kind=device_kind))
+        memory = max(r.total() for r in roles) if design.built else max(
+            planned_role_bytes(config, raw, layout, size, r, device_kind, design) for r in roles)
+        name = "today: the code as built (the timestep token too)" if design.built else design.name
+        data["rows"].append({"design": name, "built": design.built, "lines": lines, "memory": memory})
+    md = [f"Real model, {size[0]}x{size[1]}, {data['layout']}, rank 0, one denoising step after the first "
+          f"({tokens} image tokens + the timestep token per branch):", "",
+          "| layout | status | sent per rank per step (MiB) | of which | per-rank memory (GiB) |",
+          "|---|---|---|---|---|"]
+    for row in data["rows"]:
+        parts = ", ".join(f"{k} {v / MiB:.1f}" for k, v in row["lines"].items() if v >= MiB / 10)
+        md.append(f"| {row['design']} | {'built' if row['built'] else 'planned, not yet built'} | "
+                  f"{sum(row['lines'].values()) / MiB:.1f} | {parts} | {row['memory'] / 2**30:.2f} |")
+    return "\n".join(md), data
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny_comm")
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--real-model", type=Path, default=ROOT / "config" / "real_model")
+    p.add_argument("--real-size", default="1024x1024")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    from bench.comm import count_on_rank          # importable by the spawned ranks by this name
+    from utils.planner.comm_recorder import compare
+    sys.path.insert(0, str(ROOT / "tests"))
+    from multirank import close_pools, run_ranks
+    if not (args.model / "config.json").is_file():
+        from utils.make_tiny_model import make_tiny_model
+        print(f"building the tiny model at {args.model} ...", file=sys.stderr)
+        make_tiny_model(args.model)
+    results, raw_counts = {}, {}
+    try:
+        for name in args.layouts:
+            world_size, *layout_args = LAYOUTS[name]
+            print(f"counting {name} on {world_size} gloo ranks ...", file=sys.stderr, flush=True)
+            counted = run_ranks(world_size, count_on_rank, str(args.model), tuple(layout_args), args.size, args.steps,
+                                timeout_s=900)
+            misplaced = [m for c in counted for m in c["misplaced"]]
+            if misplaced:
+                print(f"error: {name}: collectives handed tensors off the rank's device: {misplaced[:3]}",
+                      file=sys.stderr)
+                return 1
+            planned = planned_for(args.model, tuple(layout_args), world_size, args.size, counted)
+            results[name], raw_counts[name] = compare(counted, planned), counted
+    finally:
+        close_pools()
+    print(f"\n## Counted vs planned: tiny model, {args.size}x{args.size}, {args.steps} steps (per forward)\n")
+    print(counted_table(results))
+    height, width = (int(x) for x in args.real_size.lower().split("x"))
+    real, data = real_model_table(args.real_model, (height, width))
+    print(f"\n## The real model\n\n{real}")
+    print(f"\n`.venv/bin/python bench/comm.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip())
+    if args.json:
+        args.json.write_text(json.dumps({"counted": raw_counts, "compared": results, "real_model": data},
+                                        indent=2, default=str))
+    misses = [(name, r["phase"], r["kind"]) for name, rows in results.items() for r in rows if r["ok"] is False]
+    if misses:
+        print(f"error: counted bytes differ from the planner's by more than 2 %: {misses}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

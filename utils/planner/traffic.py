@@ -1,0 +1,363 @@
+"""What one rank sends per collective (one definition), and the planner's traffic lines per layout.
+
+Bytes sent, per rank and call (n = ranks in the group, S = bytes of the tensor named):
+  all_reduce       2(n-1)/n x S          ring: a reduce-scatter, then an all-gather, of S
+  all_gather       (n-1) x S_local       its own piece to each other rank = (n-1)/n of the output
+  reduce_scatter   (n-1)/n x S_input     every piece but the one it keeps = (n-1) x the output
+  all_to_all       S_input less the split it keeps: the rows leaving the rank ((n-1)/n x S_input
+                   for equal splits; the MoE's share depends on the routing)
+  broadcast        (n-1) x S on the source rank, 0 elsewhere
+  send             S (isend / batch_isend_irecv sends; a receive sends nothing)
+  barrier          0
+  object forms     (broadcast_object_list, all_gather_object) as the tensor form, S = the pickled object
+The recorder (comm_recorder.py) applies `sent_bytes` to the tensors a real run hands
+torch.distributed; the planner applies it to the tensors its model of a layout predicts (`Line`).
+A line's `payload` is S as named above, per call: deterministic for every kind (the all-to-all's
+too: the rows it is handed); only the all-to-all's leaving share can depend on the data.
+
+Lines are per phase of one image:
+  first step       the first denoising forward: every text and image token of the sequence
+  denoising step   each later forward: the timestep token and the image tokens (the text is cached)
+  VAE decode       the band-parallel decode (parallel/vae_bands.py)
+A `Design` says how a layer's tokens move. `built_design(layout)` is what the code does (today's:
+rows replicated between layers), checked against counted runs (bench/comm.py, tests/test_comm.py);
+PLANNED are layouts not built yet (sequence-sharded layers, Ulysses attention, int8 dispatch, one
+copy per destination rank): their lines are the arithmetic of that design, marked planned. To
+build one: make the model path follow it, return it from built_design for the layouts that run
+it, and the counted tests hold the new code to these lines; a new collective is one more Line in
+forward_lines.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+FIRST_STEP, DENOISING_STEP, VAE_DECODE = "first step", "denoising step", "VAE decode"
+PHASES = (FIRST_STEP, DENOISING_STEP, VAE_DECODE)
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "barrier")
+BF16, FP32, INT64 = 2, 4, 8
+MiB = 2 ** 20
+
+
+def sent_bytes(kind: str, degree: int, payload: float, kept: Optional[float] = None, root: bool = True) -> float:
+    """Bytes one rank sends in one call of `kind` over `degree` ranks (module docstring)."""
+    n = degree
+    if n <= 1 or kind == "barrier":
+        return 0.0
+    if kind == "all_reduce":
+        return payload * 2 * (n - 1) / n
+    if kind == "all_gather":
+        return payload * (n - 1)
+    if kind == "reduce_scatter":
+        return payload * (n - 1) / n
+    if kind == "all_to_all":
+        return payload - (payload / n if kept is None else kept)
+    if kind == "broadcast":
+        return payload * (n - 1) if root else 0.0
+    if kind == "send":
+        return payload
+    raise ValueError(f"kind: '{kind}' is not one of {', '.join(KINDS)}")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One collective of one phase: `calls` calls of `kind` over `degree` ranks, `payload` bytes each
+    (module docstring), for `purpose`. `leave`: the all-to-all's share of the payload that leaves
+    the rank (None: equal splits, (n-1)/n)."""
+    phase: str
+    purpose: str
+    kind: str
+    degree: int
+    payload: float
+    calls: int = 1
+    leave: Optional[float] = None
+
+    @property
+    def sent(self) -> float:
+        kept = None if self.leave is None else self.payload * (1 - self.leave)
+        return self.calls * sent_bytes(self.kind, self.degree, self.payload, kept)
+
+    @property
+    def total_payload(self) -> float:
+        return self.calls * self.payload
+
+
+@dataclass(frozen=True)
+class Design:
+    """How a layer's tokens move. `Design()` is today's code (built); the others are planned.
+
+    sequence_sharded  between layers each rank of a branch holds a share of the sequence
+                      (layout.token_shares): all-gather before qkv_proj, reduce-scatter after
+                      o_proj, the MoE on the local rows, one all-gather after the last layer
+    ulysses           Ulysses degree N: q / k / v and the attention output cross the N ranks by
+                      all-to-all over heads; attention TP over the remaining tp / N ranks
+    dispatch          "bf16" or "int8": the MoE's outgoing rows as int8 with a float32 per-token scale
+    dedup             one copy of a token per destination rank (its experts there combined before the
+                      return trip) instead of one per expert
+    """
+    name: str = "today"
+    sequence_sharded: bool = False
+    ulysses: int = 1
+    dispatch: str = "bf16"
+    dedup: bool = False
+    built: bool = True
+
+
+TODAY = Design()
+PLANNED = (
+    Design("sequence-sharded EP (the recipe's)", sequence_sharded=True, built=False),
+    Design("Ulysses", sequence_sharded=True, ulysses=-1, built=False),
+    Design("Ulysses + int8 dispatch", sequence_sharded=True, ulysses=-1, dispatch="int8", built=False),
+    Design("Ulysses + int8 dispatch + dedup", sequence_sharded=True, ulysses=-1, dispatch="int8", dedup=True,
+           built=False),
+)
+
+
+def built_design(layout) -> Design:
+    """How the code as built moves `layout`'s tokens: today every rank of a branch holds every row
+    between layers (TODAY), whatever layout.sequence_sharded says. When the model path follows the
+    layout (sequence-sharded layers, Ulysses), this returns Design("built", sequence_sharded=
+    layout.sequence_sharded, ulysses=layout.ulysses) and the counted runs (bench/comm.py,
+    tests/test_comm.py) check those lines; int8 dispatch and dedup add their flags the same way."""
+    return TODAY
+
+
+def for_layout(design: Design, layout) -> Design:
+    """ulysses=-1 means every rank of a branch (N = tp)."""
+    return replace(design, ulysses=layout.tp) if design.ulysses == -1 else design
+
+
+# ---------------------------------------------------------------- model sizes
+
+@dataclass(frozen=True)
+class Sizes:
+    layers: int
+    moe_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    topk: int
+    latent_channels: int
+
+    @classmethod
+    def of(cls, config, raw: dict) -> "Sizes":
+        from adaptor_patches.parallel.layout import attention_sizes, moe_layers, per_layer
+        attention = attention_sizes(raw)
+        moe = moe_layers(raw)
+        layers = config.num_hidden_layers
+        topk = max((per_layer(config.moe_topk, i) for i in moe), default=0)
+        experts = max((sizes.experts for sizes in moe.values()), default=0)
+        return cls(layers, len(moe), config.hidden_size, attention.heads, attention.kv_heads, attention.head_dim,
+                   experts, topk, raw["vae"]["latent_channels"])
+
+
+def image_tokens(config, image_size) -> int:
+    height, width = image_size
+    down = config.vae_downsample_factor
+    return (height // (down[0] * config.patch_size)) * (width // (down[1] * config.patch_size))
+
+
+def padded_share(rows: int, parts: int) -> int:
+    return -(-rows // parts)
+
+
+# ---------------------------------------------------------------- one forward's lines
+
+def forward_lines(sizes: Sizes, layout, phase: str, seq: int, tp_rank: int = 0, design: Design = TODAY,
+                  prediction_bytes: int = 0) -> list:
+    """The collectives of one forward over `seq` positions of each of this rank's batch rows."""
+    from adaptor_patches.parallel.layout import split_evenly
+    design = for_layout(design, layout)
+    batch = 2 // layout.cfg                              # the [cond ; uncond] rows this branch holds
+    tokens = batch * seq
+    hidden_row = sizes.hidden * BF16
+    n = layout.tp
+    out = []
+    if n > 1 and not design.sequence_sharded:
+        out.append(Line(phase, "attention TP all-reduce", "all_reduce", n, tokens * hidden_row, sizes.layers))
+    if n > 1 and design.sequence_sharded:
+        out += _sharded_attention_lines(sizes, layout, phase, tokens, design)
+    if n > 1 and layout.moe_mode == "tp" and sizes.moe_layers:
+        if design.sequence_sharded:
+            out.append(Line(phase, "MoE TP all-gather", "all_gather", n, padded_share(tokens, n) * hidden_row,
+                            sizes.moe_layers))
+            out.append(Line(phase, "MoE TP reduce-scatter", "reduce_scatter", n,
+                            n * padded_share(tokens, n) * hidden_row, sizes.moe_layers))
+        else:
+            out.append(Line(phase, "MoE TP all-reduce", "all_reduce", n, tokens * hidden_row, sizes.moe_layers))
+    if n > 1 and layout.moe_mode == "ep" and sizes.moe_layers:
+        if design.sequence_sharded:
+            from adaptor_patches.parallel.layout import padded_shares
+            rows = padded_shares(tokens, n)[tp_rank]
+        else:
+            rows = split_evenly(tokens, n)[tp_rank]
+        out += _expert_parallel_lines(sizes, layout, phase, rows, design)
+        if not design.sequence_sharded:
+            longest = max(split_evenly(tokens, n))
+            out.append(Line(phase, "MoE EP all-gather (rows replicated again)", "all_gather", n,
+                            longest * hidden_row, sizes.moe_layers))
+    if n > 1 and design.sequence_sharded:
+        out.append(Line(phase, "all-gather after the last layer", "all_gather", n,
+                        padded_share(tokens, n) * hidden_row))
+    if layout.cfg > 1:
+        out.append(Line(phase, "CFG all-gather of the prediction", "all_gather", layout.cfg, prediction_bytes))
+    return out
+
+
+def _sharded_attention_lines(sizes: Sizes, layout, phase: str, tokens: int, design: Design) -> list:
+    n, ulysses = layout.tp, design.ulysses
+    tp_attn = n // ulysses
+    hidden_row = sizes.hidden * BF16
+    share = padded_share(tokens, n)
+    out = []
+    if tp_attn > 1:
+        what = "Ulysses TP" if ulysses > 1 else "attention"
+        out.append(Line(phase, f"{what} all-gather before qkv_proj", "all_gather", tp_attn, share * hidden_row,
+                        sizes.layers))
+        out.append(Line(phase, f"{what} reduce-scatter after o_proj", "reduce_scatter", tp_attn,
+                        tp_attn * share * hidden_row, sizes.layers))
+    if ulysses > 1:
+        chunk = tp_attn * share                               # rows of one Ulysses rank (its TP group's shares)
+        q_heads = sizes.heads // tp_attn
+        kv_of_shard = max(sizes.kv_heads // tp_attn, 1)
+        kv_per_rank = max(kv_of_shard // ulysses, 1)          # replicated when N exceeds the shard's KV heads
+        head_row = sizes.head_dim * BF16
+        qkv = chunk * (q_heads + 2 * kv_per_rank * ulysses) * head_row
+        out.append(Line(phase, "Ulysses q/k/v all-to-all (heads)", "all_to_all", ulysses, qkv, sizes.layers))
+        out.append(Line(phase, "Ulysses output all-to-all (rows)", "all_to_all", ulysses,
+                        ulysses * chunk * (q_heads // ulysses) * head_row, sizes.layers))
+    return out
+
+
+def distinct_ranks(experts: int, topk: int, ranks: int) -> float:
+    """Expected number of ranks a token's top-k experts live on, the experts uniform at random and
+    split contiguously over `ranks`: each rank is missed when all k fall among the others."""
+    local = experts // ranks
+    missed = math.comb(experts - local, topk) / math.comb(experts, topk)
+    return ranks * (1 - missed)
+
+
+def _expert_parallel_lines(sizes: Sizes, layout, phase: str, rows: int, design: Design) -> list:
+    """EP double routing of `rows` local rows: the per-expert counts, the rows out, the results back."""
+    n, layers, hidden = layout.tp, sizes.moe_layers, sizes.hidden
+    copies = rows * (distinct_ranks(sizes.experts, sizes.topk, n) if design.dedup else sizes.topk)
+    out_row = hidden + FP32 if design.dispatch == "int8" else hidden * BF16     # int8 row + its float32 scale
+    return [Line(phase, "MoE EP counts all-to-all", "all_to_all", n, sizes.experts * INT64, layers),
+            Line(phase, f"MoE EP dispatch all-to-all ({design.dispatch} rows)", "all_to_all", n, copies * out_row,
+                 layers, (n - 1) / n),
+            Line(phase, "MoE EP combine all-to-all (bf16 rows)", "all_to_all", n, copies * hidden * BF16, layers,
+                 (n - 1) / n)]
+
+
+def step_cache_lines(phase: str, layout, candidate_steps: int) -> list:
+    """The adaptive step cache's agreement: one float32 all-reduce (MAX) over every rank per candidate step."""
+    return [Line(phase, "step cache agreement", "all_reduce", layout.world_size, FP32, candidate_steps)] \
+        if layout.world_size > 1 and candidate_steps else []
+
+
+# ---------------------------------------------------------------- the VAE decode (parallel/vae_bands.py)
+
+def vae_lines(raw: dict, layout, image_size, rank: int, itemsize: int) -> list:
+    """The band-parallel decode of one image on global `rank`, walked as vae_bands.decode_band walks
+    upstream's Decoder: every 3x3 conv exchanges one halo row with each non-empty neighbour band,
+    every GroupNorm all-gathers its [2, batch, groups] float32 statistics, the mid attention
+    gathers the whole map (bands padded to the tallest), and the image is gathered at the end.
+    `itemsize`: the decode's dtype (the CPU decodes in float32)."""
+    if not layout.vae_parallel or layout.world_size < 2:
+        return []
+    from adaptor_patches.parallel.layout import split_evenly
+    vae = raw["vae"]
+    world, groups, batch = layout.world_size, 32, 1
+    channels = list(reversed(vae["block_out_channels"]))
+    down = vae["ffactor_spatial"]
+    rows = split_evenly(image_size[0] // down, world)
+    width, frames = image_size[1] // down, 1
+    counts = {"halo": 0.0, "halos": 0, "norms": 0, "gathers": []}
+
+    def conv3(ch):                  # one 3x3 conv of the current map: its halo rows to the neighbours
+        if rows[rank]:
+            for neighbour in (rank - 1, rank + 1):
+                if 0 <= neighbour < world and rows[neighbour]:
+                    counts["halo"] += batch * ch * frames * width * itemsize
+                    counts["halos"] += 1
+
+    def resnet(ch_in, ch_out):
+        counts["norms"] += 2
+        conv3(ch_in)
+        conv3(ch_out)
+
+    def gather(ch):
+        counts["gathers"].append(batch * ch * frames * max(rows) * width * itemsize)
+
+    block_in = channels[0]
+    conv3(vae["latent_channels"])
+    resnet(block_in, block_in)
+    gather(block_in)                                   # mid attention: the whole map
+    resnet(block_in, block_in)
+    for level, ch in enumerate(channels):
+        for _ in range(vae["layers_per_block"] + 1):
+            resnet(block_in, ch)
+            block_in = ch
+        spatial = level < math.log2(down)
+        temporal = level < math.log2(vae.get("ffactor_temporal", 1))
+        if spatial or temporal:
+            conv3(block_in)
+            block_in = channels[level + 1] if vae.get("upsample_match_channel", True) else block_in
+            rows = [r * 2 for r in rows]
+            width *= 2
+            frames *= 2 if temporal else 1
+    counts["norms"] += 1
+    conv3(block_in)
+    gather(vae.get("out_channels", 3))
+    out = [Line(VAE_DECODE, "latent shape check", "all_gather", world, 5 * INT64),
+           Line(VAE_DECODE, "GroupNorm statistics", "all_gather", world, 2 * batch * groups * FP32, counts["norms"])]
+    out += [Line(VAE_DECODE, what, "all_gather", world, size)
+            for what, size in zip(("mid attention: whole map", "the image"), counts["gathers"])]
+    if counts["halos"]:
+        out.append(Line(VAE_DECODE, "conv halo rows", "send", world, counts["halo"] / counts["halos"],
+                        counts["halos"]))
+    return out
+
+
+# ---------------------------------------------------------------- one image, every phase
+
+TEXT_TOKENS = 512       # the first step's text (prompt, system prompt, template), generously
+
+
+def image_lines(config, raw: dict, layout, image_size, tp_rank: int = 0, cfg_rank: int = 0,
+                design: Optional[Design] = None, first_step_rows: Optional[int] = None,
+                device_kind: str = "npu") -> list:
+    """Every collective of one image on the rank (tp_rank, cfg_rank): the first step (every token of
+    the sequence: `first_step_rows`, default TEXT_TOKENS + the image tokens), one later denoising
+    step (the timestep token and the image tokens) and the VAE decode. `design`: None, the code as
+    built for this layout (built_design); or a planned one."""
+    design = built_design(layout) if design is None else design
+    sizes = Sizes.of(config, raw)
+    tokens = image_tokens(config, image_size)
+    prediction = (2 // layout.cfg) * sizes.latent_channels * tokens * BF16      # diffusion_prediction, bf16
+    first = first_step_rows if first_step_rows is not None else TEXT_TOKENS + tokens
+    lines = forward_lines(sizes, layout, FIRST_STEP, first, tp_rank, design, prediction)
+    lines += forward_lines(sizes, layout, DENOISING_STEP, tokens + 1, tp_rank, design, prediction)
+    vae_itemsize = FP32 if device_kind == "cpu" else BF16
+    return lines + vae_lines(raw, layout, image_size, cfg_rank * layout.tp + tp_rank, vae_itemsize)
+
+
+def per_step(lines: list, phase: str = DENOISING_STEP) -> dict:
+    """{purpose: bytes sent} of one phase's lines."""
+    out: dict = {}
+    for line in lines:
+        if line.phase == phase:
+            out[line.purpose] = out.get(line.purpose, 0) + line.sent
+    return out
+
+
+def by_kind(lines: list, phase: str, what: str = "sent") -> dict:
+    """{kind: bytes} of one phase: `sent`, or `payload` (every call's payload summed)."""
+    out: dict = {}
+    for line in lines:
+        if line.phase == phase:
+            out[line.kind] = out.get(line.kind, 0) + (line.sent if what == "sent" else line.total_payload)
+    return out

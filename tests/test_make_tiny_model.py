@@ -41,9 +41,12 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(ckpt):
+    """Upstream's own from_pretrained, under the shims upstream 1ea1526 needs to build off CUDA."""
+    import model_adaptor
     _, model_cls = mtm.import_upstream()
-    model, info = model_cls.from_pretrained(
-        ckpt, torch_dtype="auto", attn_implementation="sdpa", moe_impl="eager", output_loading_info=True)
+    with model_adaptor.applied("cpu", shims_only=True):
+        model, info = model_cls.from_pretrained(
+            ckpt, torch_dtype="auto", attn_implementation="sdpa", moe_impl="eager", output_loading_info=True)
     return model, info
 
 

@@ -20,6 +20,7 @@ from typing import Optional
 
 from ..kernels import kernels_for
 from ..kernels.device import Device
+from ..model_family import takes_conditioning_images
 from .layout import Layout, LayoutError
 
 _building: contextvars.ContextVar = contextvars.ContextVar("adaptor_rank_context", default=None)
@@ -86,6 +87,13 @@ class RankContext:
         if self.multi_stream is False or not self.device.has_streams:
             return None
         return self.device.new_stream()
+
+
+def components_left_out(context: RankContext, model_cls) -> tuple:
+    """What a `model_cls` built for `context` leaves out (not built, its tensors not read): the
+    context's skipped_components, except on a model that takes conditioning images (Instruct),
+    which keeps its vision tower, aligner and VAE encoder."""
+    return () if takes_conditioning_images(model_cls) else context.skipped_components
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..parallel.context import RankContext, building
+from ..parallel.context import RankContext, building, components_left_out
 from ..parallel.layout import Layout
 from .checkpoint import (CONVERTED, LAYOUT_KEY, MANIFEST_FILE, RECIPE, Checkpoint,  # noqa: F401
                          open_checkpoint, rank_dir_name)
@@ -156,7 +156,8 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
     source = weights_source(checkpoint, context)
     weights_dir = source.directory
     files, tensors = source.plan()
-    skipped = tuple(f"{path}." for path in context.skipped_components)      # not built: not read either
+    left_out = components_left_out(context, cls)
+    skipped = tuple(f"{path}." for path in left_out)      # not built: not read either
     lazy = {t.name: _LazyTensor(t, files) for t in tensors if not t.name.startswith(skipped)}
     config = kwargs.pop("config", None)
     if config is None:
@@ -169,7 +170,7 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
         _check_loaded(weights_dir, result[1])
     spot_check_values(model, files, tensors)
     model.skipped_bytes = {path: sum(t.nbytes for t in tensors if t.name.startswith(f"{path}."))
-                           for path in context.skipped_components}
+                           for path in left_out}
     if (weights_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(weights_dir))
     return result
@@ -181,11 +182,12 @@ def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_imp
     per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole.
     quantize: the job's --quantize ("none" / "int8" / "fp8"; None: not given, an 8-bit folder's own
     format or bf16); the experts' format is set on the context."""
-    from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM as cls
+    from ..model_family import model_class, takes_conditioning_images
     model_dir = Path(model_dir)
     asked = quantize if quantize is not None else context.expert_format
     context.expert_format = check_checkpoint(model_dir, context.layout, context.rank, per_rank, asked)
     checkpoint = open_checkpoint(model_dir)       # the CLI's check opened it already: the same object
+    cls = model_class(checkpoint.config)          # the base model's file or the Instruct one (model_family.py)
     kwargs = dict(attn_implementation=attn_impl, dtype="auto", moe_impl=moe_impl, output_loading_info=True)
     if context.device.is_accelerator:
         kwargs["device_map"] = {"": context.device.torch_device}
@@ -197,7 +199,8 @@ def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_imp
         weights_dir = model_dir
         _check_loaded(weights_dir, info)
         spot_check_values(model, *WeightsSource(model_dir, Layout(), 0, files=checkpoint.files()).plan())
-    model.load_tokenizer(load_tokenizer(weights_dir))
+    # The Instruct model reads tokenizer.json itself (compat_instruct.load_tokenizer_with_merges)
+    model.load_tokenizer(str(weights_dir) if takes_conditioning_images(cls) else load_tokenizer(weights_dir))
     adopt_kernel_storage(model)
     return model.eval()
 

@@ -1,0 +1,63 @@
+"""What upstream's Instruct model (`hunyuan_image_3/modeling_hunyuan_image_3.py`, 1ea1526) needs on
+transformers 5, and the one flag its image path drops. Rows of model_adaptor.PATCHES (shims: the
+shims-only reference installs them too). The shims it shares with the base model (device-neutral
+`torch`, nvtx, the static cache, `_init_weights`, the VAE's dtype) are compat.py's functions.
+
+  HunyuanImage3ForCausalMM.load_tokenizer
+        Upstream builds `HunyuanImage3TokenizerFast.from_pretrained(dir)`, a PreTrainedTokenizerFast
+        subclass. transformers 5 rebuilds such a class's BPE model from the vocabulary of
+        tokenizer.json without its merges: every prompt is split into single bytes (the tiny
+        checkpoint's test prompt: 53 ids instead of 28; the real one: 280 instead of 81), silently,
+        and the image drifts far from transformers 4.57.1's. Here the class is built around the
+        `tokenizers` backend read from tokenizer.json itself, as 4.57.1 does, with the checkpoint's
+        tokenizer_config.json applied by transformers as before (model_version passed as upstream does).
+  HunyuanImage3Text2ImagePipeline.__call__
+        The Instruct model's `generate` hands the pipeline its generation config's
+        `diff_infer_steps` / `diff_guidance_scale` only; `generate_image(diff_infer_steps=8)` (upstream's
+        own `--diff-infer-steps`) reached the pipeline in `model_kwargs` and was ignored. Given there,
+        they now decide, as they do for the base model (whose `generate` already passes the same values).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def tokenizer_with_merges(tokenizer_cls, model_dir, **kwargs):
+    """`tokenizer_cls.from_pretrained(model_dir, **kwargs)` with the fast backend read from the
+    directory's tokenizer.json (its BPE merges kept)."""
+    from tokenizers import Tokenizer
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"model-id: {model_dir} has no {TOKENIZER_FILE}; the Instruct tokenizer is read from it")
+    return tokenizer_cls.from_pretrained(str(model_dir), tokenizer_object=Tokenizer.from_file(str(path)), **kwargs)
+
+
+def load_tokenizer_with_merges(original, _device):
+    @functools.wraps(original)
+    def load_tokenizer(self, tokenizer):
+        if not isinstance(tokenizer, (str, os.PathLike)):     # an object: upstream's own call, unchanged
+            return original(self, tokenizer)
+        module = sys.modules[type(self).__module__]
+        self._tokenizer = tokenizer_with_merges(module.HunyuanImage3TokenizerFast, tokenizer,
+                                                model_version=self.config.model_version)
+        return None
+
+    return load_tokenizer
+
+
+def pipeline_call_honours_steps(original, _device):
+    @functools.wraps(original)
+    def __call__(self, *args, model_kwargs=None, **kwargs):
+        if model_kwargs is not None:
+            if model_kwargs.get("diff_infer_steps") is not None:
+                kwargs["num_inference_steps"] = model_kwargs["diff_infer_steps"]
+            if model_kwargs.get("diff_guidance_scale") is not None:
+                kwargs["guidance_scale"] = model_kwargs["diff_guidance_scale"]
+        return original(self, *args, model_kwargs=model_kwargs, **kwargs)
+
+    return __call__

@@ -53,6 +53,7 @@ H = "hunyuan_image_3.hunyuan"                       # the base model (unchanged 
 I = "hunyuan_image_3.modeling_hunyuan_image_3"      # the Instruct and Instruct-Distil model (1ea1526)
 PIPE = "hunyuan_image_3.hunyuan_image_3_pipeline"
 VAE = "hunyuan_image_3.autoencoder_kl_3d"
+IMAGES = "hunyuan_image_3.image_processor"          # 1ea1526's: the Instruct model's only
 
 
 def _model_rows(M: str, text_call: str) -> tuple:
@@ -118,6 +119,10 @@ PATCHES = (
     Patch(f"{I}:HunyuanImage3ForCausalMM", "load_tokenizer", compat_instruct.load_tokenizer_with_merges,
           "the tokenizer built around tokenizer.json's own BPE (transformers 5 drops its merges: byte-level ids)",
           shim=True),
+    Patch(f"{I}:HunyuanImage3ForCausalMM", "dtype", compat.dtype_of_transformer,
+          "the model's dtype is its transformer's, not the VAE's (fp32 on CPU, compat.vae_in_own_dtype)", shim=True),
+    Patch(f"{IMAGES}:HunyuanImage3ImageProcessor", "__init__", compat_instruct.vit_processor_returns_tensors,
+          "its SigLIP2 processor asked for tensors (transformers 5.3+ returns lists unless asked)", shim=True),
     Patch(f"{I}:HunyuanImage3ForCausalMM", "prepare_model_inputs", text_phase.prepare_model_inputs_seeded,
           "the text calls' conditioning latents drawn from the job's seed (upstream: Python's global random)",
           shim=True),

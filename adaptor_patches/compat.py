@@ -148,6 +148,13 @@ def vae_in_own_dtype(original, device: Device):
     return run
 
 
+def dtype_of_transformer(_original, _device: Device):
+    """HunyuanImage3ForCausalMM.dtype (the Instruct model reads it for its KV cache, its text
+    autocast and its ViT inputs). transformers takes the first floating parameter's, the VAE's,
+    which vae_in_own_dtype runs in fp32 on CPU: the model's dtype is its transformer's."""
+    return property(lambda self: self.model.wte.weight.dtype)
+
+
 def generation_kwargs_keep_use_cache(original, _device: Device):
     @functools.wraps(original)
     def update(self, outputs, model_kwargs, *args, **kwargs):

@@ -11,6 +11,10 @@ shims-only reference installs them too). The shims it shares with the base model
         and the image drifts far from transformers 4.57.1's. Here the class is built around the
         `tokenizers` backend read from tokenizer.json itself, as 4.57.1 does, with the checkpoint's
         tokenizer_config.json applied by transformers as before (model_version passed as upstream does).
+  HunyuanImage3ImageProcessor.__init__ (image_processor.py)
+        transformers 5.3+'s Siglip2ImageProcessorFast returns Python lists unless asked for tensors
+        (5.2 and 4.57.1 returned tensors); upstream calls it without asking and then `.squeeze(0)`s
+        the result. Its SigLIP2 processor is asked for tensors ("pt").
   HunyuanImage3Text2ImagePipeline.__call__
         The Instruct model's `generate` hands the pipeline its generation config's
         `diff_infer_steps` / `diff_guidance_scale` only; `generate_image(diff_infer_steps=8)` (upstream's
@@ -48,6 +52,15 @@ def load_tokenizer_with_merges(original, _device):
         return None
 
     return load_tokenizer
+
+
+def vit_processor_returns_tensors(original, _device):
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        original(self, config, *args, **kwargs)
+        self.vit_info.processor = functools.partial(self.vit_processor, return_tensors="pt")
+
+    return __init__
 
 
 def pipeline_call_honours_steps(original, _device):

@@ -194,9 +194,8 @@ def generation_config(tokenizer):
     )
 
 
-def build_state_dict(model_cls, config, seed, gain_of=lambda name: 1):
-    """Upstream's module tree at random init, all-zero tensors re-randomised, each tensor times
-    gain_of(name), in bf16. Built under the adaptor's shims only (upstream's VAE allocates on CUDA
+def build_state_dict(model_cls, config, seed):
+    """Upstream's module tree at random init, all-zero tensors re-randomised, in bf16. Built under the adaptor's shims only (upstream's VAE allocates on CUDA
     in its __init__; 1ea1526's image processor no longer serves the base model)."""
     import torch
 
@@ -209,8 +208,6 @@ def build_state_dict(model_cls, config, seed, gain_of=lambda name: 1):
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not tensor.any():
             tensor = torch.randn(tensor.shape, generator=generator) * INIT_STD
-        if gain_of(name) != 1:
-            tensor = tensor.float() * gain_of(name)
         state[name] = tensor.detach().to(torch.bfloat16).contiguous()
     return state
 
@@ -267,13 +264,16 @@ def write_checkpoint(out, s):
     if variant == "base":
         tokenizer = build_tokenizer(s["image_base_size"])
         config = build_config(config_cls, s, tokenizer)
-        gen_config, gain_of = generation_config(tokenizer), (lambda name: 1)
+        gen_config = generation_config(tokenizer)
     else:
         tokenizer = build_tokenizer(s["image_base_size"], tiny_instruct.EXTRA_SPECIAL_TOKENS)
         config = build_config(config_cls, s, tokenizer)
         tiny_instruct.configure(config, distil=variant == "distil")
-        gen_config, gain_of = tiny_instruct.generation_config(tokenizer, variant == "distil"), tiny_instruct.gain_of
-    state = build_state_dict(model_cls, config, s["seed"], gain_of)
+        gen_config = tiny_instruct.generation_config(tokenizer, variant == "distil")
+    state = build_state_dict(model_cls, config, s["seed"])
+    if variant != "base":
+        tiny_instruct.shape_attention(state, config)
+        tiny_instruct.scale_lm_head(state, tokenizer)
     out.mkdir(parents=True)
     tokenizer.save_pretrained(str(out))
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())

@@ -18,7 +18,9 @@ published generation_config.json of Instruct-Distil (config/real_model/SOURCES.m
                                   config.json (possibly the January refresh, see SOURCES.md) has them;
                                   a conditioning image is VAE latents + SigLIP2 tokens, one full-attention block
     image_base_size               256, the smallest the Instruct image processor builds (real: 1024)
-    vit.vision_use_head           true, as the released checkpoint (its pooling head is stored, unused)
+    vit.vision_use_head           true, as the released checkpoint (its pooling head is stored, unused);
+                                  output_attentions / output_hidden_states false, use_return_dict true
+                                  (siglip2.py reads them; the released vit block has them)
   generation_config.json          the published Instruct-Distil values: sequence_template "instruct",
                                   use_system_prompt "en_unified", bot_task "think_recaption",
                                   diff_guidance_scale 2.5, max_length 22800, max_new_tokens 2048,
@@ -28,12 +30,22 @@ published generation_config.json of Instruct-Distil (config/real_model/SOURCES.m
                                   looks up (<timestep_r>, <boa>/<eoa>, ..., <img_ratio_33..36>)
 
 Conditioning paths. At plain random init a tiny model's image barely depends on what conditions
-it: zeroing the guidance token moved the image less than a change of attention kernel does, so a
-test could not tell a dropped path from kernel noise. The tensors that write each path into the
-residual stream are scaled (GAINS) so that removing any one moves the image far more
-(tests/test_instruct.py measures it): the VAE latents of a conditioning image (the VAE encoder's
-output), its SigLIP2 tokens (the aligner's last layer), the guidance token and the meanflow
-`timesteps_r` token (their embedders' last layers).
+it: zeroing the guidance or meanflow token, the SigLIP2 tokens or the VAE latents of a conditioning
+image each moved the 256x256 image by less than the full adaptor differs from upstream eager (55-60
+dB PSNR both), so an equivalence test could not tell a dropped path from kernel noise. Scaling a
+path's own tensors does not help: every token is RMS-normalised before attention and queries / keys
+again per head (qk-norm), so only attention can carry a token's influence. `shape_attention` makes it:
+  - every o_proj x ATTENTION_GAIN (as tests/conftest.gained_model does for the base model);
+  - Distil only, "marker" channels: the guidance / meanflow embedders' output bias puts MARKER_BIAS on a residual
+    channel of its own, every layer's key reads that channel into two head dims of its own
+    (MARKER_KEY), and qk-norm weighs those head dims MARKER_SHARPNESS times: those tokens' keys stand
+    out, and removing one moves the image tokens that attend to it.
+    (The markers sharpen attention for every token a little: on the Instruct checkpoint, which has
+    no such token, they only added kernel noise, 54.8 -> 42.1 dB, so it has o_proj's gain alone.)
+Measured (one conditioning image, 2 steps, tests/test_instruct.py prints it): Instruct: full adaptor
+vs upstream eager 54.8 dB; zeroing the SigLIP2 tokens 38.9 dB, the VAE encoder 35.4. Distil: full vs
+eager 47.5 dB; zeroing the guidance token 35.9, the meanflow token 35.7, the SigLIP2 tokens 31.1,
+the VAE encoder 27.4.
 """
 from __future__ import annotations
 
@@ -43,12 +55,59 @@ EXTRA_SPECIAL_TOKENS = ("<boa>", "<eoa>", "<bov>", "<eov>", "<audio>", "<video>"
                         "<ref>", "</ref>", "<quad>", "</quad>", *(f"<img_ratio_{i}>" for i in range(33, 37)))
 MAX_LENGTH = 22800
 
-# tensor name prefix -> gain (see the module docstring)
-GAINS = {}
+ATTENTION_GAIN = 32.0
+MARKER_BIAS = 5.0
+MARKER_KEY = 1.0
+MARKER_SHARPNESS = 6.0
+# embedder -> (residual channel, the two head dims its key lands in: a rotate-half pair)
+MARKERS = {"guidance_emb": (0, (15, 31)), "timestep_r_emb": (1, (7, 23))}
 
 
-def gain_of(name: str) -> float:
-    return next((gain for prefix, gain in GAINS.items() if name.startswith(prefix)), 1)
+# The text phase: a decisive LM head (as tests/text_checkpoint.py gives the base tiny model), and the
+# rows of the tokens that end a think / recaption section scaled further, so that a tiny model's
+# think_recaption reaches its ratio token in a few tokens (upstream raises when the call ends anywhere else).
+LM_HEAD_GAIN = 4.0
+END_TOKEN_GAIN = 5.0
+END_TOKENS = ("</think>", "</recaption>")
+
+
+def shape_attention(state: dict, config) -> None:
+    """The attention edits of the module docstring, in place on the bf16 `state`."""
+    import torch
+    kv, head_dim = config.num_key_value_heads, config.attention_head_dim
+    groups = config.num_attention_heads // kv
+    markers = {e: m for e, m in MARKERS.items() if f"{e}.mlp.2.bias" in state}     # Distil's embedders only
+    dims = [d for _, pair in markers.values() for d in pair]
+
+    def edit(name, change):
+        weight = state[name].float()
+        change(weight)
+        state[name] = weight.to(torch.bfloat16).contiguous()
+
+    def sharpen(weight):
+        weight[dims] *= MARKER_SHARPNESS
+
+    def mark_keys(weight):
+        per_head = weight.view(kv, groups + 2, head_dim, -1)      # upstream's interleaved q.. | k | v rows
+        for channel, pair in markers.values():
+            per_head[:, groups, list(pair), channel] = MARKER_KEY
+
+    for name in list(state):
+        if name.endswith("self_attn.o_proj.weight"):
+            edit(name, lambda w: w.mul_(ATTENTION_GAIN))
+        elif markers and name.endswith("self_attn.qkv_proj.weight"):
+            edit(name, mark_keys)
+        elif markers and name.endswith(("self_attn.query_layernorm.weight", "self_attn.key_layernorm.weight")):
+            edit(name, sharpen)
+    for embedder, (channel, _) in markers.items():
+        edit(f"{embedder}.mlp.2.bias", lambda b, c=channel: b.__setitem__(c, MARKER_BIAS))
+
+
+def scale_lm_head(state: dict, tokenizer) -> None:
+    """lm_head.weight (bf16, in place in `state`) times LM_HEAD_GAIN, END_TOKENS' rows END_TOKEN_GAIN more."""
+    weight = state["lm_head.weight"].float() * LM_HEAD_GAIN
+    weight[tokenizer.convert_tokens_to_ids(list(END_TOKENS))] *= END_TOKEN_GAIN
+    state["lm_head.weight"] = weight.to(state["lm_head.weight"].dtype)
 
 
 def configure(config, distil: bool) -> None:
@@ -60,7 +119,8 @@ def configure(config, distil: bool) -> None:
     config.vae_dtype, config.vae_autocast_dtype = "float32", "float16"
     config.cond_image_type, config.cond_token_attn_type, config.rope_type = "vae_vit", "joint_full", "2d"
     config.max_position_embeddings = MAX_LENGTH
-    config.vit["vision_use_head"] = True
+    # as the released config.json's vit block has them (siglip2.py reads them; the base tiny never runs the ViT)
+    config.vit.update(vision_use_head=True, output_attentions=False, output_hidden_states=False, use_return_dict=True)
 
 
 def generation_config(tokenizer, distil: bool) -> dict:

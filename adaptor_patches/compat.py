@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 
 import torch
@@ -122,6 +123,10 @@ def nvtx_for(_original, device: Device):
 
 
 def static_cache_update(original, _device: Device):
+    from transformers.cache_utils import StaticLayer
+    if len(inspect.signature(StaticLayer.lazy_initialization).parameters) < 3:
+        return original         # transformers 4 (upstream's pin, 4.57.1): upstream's own call fits
+
     @functools.wraps(original)
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         layers = getattr(self, "layers", None)

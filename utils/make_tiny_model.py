@@ -278,6 +278,8 @@ def write_checkpoint(out, s):
     tokenizer.save_pretrained(str(out))
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if variant != "base":
+        tokenizer_config = tiny_instruct.tokenizer_config(tokenizer_config)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config_json(config), indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")

@@ -27,7 +27,9 @@ published generation_config.json of Instruct-Distil (config/real_model/SOURCES.m
                                   diff_infer_steps 8; Instruct the same with 50 steps (the README:
                                   Distil keeps "all other recommended parameter values unchanged")
   tokenizer                       the base tiny BPE plus every special token the Instruct tokenizer
-                                  looks up (<timestep_r>, <boa>/<eoa>, ..., <img_ratio_33..36>)
+                                  looks up (<timestep_r>, <boa>/<eoa>, ..., <img_ratio_33..36>);
+                                  tokenizer_config.json in transformers 4's form (additional_special_tokens),
+                                  as a release written by 4.x has it, so 4.57.1 loads it too
 
 Conditioning paths. At plain random init a tiny model's image barely depends on what conditions
 it: zeroing the guidance or meanflow token, the SigLIP2 tokens or the VAE latents of a conditioning
@@ -121,6 +123,15 @@ def configure(config, distil: bool) -> None:
     config.max_position_embeddings = MAX_LENGTH
     # as the released config.json's vit block has them (siglip2.py reads them; the base tiny never runs the ViT)
     config.vit.update(vision_use_head=True, output_attentions=False, output_hidden_states=False, use_return_dict=True)
+
+
+def tokenizer_config(written: dict) -> dict:
+    """tokenizer_config.json as a transformers 4 release writes it (transformers 5 writes its special
+    tokens as `extra_special_tokens`, a list 4.57.1 cannot read): the reference run on upstream's
+    own pin (transformers 4.57.1) loads the same files."""
+    keys = ("bos_token", "eos_token", "pad_token", "model_max_length", "tokenizer_class", "clean_up_tokenization_spaces")
+    config = {key: written[key] for key in keys if key in written}
+    return {**config, "additional_special_tokens": list(written.get("extra_special_tokens", []))}
 
 
 def generation_config(tokenizer, distil: bool) -> dict:

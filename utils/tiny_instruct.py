@@ -38,18 +38,22 @@ dB PSNR both), so an equivalence test could not tell a dropped path from kernel 
 path's own tensors does not help: every token is RMS-normalised before attention and queries / keys
 again per head (qk-norm), so only attention can carry a token's influence. `shape_attention` makes it:
   - every o_proj x ATTENTION_GAIN (as tests/conftest.gained_model does for the base model);
-  - Distil only, "marker" channels: the guidance / meanflow embedders' output bias puts MARKER_BIAS on a residual
-    channel of its own, every layer's key reads that channel into two head dims of its own
-    (MARKER_KEY), and qk-norm weighs those head dims MARKER_SHARPNESS times: those tokens' keys stand
-    out, and removing one moves the image tokens that attend to it.
+  - Distil only, "marker" channels: the guidance / meanflow embedders' output row of a residual
+    channel of its own is MARKER_GAIN times larger (so that channel carries a good part of the
+    token, and how much depends on the guidance / `timesteps_r` value), every layer's key reads that
+    channel into two head dims of its own (MARKER_KEY), and qk-norm weighs those head dims
+    MARKER_SHARPNESS times: those tokens' keys stand out with their value, and removing one, or
+    feeding it another value, moves the image tokens that attend to it.
     (The markers sharpen attention for every token a little: on the Instruct checkpoint, which has
     no such token, they only added kernel noise, 54.8 -> 42.1 dB, so it has o_proj's gain alone.)
 Measured (one conditioning image at 256x256, tests/test_instruct.py prints it): Instruct (2 steps):
-full adaptor vs upstream eager 54.8 dB; zeroing the SigLIP2 tokens 38.9 dB, the VAE encoder 35.4.
-Distil (3 steps): full vs eager 53.5 dB (final latents 9.5e-3 apart); zeroing the guidance token
-38.1 dB (latents 7.9e-2 apart), the meanflow token 40.0 dB (6.4e-2), the SigLIP2 tokens 31.7, the VAE
-encoder 28.9. Sharper markers move those tokens' images further but the kernel noise too
-(MARKER_SHARPNESS 6: 46.2 dB / 3.0e-2 between full and eager).
+full adaptor vs upstream eager 54.6 dB (final latents 7.5e-3 apart); zeroing the SigLIP2 tokens 38.9 dB
+(7.7e-2), the VAE encoder 35.4 (1.1e-1). Distil (3 steps): full vs eager 52.7 dB (1.1e-2); zeroing
+the guidance token 39.8 dB (6.4e-2), the meanflow token 38.4 (7.7e-2), the SigLIP2 tokens 32.1, the
+VAE encoder 29.3; the meanflow token fed the timestep instead of `timesteps_r` 38.1 dB (8.0e-2).
+Sharper markers move those tokens' images further but the kernel noise too (MARKER_SHARPNESS 6:
+46.2 dB / 3.0e-2 between full and eager). A constant marker (a bias instead of a row gain) made the
+tokens matter but not their value: `timesteps_r` replaced by the timestep passed at 52.6 dB.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ EXTRA_SPECIAL_TOKENS = ("<boa>", "<eoa>", "<bov>", "<eov>", "<audio>", "<video>"
 MAX_LENGTH = 22800
 
 ATTENTION_GAIN = 32.0
-MARKER_BIAS = 5.0
+MARKER_GAIN = 40.0
 MARKER_KEY = 1.0
 MARKER_SHARPNESS = 4.0
 # embedder -> (residual channel, the two head dims its key lands in: a rotate-half pair)
@@ -104,7 +108,7 @@ def shape_attention(state: dict, config) -> None:
         elif markers and name.endswith(("self_attn.query_layernorm.weight", "self_attn.key_layernorm.weight")):
             edit(name, sharpen)
     for embedder, (channel, _) in markers.items():
-        edit(f"{embedder}.mlp.2.bias", lambda b, c=channel: b.__setitem__(c, MARKER_BIAS))
+        edit(f"{embedder}.mlp.2.weight", lambda w, c=channel: w[c].mul_(MARKER_GAIN))
 
 
 def scale_lm_head(state: dict, tokenizer) -> None:

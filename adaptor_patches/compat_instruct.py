@@ -5,10 +5,10 @@ shims-only reference installs them too). The shims it shares with the base model
 
   HunyuanImage3ForCausalMM.load_tokenizer
         Upstream builds `HunyuanImage3TokenizerFast.from_pretrained(dir)`, a PreTrainedTokenizerFast
-        subclass. transformers 5 rebuilds such a class's BPE model from the vocabulary of
-        tokenizer.json without its merges: every prompt is split into single bytes (the tiny
-        checkpoint's test prompt: 53 ids instead of 28; the real one: 280 instead of 81), silently,
-        and the image drifts far from transformers 4.57.1's. Here the class is built around the
+        subclass. transformers 5 (5.2 and 5.23 alike) rebuilds such a class's BPE model from the
+        vocabulary of tokenizer.json without its merges and byte-level pre-tokenizer: every prompt
+        becomes single characters, spaces and unknown characters dropped, silently, and the image
+        lands 27 dB from transformers 4.57.1's (tiny Instruct, text-to-image; docs/COMPAT.md). Here the class is built around the
         `tokenizers` backend read from tokenizer.json itself, as 4.57.1 does, with the checkpoint's
         tokenizer_config.json applied by transformers as before (model_version passed as upstream does).
   HunyuanImage3ImageProcessor.__init__ (image_processor.py)

@@ -67,6 +67,7 @@ def test_instruct_patched_matches_upstream_eager(instruct_runs, case):
     assert_close(instruct_runs, case)
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_distil_patched_matches_upstream_eager(distil_runs):
     assert_close(distil_runs, "distil_edit")
@@ -143,6 +144,7 @@ def test_generate_image_diff_infer_steps_is_honoured(tiny_instruct, tmp_path):
         model_adaptor.remove()
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_loaded_model_tokenizes_as_tokenizer_json(tiny_instruct):
     """load_model's tokenizer (the load_tokenizer row): the ids of tokenizer.json read by `tokenizers`."""

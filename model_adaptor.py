@@ -129,6 +129,8 @@ PATCHES = (
     # The files both models share.
     Patch(PIPE, "torch", compat.device_neutral_torch,
           "autocast('cuda') in the denoise loop and VAE decode follows our device", shim=True),
+    Patch(PIPE, "print", compat.quiet_pipeline_print,
+          "the denoising loop's per-image print of its Taylor-cache settings is dropped", shim=True),
     Patch(f"{PIPE}:HunyuanImage3Text2ImagePipeline", "__call__", compat_instruct.pipeline_call_honours_steps,
           "generate_image(diff_infer_steps=, diff_guidance_scale=) decide (the Instruct model passed only its "
           "generation config's)", shim=True),

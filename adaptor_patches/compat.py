@@ -160,6 +160,18 @@ def dtype_of_transformer(_original, _device: Device):
     return property(lambda self: self.model.wte.weight.dtype)
 
 
+def quiet_pipeline_print(_original, _device: Device):
+    """The pipeline module's `print`: 1ea1526's denoising loop prints its Taylor-cache settings
+    (`***use_taylor_cache: ...`) on every image and rank; that line goes nowhere, the rest as before."""
+    import builtins
+
+    def print_(*args, **kwargs):
+        if args and str(args[0]).startswith("***use_taylor_cache"):
+            return None
+        return builtins.print(*args, **kwargs)
+    return print_
+
+
 def generation_kwargs_keep_use_cache(original, _device: Device):
     @functools.wraps(original)
     def update(self, outputs, model_kwargs, *args, **kwargs):

@@ -161,6 +161,26 @@ def test_loaded_model_tokenizes_as_tokenizer_json(tiny_instruct):
 
 
 @pytest.mark.slow
+def test_text_to_image_contexts_keep_the_instruct_model_s_conditioning_modules(tiny_instruct):
+    """run_image_gen's contexts leave the vision tower, its aligner and the VAE encoder out of the base
+    model (parallel/context.py); the Instruct model's jobs take images, so it keeps and loads them."""
+    import model_adaptor
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.weights.load import load_model
+    from test_make_tiny_model import read_shards
+    try:
+        model = load_model(tiny_instruct, RankContext(device=model_adaptor.apply("cpu"), text_to_image_only=True))
+    finally:
+        model_adaptor.remove()
+    assert model.skipped_bytes == {}
+    assert model.vision_model is not None and model.vision_aligner is not None and model.vae.encoder is not None
+    _, saved = read_shards(tiny_instruct)
+    state = model.state_dict()
+    for key in ("vision_aligner.layers.2.weight", "vae.encoder.conv_out.weight"):
+        assert torch.equal(state[key], saved[key]), key
+
+
+@pytest.mark.slow
 def test_tiny_checkpoints_written_by_upstream_classes_every_tensor_nonzero(tiny_instruct, tiny_distil):
     import json
     from test_make_tiny_model import read_shards

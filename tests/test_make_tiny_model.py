@@ -151,6 +151,8 @@ def test_overwrite_is_deterministic(ckpt, tmp_path):
     (["--topk", "5"], "topk"),
     (["--layers", "0"], "layers"),
     (["--image-base-size", "40"], "image_base_size"),
+    (["--instruct", "--image-base-size", "128"], "image_base_size"),     # the Instruct image processor's floor
+    (["--distil", "--image-base-size", "64"], "image_base_size"),
     (["--num-shards", "100000"], "num_shards"),
     (["--hidden", "x"], "hidden"),
 ])

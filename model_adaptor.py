@@ -37,6 +37,7 @@ PINNED_UPSTREAM_SHA256 = {      # every upstream file a row of PATCHES patches (
     "hunyuan_image_3.autoencoder_kl_3d": "35a05d27e133125f048037252e8fb22acdb67a7ae4b1d7eb946430ae543997d3",
     "hunyuan_image_3.image_processor": "3ecfa426ca7796d89bed94acff96e0b0ca732b8fb9d033abca8e7a4302169e51",
     "hunyuan_image_3.tokenization_hunyuan_image_3": "c808ac9995668ed2d94ed50a2c5c6dab91406fd518ea523447b651ee27a36753",
+    "hunyuan_image_3.siglip2": "e8956a331d45ab31bb169489548c983178dd0914b94b9bfe89d9553421b8d6f4",
 }
 
 
@@ -54,6 +55,7 @@ I = "hunyuan_image_3.modeling_hunyuan_image_3"      # the Instruct and Instruct-
 PIPE = "hunyuan_image_3.hunyuan_image_3_pipeline"
 VAE = "hunyuan_image_3.autoencoder_kl_3d"
 IMAGES = "hunyuan_image_3.image_processor"          # 1ea1526's: the Instruct model's only
+SIGLIP = "hunyuan_image_3.siglip2"
 
 
 def _model_rows(M: str, text_call: str) -> tuple:
@@ -123,6 +125,9 @@ PATCHES = (
           "the model's dtype is its transformer's, not the VAE's (fp32 on CPU, compat.vae_in_own_dtype)", shim=True),
     Patch(f"{IMAGES}:HunyuanImage3ImageProcessor", "__init__", compat_instruct.vit_processor_returns_tensors,
           "its SigLIP2 processor asked for tensors (transformers 5.3+ returns lists unless asked)", shim=True),
+    Patch(SIGLIP, "_prepare_4d_attention_mask", compat_instruct.padding_mask_4d,
+          "the SigLIP2 padding mask without transformers 5.2.0's broken deprecation log (a logging error)",
+          shim=True),
     Patch(f"{I}:HunyuanImage3ForCausalMM", "prepare_model_inputs", text_phase.prepare_model_inputs_seeded,
           "the text calls' conditioning latents drawn from the job's seed (upstream: Python's global random)",
           shim=True),

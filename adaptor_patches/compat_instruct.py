@@ -15,6 +15,11 @@ shims-only reference installs them too). The shims it shares with the base model
         transformers 5.3+'s Siglip2ImageProcessorFast returns Python lists unless asked for tensors
         (5.2 and 4.57.1 returned tensors); upstream calls it without asking and then `.squeeze(0)`s
         the result. Its SigLIP2 processor is asked for tensors ("pt").
+  _prepare_4d_attention_mask (as siglip2.py imported it)
+        transformers 5.2.0's version logs its deprecation warning with a stray argument, a logging
+        error (a traceback on the console, a failure under pytest) at the first SigLIP2 forward.
+        Here the same mask, without the call: [batch, keys] 1 / 0 -> [batch, 1, queries, keys],
+        0 where attended and the dtype's minimum where not.
   HunyuanImage3Text2ImagePipeline.__call__
         The Instruct model's `generate` hands the pipeline its generation config's
         `diff_infer_steps` / `diff_guidance_scale` only; `generate_image(diff_infer_steps=8)` (upstream's
@@ -61,6 +66,18 @@ def vit_processor_returns_tensors(original, _device):
         self.vit_info.processor = functools.partial(self.vit_processor, return_tensors="pt")
 
     return __init__
+
+
+def padding_mask_4d(_original, _device):
+    import torch
+
+    def _prepare_4d_attention_mask(mask, dtype, tgt_len=None):
+        batch, keys = mask.shape
+        expanded = mask[:, None, None, :].expand(batch, 1, tgt_len if tgt_len is not None else keys, keys).to(dtype)
+        inverted = 1.0 - expanded
+        return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(dtype).min)
+
+    return _prepare_4d_attention_mask
 
 
 def pipeline_call_honours_steps(original, _device):

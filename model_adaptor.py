@@ -88,7 +88,9 @@ def _model_rows(M: str, text_call: str) -> tuple:
         Patch(mm, "forward", hunyuan.causal_mm_forward,
               "CFG parallel: gen_image steps run this rank's half (cond | uncond) of the batch; "
               "diffusion_prediction all-gathered over the cfg pair; under a taylor step cache the "
-              "steps off its schedule are forecast, not computed (adaptor_patches/step_cache.py)"),
+              "steps off its schedule are forecast, not computed (adaptor_patches/step_cache.py); under a denoise "
+              "watch (--serve) each step reports progress and stops on a cancel all ranks agree on "
+              "(adaptor_patches/denoise_watch.py)"),
         Patch(f"{M}:HunyuanImage3Model", "__init__", hunyuan.model_init,
               "one shared-MLP side stream, injected into every layer's MoE"),
         Patch(f"{M}:HunyuanImage3DecoderLayer", "forward", hunyuan.decoder_layer_forward,

@@ -4,11 +4,15 @@ Flags are upstream's (`--prompt --model-id --attn-impl --moe-impl --seed --diff-
 --image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`), the
 cann-recipes script's (also `--attn-impl npu`, `--moe-impl npu_grouped_matmul`, `--rewrite`,
 `--sys-deepseek-prompt`), plus ours (`--device --warmup --rounds --metrics-json`, parallel
-switches, `--adaptor`). Works as one process or under torchrun. Rank 0 writes the PNG
-(atomically) and the metrics JSON.
+switches, `--adaptor`): utils/runtime/job_args.py. Works as one process or under torchrun. Rank 0
+writes the PNG (atomically) and the metrics JSON.
 
 Three modes, one model load each: `--prompt TEXT` (one image), `--prompts FILE` (every line of a
 prompts file: utils/runtime/batch_job.py) and `--serve` (an HTTP images API on rank 0: utils/runtime/image_server.py).
+
+Each rank: the job check (utils/runtime/job_check.py), then `run`: prepare (the checkpoint's files,
+the prompts' lengths, device, patches, process group, seed), load, the one job (rounds of one
+image, or many images: utils/runtime/many_images.py), write (rank 0).
 """
 from __future__ import annotations
 
@@ -19,202 +23,113 @@ import platform
 import random
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable, Optional
 
 from utils.runtime import many_images
-from utils.runtime import request_schema as schema
-from utils.runtime.many_images import default_request
-from utils.runtime.outputs import OutputWriteError, UsageError, check_output_path, write_atomically
-from utils.runtime.request_schema import FieldError
-
-
-DEFAULT_DIST_TIMEOUT_S = schema.JOB["dist_timeout"].default     # like the HCCL timeouts cann-recipes sets
-
-
-def parse_args(argv=None):
-    p = schema.OneLineParser("run_image_gen.py", description=__doc__.splitlines()[0])
-    schema.add_arguments(p, ["prompt"])
-    p.add_argument("--prompts", type=str, default=None,
-                   help="a prompts file: one prompt per line, or .jsonl lines with prompt and optionally seed, "
-                        "image_size, diff_infer_steps, bot_task, save, step_cache")
-    p.add_argument("--save-dir", type=str, default="outputs/batch", help="where --prompts writes its images")
-    p.add_argument("--skip-existing", action="store_true", help="--prompts: skip lines whose image exists")
-    p.add_argument("--serve", action="store_true", help="serve POST /v1/images/generations until SIGTERM")
-    p.add_argument("--host", type=str, default="127.0.0.1", help="--serve's address (loopback by default)")
-    schema.add_arguments(p, ["port", "queue_size", "max_n", "client_timeout"])
-    p.add_argument("--model-id", type=str, default="./HunyuanImage-3")
-    p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager", "npu"],
-                   help="'npu' (the cann-recipes name): the fused NPU attention; on CPU / CUDA the plain form")
-    p.add_argument("--moe-impl", default="eager", choices=["eager", "npu_grouped_matmul"],
-                   help="'npu_grouped_matmul' (the cann-recipes name): the fused NPU expert kernels; on CPU / "
-                        "CUDA the plain forms")
-    schema.add_arguments(p, ["seed", "diff_infer_steps", "image_size"])
-    p.add_argument("--use-system-prompt", type=str, default=None,
-                   choices=["None", "dynamic", "en_vanilla", "en_recaption", "en_think_recaption", "custom"])
-    p.add_argument("--system-prompt", type=str, default=None)
-    schema.add_arguments(p, ["bot_task", "save", "verbose"])
-    p.add_argument("--reproduce", action="store_true")
-    schema.add_arguments(p, ["rewrite"])
-    p.add_argument("--sys-deepseek-prompt", default="universal", choices=["universal", "text_rendering"],
-                   help="accepted for cann-recipes YAMLs; only meaningful with a prompt rewrite, which does not run")
-    schema.add_arguments(p, ["max_new_tokens"])
-    p.add_argument("--save-text", type=str, default=None,
-                   help="write the think / recaption text the image is conditioned on (UTF-8) to this path")
-    schema.add_arguments(p, ["device"])
-    p.add_argument("--noise-on-cpu", action="store_true",
-                   help="draw the initial noise on the CPU (upstream draws it on the model's device): the same "
-                        "seed then starts from the same latents on CPU, CUDA and NPU")
-    schema.add_arguments(p, ["warmup", "rounds"])
-    p.add_argument("--metrics-json", type=str, default=None)
-    p.add_argument("--save-latents", type=str, default=None, help="also save the final latents (torch .pt)")
-    p.add_argument("--adaptor", default="full", choices=["full", "shims"],
-                   help="'shims': only what upstream needs to run off CUDA (the eager reference)")
-    p.add_argument("--moe-tp", action="store_true")
-    p.add_argument("--moe-ep", action="store_true")
-    p.add_argument("--multi-stream", choices=["on", "off"], default=None)
-    p.add_argument("--cfg-parallel", action="store_true")
-    p.add_argument("--vae-parallel", action="store_true")
-    schema.add_arguments(p, ["dist_timeout", "quantize", "quant_compute", "step_cache", *schema.STEP_CACHE_SETTINGS])
-    return p.parse_args(argv)
-
+from utils.runtime.job_args import default_request, parse_args  # noqa: F401  (parse_args: tools import it here)
+from utils.runtime.job_check import CheckedJob, check_job, check_prompt_lengths
+from utils.runtime.outputs import OutputWriteError, UsageError, write_atomically
 
 # The cann-recipes names of the fused NPU forms -> the upstream choice our patched modules build; the
 # kernels then come from the device's kernel set (adaptor_patches/kernels: torch_npu ops on an NPU).
 RECIPE_IMPLS = {"attn_impl": ("npu", "sdpa"), "moe_impl": ("npu_grouped_matmul", "eager")}
-OUTPUT_FLAGS = ("save", "metrics_json", "save_latents", "save_text")
 
 
-SINGLE_ONLY = {"save": None, "save_text": None, "save_latents": None, "metrics_json": None, "warmup": 0, "rounds": 1}
-PROMPTS_ONLY = {"skip_existing": False}
+class JobPhase:
+    """What this rank is doing, for the message when a collective times out."""
+    name = "starting"
 
 
-def validate_mode(args):
-    modes = [flag for flag, on in (("--prompt", args.prompt is not None), ("--prompts", args.prompts is not None),
-                                   ("--serve", args.serve)) if on]
-    if len(modes) != 1:
-        raise UsageError(f"prompt: pass exactly one of --prompt TEXT, --prompts FILE or --serve (got "
-                         f"{', '.join(modes) or 'none'})")
-    if modes[0] == "--prompt":
-        if args.save is None:
-            args.save = "image.png"
-        if not args.prompt.strip():
-            raise UsageError("prompt: empty; pass --prompt 'a description'")
-    if modes[0] != "--prompts":
-        for name, default in PROMPTS_ONLY.items():
-            if getattr(args, name) != default:
-                raise FieldError(name.replace("_", "-"), f"only with --prompts; {modes[0]} has no prompts file",
-                                 "drop it")
-    if modes[0] == "--prompt":
-        return
-    for name, default in SINGLE_ONLY.items():
-        if getattr(args, name) != default:
-            raise UsageError(f"{name.replace('_', '-')}: only with --prompt; {modes[0]} writes "
-                             f"{'one file per image into --save-dir' if args.prompts else 'nothing'}, drop it")
-    if args.serve:
-        if not args.host.strip():
-            raise UsageError("host: empty; use 127.0.0.1 (this machine only) or an address to listen on")
+# ---------------------------------------------------------------- prepare
+
+@dataclass
+class RankJob:
+    """One rank's job, prepared: what `load`, the job and `write` need."""
+    job: CheckedJob
+    rank: int
+    checkpoint: object               # adaptor_patches.weights.checkpoint.Checkpoint, opened and checked
+    expert_format: Optional[str]     # None: bf16 experts
+    device: object                   # adaptor_patches.kernels.device.Device
+    context: object                  # adaptor_patches.parallel.context.RankContext
+    dist: object                     # torch.distributed, None for one process
+    owns_group: bool
+    seed: int
+    log: Callable
+    server: object                   # --serve on rank 0: the ImageServer, listening
+    started: float                   # perf_counter before the device was set up (load_s counts from it)
+
+    @property
+    def args(self):
+        return self.job.args
 
 
-def output_rule(args):
-    """The job's outputs so far must not touch the checkpoint, an input, or each other (utils/runtime/output_rule.py)."""
-    from utils.runtime.output_rule import OutputRule
-    rule = OutputRule(args.model_id, [("prompts file", args.prompts)])
-    for flag in OUTPUT_FLAGS:
-        if getattr(args, flag) is not None:
-            rule.add(flag.replace("_", "-"), getattr(args, flag))
-    return rule
-
-
-def read_requests(args, rule) -> list:
-    """--prompts: every line checked before any weight is read (rank 0; the others are handed them)."""
-    from utils.runtime.batch_job import METRICS_FILE
-    from utils.runtime.image_requests import RequestChecker, RequestError, read_prompts_file
-    metrics = Path(args.save_dir) / METRICS_FILE
-    check_output_path("save-dir", str(metrics))
-    rule.add("save-dir", metrics)
-    try:
-        return read_prompts_file(args.prompts, default_request(args), args.save_dir, RequestChecker(args.model_id),
-                                 rule)
-    except RequestError as exc:
-        raise UsageError(f"prompts: {args.prompts}: {exc}") from None
-
-
-def validate(args):
-    validate_mode(args)
-    model_dir = Path(args.model_id)
-    if not (model_dir / "config.json").is_file():
-        raise UsageError(f"model-id: {model_dir} has no config.json; pass a HunyuanImage-3 checkpoint dir "
-                         f"(utils/make_tiny_model.py --out DIR makes a tiny one)")
-    args.step_cache = many_images.job_step_cache(args)
-    if args.use_system_prompt == "custom" and not args.system_prompt:
-        raise UsageError("system-prompt: required with --use-system-prompt custom")
-    check_text_task(args)
-    if int(os.environ.get("RANK", "0")) == 0:           # only rank 0 writes outputs
-        rule = output_rule(args)
-        if args.prompts is not None:
-            args.requests = read_requests(args, rule)
-        for flag in OUTPUT_FLAGS:
-            if getattr(args, flag) is not None:
-                check_output_path(flag.replace("_", "-"), getattr(args, flag))
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"model-id: {path} is not readable JSON ({exc}); repair it or download it again") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"model-id: {path} is not a JSON object; repair it or download it again")
-    return data
-
-
-def open_checked_checkpoint(args, layout, rank: int, per_rank: bool):
-    """The checkpoint, opened once (the loader uses the same object): can this run load it (format,
-    layout), then every file against its index and config.json, from JSON and safetensors headers
-    (no hashes), before any weight is read."""
+def check_checkpoint_files(args, layout, rank: int) -> tuple:
+    """(Checkpoint, expert format): the checkpoint opened once (the loader uses the same object),
+    checked as this run loads it (format, converted layout, this rank's folder), every file against
+    its index and config.json from JSON and safetensors headers (no hashes), 8-bit experts' scales
+    and --quantize, before any weight is read."""
     from adaptor_patches.weights.checkpoint import open_checkpoint
+    per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
     checkpoint = open_checkpoint(args.model_id)
-    checkpoint.check_run(layout, rank, per_rank)
-    if args.adaptor == "full":        # the shims alone parallelise nothing
-        check_layout(args, layout, checkpoint.config)
-    checkpoint.verify()               # after the layout: the cheaper, likelier mistake first
-    return checkpoint
+    return checkpoint, checkpoint.check_for_run(layout, rank, per_rank, args.quantize)
 
 
-def check_prompt_length(args) -> None:
-    from utils.runtime.image_requests import RequestChecker
-    problem = RequestChecker(args.model_id).context_problem(args.prompt)
+def rank_log(rank: int, verbose: int) -> Callable:
+    """Rank 0's progress lines (every rank's with --verbose)."""
+    if rank == 0 or verbose:
+        return lambda msg: print(f"[rank {rank}] {msg}", flush=True)
+    return lambda msg: None
+
+
+def set_up_device(args, layout, rank: int, expert_format):
+    """(Device, RankContext): the device resolved, the patches installed, the kernel set chosen;
+    8-bit settings this device cannot run refused."""
+    import model_adaptor
+    from adaptor_patches.kernels import kernels_for, quant_compute_problem, quant_problem
+    from adaptor_patches.kernels.device import resolve
+    from adaptor_patches.parallel.context import RankContext
+    device = resolve(args.device, int(os.environ.get("LOCAL_RANK", 0)), cpu_noise=args.noise_on_cpu)
+    device = model_adaptor.apply(device, shims_only=args.adaptor == "shims")
+    device.make_current()
+    problem = quant_compute_problem(device.kind, args.quant_compute)
     if problem:
         raise UsageError(problem)
-
-
-def generation_config(model_id) -> dict:
-    path = Path(model_id) / "generation_config.json"
-    return read_json(path) if path.is_file() else {}
-
-
-def check_text_task(args):
-    from adaptor_patches.text_phase import text_task_problem
-    problem = text_task_problem(args.bot_task, bool(args.save_text), generation_config(args.model_id))
+    context = RankContext(layout, rank, device, multi_stream(args), text_to_image_only=args.adaptor == "full",
+                          kernels=kernels_for(device.kind, quant_compute=args.quant_compute),
+                          expert_format=expert_format)
+    problem = quant_problem(device.kind, expert_format, args.quant_compute)
     if problem:
-        field, what, fix = problem
-        raise UsageError(f"{field}: {what}; {fix}")
+        raise UsageError(problem)
+    return device, context
 
 
-def check_layout(args, layout, config: dict):
-    """Refuse a layout this checkpoint cannot run, from its JSON files, before any weight is read:
-    head / expert divisibility (Layout.check), and cfg-parallel without guidance."""
-    from adaptor_patches.parallel.layout import LayoutError
-    model_dir = Path(args.model_id)
-    layout.check(config)
-    if layout.cfg == 1:
-        return
-    path = model_dir / "generation_config.json"
-    scale = read_json(path).get("diff_guidance_scale") if path.is_file() else None
-    if scale is None or scale <= 1:
-        raise LayoutError(f"cfg-parallel: guidance scale {scale} (diff_guidance_scale in {path}) leaves no "
-                            f"unconditional branch to run in parallel; turn cfg-parallel off (and unset CFG_PARALLEL)")
+def multi_stream(args) -> Optional[bool]:
+    return {"on": True, "off": False, None: None}[args.multi_stream]
+
+
+def prepare(job: CheckedJob, rank: int, phase: JobPhase) -> RankJob:
+    """Everything before the load: the checkpoint's files (one step, adaptor_patches/weights), the
+    prompts against the context (the tokenizer), --serve's port, device and patches, the process
+    group, the shared seed."""
+    args, layout = job.args, job.layout
+    checkpoint, expert_format = check_checkpoint_files(args, layout, rank)
+    check_prompt_lengths(job)
+    log = rank_log(rank, args.verbose)
+    server = many_images.start_server(args, log) if args.serve and rank == 0 else None    # a taken port: before the load
+    started = time.perf_counter()
+    device, context = set_up_device(args, layout, rank, expert_format)
+    phase.name = "joining the process group"
+    dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
+    phase.name = "agreeing on the seed"
+    seed = shared_seed(dist, args.seed)
+    if args.reproduce:
+        import torch
+        set_reproducibility(torch, seed)
+    log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
+        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} experts={expert_format or 'bf16'} seed={seed}")
+    return RankJob(job, rank, checkpoint, expert_format, device, context, dist, owns_group, seed, log, server, started)
 
 
 def implementations(args, device_kind: str, kernel_set: str) -> tuple:
@@ -271,6 +186,32 @@ def shared_seed(dist, seed):
     return chosen[0]
 
 
+# ---------------------------------------------------------------- load
+
+def load(rank_job: RankJob, phase: JobPhase) -> tuple:
+    """(this rank's model, seconds since `started`): adaptor_patches/weights; every rank past its
+    load before any goes on."""
+    from adaptor_patches.weights.load import load_model
+    args, log = rank_job.args, rank_job.log
+    attn_impl, moe_impl, notes = implementations(args, rank_job.device.kind, rank_job.context.kernels.name)
+    for note in notes:
+        log(note)
+    phase.name = "loading weights"
+    model = load_model(rank_job.checkpoint, rank_job.context, attn_impl, moe_impl, per_rank=args.adaptor == "full")
+    if rank_job.dist is not None:
+        phase.name = "waiting for the other ranks to finish loading"
+        rank_job.dist.barrier()
+    load_s = time.perf_counter() - rank_job.started
+    log(f"loaded {args.model_id} in {load_s:.2f}s")
+    skipped = getattr(model, "skipped_bytes", {})
+    if skipped:
+        log("not loaded (text-to-image never calls them): " + ", ".join(
+            f"{path} ({size / 2**20:.1f} MiB)" for path, size in skipped.items()))
+    return model, load_s
+
+
+# ---------------------------------------------------------------- the job
+
 def generate(model, args, request, rank):
     """One image; the text phase's record is left on model.last_text_phase (text_phase.py)."""
     kwargs = dict(prompt=request.prompt, seed=request.seed, image_size=request.image_size,
@@ -300,6 +241,55 @@ def describe_text_phase(text: dict) -> str:
     return "; " + ", ".join(parts)
 
 
+@dataclass
+class Rounds:
+    """--prompt's result: the timed rounds of one image."""
+    request: object                  # the ImageRequest every round ran
+    image: object                    # the last round's PIL image
+    records: list                    # per round: total_s, phase timings, text_phase, step_cache
+    load_s: float
+    timer: object                    # PhaseTimer (its last latents), None unless --metrics-json / --save-latents
+
+
+def one_image(rank_job: RankJob, model, load_s: float, phase: JobPhase) -> Rounds:
+    """--prompt: the warm-ups, then the timed rounds."""
+    from adaptor_patches.metrics import PhaseTimer
+    from adaptor_patches.step_cache import round_record
+    args, rank, device, log = rank_job.args, rank_job.rank, rank_job.device, rank_job.log
+    # Phase timings synchronise the device around every forward: only when they are asked for.
+    timer = PhaseTimer(device).attach(model) if args.metrics_json or args.save_latents else None
+    request = replace(default_request(args), seed=rank_job.seed)
+    for i in range(args.warmup):
+        phase.name = f"warm-up generation {i + 1}"
+        generate(model, args, request, rank)
+        log(f"warmup {i + 1}/{args.warmup} done")
+    device.reset_peak_memory()
+    records, image = [], None
+    for i in range(args.rounds):
+        if timer:
+            timer.reset()
+        phase.name = f"generation {i + 1} (text phase, denoising or VAE decode)"
+        start = time.perf_counter()
+        image = generate(model, args, request, rank)
+        device.synchronize()
+        text = model.last_text_phase.summary()
+        phases = timer.summary() if timer else {}
+        records.append({"total_s": round(time.perf_counter() - start, 6), **phases, "text_phase": text,
+                        "step_cache": round_record(model.last_step_cache, rank_job.dist)})
+        log(f"round {i + 1}/{args.rounds}: {records[-1]['total_s']:.3f}s{describe_text_phase(text)}")
+    return Rounds(request, image, records, load_s, timer)
+
+
+def many_images_job(rank_job: RankJob, model, phase: JobPhase) -> int:
+    """--prompts / --serve: many images on this load (utils/runtime/many_images.py); the exit code."""
+    args = rank_job.args
+    phase.name = "serving requests" if args.serve else "generating the prompts file's images"
+    return many_images.run_many(args, rank_job.job.requests, model, rank_job.dist, rank_job.rank, rank_job.server,
+                                rank_job.log, generate, is_collective_failure)
+
+
+# ---------------------------------------------------------------- write
+
 def versions(torch):
     import transformers
     import diffusers
@@ -307,10 +297,77 @@ def versions(torch):
             "transformers": transformers.__version__, "diffusers": diffusers.__version__}
 
 
-class JobPhase:
-    """What this rank is doing, for the message when a collective times out."""
-    name = "starting"
+def peak_memory_per_rank(rank_job: RankJob) -> list:
+    peak = rank_job.device.peak_memory_bytes()
+    if rank_job.dist is None:
+        return [peak]
+    peaks = [None] * rank_job.job.layout.world_size
+    rank_job.dist.all_gather_object(peaks, peak)
+    return peaks
 
+
+def metrics_record(rank_job: RankJob, rounds: Rounds, peaks: list) -> dict:
+    import torch
+    args, image = rank_job.args, rounds.image
+    parallel = {**rank_job.job.layout.describe(), "multi_stream": multi_stream(args)}
+    return {"load_s": round(rounds.load_s, 6), "rounds": rounds.records, "peak_memory_bytes_per_rank": peaks,
+            "settings": {**vars(args), "seed": rank_job.seed, "parallel": parallel,
+                         "device": str(rank_job.device.torch_device), "step_cache": args.step_cache.as_json()},
+            "versions": versions(torch), "image_size": [image.height, image.width]}
+
+
+def write(rank_job: RankJob, rounds: Rounds, phase: JobPhase) -> None:
+    """Every rank's peak memory to rank 0, which writes the image, its text, the latents and the
+    metrics JSON (each atomically: utils/runtime/outputs.py)."""
+    phase.name = "gathering metrics and writing outputs"
+    peaks = peak_memory_per_rank(rank_job)
+    if rank_job.rank != 0:
+        return
+    import torch
+    from utils.runtime.batch_job import write_result
+    from utils.runtime.rank_loop import ImageResult
+    args, log, image = rank_job.args, rank_job.log, rounds.image
+    last = rounds.records[-1]
+    write_result(ImageResult(rounds.request, image, last["total_s"], None, last["text_phase"]))
+    log(f"image saved to {args.save} ({image.width}x{image.height})")
+    if args.save_text:
+        log(f"text saved to {args.save_text}")
+    if args.save_latents:
+        write_atomically(Path(args.save_latents), lambda tmp: torch.save(rounds.timer.last_latents, tmp),
+                         "save-latents")
+    if args.metrics_json:
+        metrics = metrics_record(rank_job, rounds, peaks)
+        write_atomically(Path(args.metrics_json), lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)),
+                         "metrics-json")
+        log(f"metrics written to {args.metrics_json}")
+
+
+def end_job(dist, owns_group: bool) -> None:
+    """Every mode's last step: the ranks leave together; a process group this job created is destroyed."""
+    if dist is not None:
+        dist.barrier()
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def run(job: CheckedJob, rank: int = 0, phase: Optional[JobPhase] = None) -> int:
+    """A checked job on this rank: prepare, load, the one job, write; the exit code."""
+    import torch
+    phase = phase or JobPhase()
+    rank_job = prepare(job, rank, phase)
+    with torch.no_grad():
+        model, load_s = load(rank_job, phase)
+        if job.mode != "prompt":
+            code = many_images_job(rank_job, model, phase)
+            end_job(rank_job.dist, rank_job.owns_group)
+            return code
+        rounds = one_image(rank_job, model, load_s, phase)
+    write(rank_job, rounds, phase)
+    end_job(rank_job.dist, rank_job.owns_group)
+    return 0
+
+
+# ---------------------------------------------------------------- the entry point
 
 PEER_LOST = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "connection refused")
 
@@ -338,132 +395,12 @@ def is_collective_failure(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and (any(words in text for words in PEER_LOST) or raised_in_a_collective(exc)))
 
 
-def run(args, phase: "JobPhase | None" = None):
-    phase = phase or JobPhase()
-    import torch
-    import model_adaptor
-    from adaptor_patches.metrics import PhaseTimer
-    from adaptor_patches.step_cache import round_record
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import check_checkpoint, load_model
-
-    layout, rank = Layout.from_args(args), int(os.environ.get("RANK", 0))
-    per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
-    checkpoint = open_checked_checkpoint(args, layout, rank, per_rank)
-    expert_format = check_checkpoint(checkpoint.directory, layout, rank, per_rank, args.quantize)
-    if args.prompt is not None:
-        check_prompt_length(args)
-    log = (lambda msg: print(f"[rank {rank}] {msg}", flush=True)) if rank == 0 or args.verbose else (lambda msg: None)
-    server = many_images.start_server(args, log) if args.serve and rank == 0 else None      # a taken port fails before the load
-    t0 = time.perf_counter()
-    from adaptor_patches.kernels.device import resolve
-    device = resolve(args.device, int(os.environ.get("LOCAL_RANK", 0)), cpu_noise=args.noise_on_cpu)
-    device = model_adaptor.apply(device, shims_only=args.adaptor == "shims")
-    device.make_current()
-    from adaptor_patches.kernels import kernels_for, quant_compute_problem, quant_problem
-    problem = quant_compute_problem(device.kind, args.quant_compute)
-    if problem:
-        raise UsageError(problem)
-    multi_stream = {"on": True, "off": False, None: None}[args.multi_stream]
-    context = RankContext(layout, rank, device, multi_stream, text_to_image_only=args.adaptor == "full",
-                          kernels=kernels_for(device.kind, quant_compute=args.quant_compute))
-    problem = quant_problem(device.kind, expert_format, args.quant_compute)
-    if problem:
-        raise UsageError(problem)
-    phase.name = "joining the process group"
-    dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
-    phase.name = "agreeing on the seed"
-    seed = shared_seed(dist, args.seed)
-    if args.reproduce:
-        set_reproducibility(torch, seed)
-    log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
-        f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} experts={expert_format or 'bf16'} seed={seed}")
-    attn_impl, moe_impl, notes = implementations(args, device.kind, context.kernels.name)
-    for note in notes:
-        log(note)
-
-    with torch.no_grad():
-        phase.name = "loading weights"
-        model = load_model(checkpoint.directory, context, attn_impl, moe_impl, per_rank=per_rank, quantize=args.quantize)
-        if dist is not None:
-            phase.name = "waiting for the other ranks to finish loading"
-            dist.barrier()
-        load_s = time.perf_counter() - t0
-        log(f"loaded {args.model_id} in {load_s:.2f}s")
-        skipped = getattr(model, "skipped_bytes", {})
-        if skipped:
-            log("not loaded (text-to-image never calls them): " + ", ".join(
-                f"{path} ({size / 2**20:.1f} MiB)" for path, size in skipped.items()))
-        if args.prompts is not None or args.serve:
-            phase.name = "serving requests" if args.serve else "generating the prompts file's images"
-            code = many_images.run_many(args, model, dist, rank, server, log, generate, is_collective_failure)
-            end_job(dist, owns_group)
-            return code
-        # Phase timings synchronise the device around every forward: only when they are asked for.
-        timer = PhaseTimer(device).attach(model) if args.metrics_json or args.save_latents else None
-        request = replace(default_request(args), seed=seed)
-        for i in range(args.warmup):
-            phase.name = f"warm-up generation {i + 1}"
-            generate(model, args, request, rank)
-            log(f"warmup {i + 1}/{args.warmup} done")
-        device.reset_peak_memory()
-        rounds, image = [], None
-        for i in range(args.rounds):
-            if timer:
-                timer.reset()
-            phase.name = f"generation {i + 1} (text phase, denoising or VAE decode)"
-            start = time.perf_counter()
-            image = generate(model, args, request, rank)
-            device.synchronize()
-            text = model.last_text_phase.summary()
-            phases = timer.summary() if timer else {}
-            rounds.append({"total_s": round(time.perf_counter() - start, 6), **phases, "text_phase": text,
-                           "step_cache": round_record(model.last_step_cache, dist)})
-            log(f"round {i + 1}/{args.rounds}: {rounds[-1]['total_s']:.3f}s{describe_text_phase(text)}")
-
-    phase.name = "gathering metrics and writing outputs"
-    peak = device.peak_memory_bytes()
-    peaks = [peak]
-    if dist is not None:
-        peaks = [None] * layout.world_size
-        dist.all_gather_object(peaks, peak)
-    if rank == 0:
-        from utils.runtime.batch_job import write_result
-        from utils.runtime.rank_loop import ImageResult
-        write_result(ImageResult(request, image, rounds[-1]["total_s"], None, rounds[-1]["text_phase"]))
-        log(f"image saved to {args.save} ({image.width}x{image.height})")
-        if args.save_text:
-            log(f"text saved to {args.save_text}")
-        if args.save_latents:
-            write_atomically(Path(args.save_latents), lambda tmp: torch.save(timer.last_latents, tmp), "save-latents")
-        if args.metrics_json:
-            parallel = {**layout.describe(), "multi_stream": multi_stream}
-            metrics = {"load_s": round(load_s, 6), "rounds": rounds, "peak_memory_bytes_per_rank": peaks,
-                       "settings": {**vars(args), "seed": seed, "parallel": parallel, "device": str(device.torch_device),
-                                    "step_cache": args.step_cache.as_json()},
-                       "versions": versions(torch), "image_size": [image.height, image.width]}
-            write_atomically(Path(args.metrics_json), lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)),
-                             "metrics-json")
-            log(f"metrics written to {args.metrics_json}")
-    end_job(dist, owns_group)
-    return 0
-
-
-def end_job(dist, owns_group: bool) -> None:
-    """Every mode's last step: the ranks leave together; a process group this job created is destroyed."""
-    if dist is not None:
-        dist.barrier()
-        if owns_group:
-            dist.destroy_process_group()
-
-
-def main(argv=None):
-    from utils.runtime.rank_console import route_rank_output
-    route_rank_output(int(os.environ.get("RANK", "0")))      # under run.sh: one console (before transformers)
+def main(argv=None) -> int:
+    """One rank (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, else a single process): the job check,
+    then run(); every failure one `error:` line and an exit code (2: the job cannot run as asked)."""
     args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        validate(args)
         from adaptor_patches.kernels.device import DeviceError
         from adaptor_patches.parallel.layout import LayoutError
         from adaptor_patches.text_phase import ContextTooLongError
@@ -471,7 +408,9 @@ def main(argv=None):
         from utils.runtime.rank_loop import RankFailure
         phase = JobPhase()
         try:
-            return run(args, phase)
+            job = check_job(args, world_size=int(os.environ.get("WORLD_SIZE", 1)), env=os.environ,
+                            writes_outputs=rank == 0)          # only rank 0 writes outputs
+            return run(job, rank, phase)
         except (DeviceError, LayoutError, UpstreamMismatchError, ContextTooLongError) as exc:
             raise UsageError(str(exc)) from exc
         except (RankFailure, OutputWriteError) as exc:        # after the load: not a usage error
@@ -481,7 +420,7 @@ def main(argv=None):
             if not is_collective_failure(exc):
                 raise
             first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            print(f"error: rank {os.environ.get('RANK', '0')}: a collective failed while {phase.name} "
+            print(f"error: rank {rank}: a collective failed while {phase.name} "
                   f"(another rank stalled or died; --dist-timeout is {args.dist_timeout:g} s): {first_line}",
                   file=sys.stderr, flush=True)
             return 1
@@ -489,10 +428,11 @@ def main(argv=None):
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"error: rank {os.environ.get('RANK', '0')}: interrupted; nothing more was written", file=sys.stderr,
-              flush=True)
+        print(f"error: rank {rank}: interrupted; nothing more was written", file=sys.stderr, flush=True)
         return 130
 
 
 if __name__ == "__main__":
+    from utils.runtime.rank_console import route_console
+    route_console(int(os.environ.get("RANK", "0")))      # one console (before transformers is imported)
     sys.exit(main())

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import step_cache
+from . import denoise_watch, step_cache
 from .moe.dispatch import dispatcher_for
 from .moe.experts import GroupedExperts
 from .moe.gate import route
@@ -74,7 +74,8 @@ def causal_mm_from_pretrained(original, device):
 
 def causal_mm_forward(original, _device):
     """CFG parallel (parallel/cfg_split.py) in gen_image mode; otherwise upstream's forward. Under a
-    step-cache run (step_cache.py) a gen_image step may be forecast instead of computed."""
+    step-cache run (step_cache.py) a gen_image step may be forecast instead of computed; under a
+    denoise watch (denoise_watch.py: --serve) each step reports progress and may be cancelled."""
     signature = inspect.signature(original)
 
     def cfg_parallel_forward(self, *args, **kwargs):
@@ -92,8 +93,7 @@ def causal_mm_forward(original, _device):
         output["diffusion_prediction"] = cfg_split.gather_branches(output["diffusion_prediction"], group)
         return output
 
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
+    def cached_forward(self, *args, **kwargs):
         slot = step_cache.slot_of(self)
         if slot is None or slot.run is None:
             return cfg_parallel_forward(self, *args, **kwargs)
@@ -103,6 +103,19 @@ def causal_mm_forward(original, _device):
         output_type = sys.modules[type(self).__module__].CausalMMOutputWithPast
         return step_cache.cached_forward(slot.run, lambda: cfg_parallel_forward(self, *args, **kwargs),
                                          arguments, output_type)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        watch = denoise_watch.watch_of(self)          # a served image: progress and an agreed cancel per step
+        if watch is None:
+            return cached_forward(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        if arguments.get("mode", "gen_text") != "gen_image":
+            return cached_forward(self, *args, **kwargs)
+        watch.begin_step(getattr(self, "rank_context", None), bool(arguments.get("first_step")))
+        output = cached_forward(self, *args, **kwargs)
+        watch.end_step()
+        return output
 
     return forward
 

@@ -28,7 +28,7 @@ import npu_double
 from adaptor_patches.kernels import make_kernels
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import HeadShard, Layout, LayoutError
-from adaptor_patches.weights.rank_slices import rank_state_dict
+from rank_state import rank_state_dict
 from multirank import run_ranks
 
 HIDDEN, HEAD_DIM, BATCH, SEQ, STEP = 64, 16, 2, 12, 5

@@ -4,13 +4,16 @@ included, in res/<date>/<model>/log_<time>/rank<N>.log."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
 
 from multirank import free_port
-from test_launcher import log_from, remove_log, run_launcher, write_yaml
+from test_launcher import ROOT, log_from, remove_log, run_launcher, write_yaml
 from utils.runtime.rank_console import KNOWN_HARMLESS, OtherRankStream, RankZeroStream
 
 PROGRESS_BAR = re.compile(r"\d+/\d+ \[")
@@ -42,6 +45,60 @@ def test_other_ranks_show_only_their_error_lines():
     assert console.getvalue() == "error: rank 1: a collective failed while denoising\n"
     assert "use_return_dict" in log.getvalue() and "Loading weights" in log.getvalue()
 
+
+# Runs an entry point as `python -m X` / `python X.py` would, with one addition right after the entry
+# point has routed its console: a third-party-style warning (worded as transformers words one of
+# KNOWN_HARMLESS) and a warning of our own, both through Python's warnings, as any would arrive.
+ENTRY_WITH_WARNINGS = """
+import runpy, sys, warnings
+sys.path.insert(0, sys.argv[1])
+import utils.runtime.rank_console as console
+route = console.route_console
+
+def route_then_warn(*args, **kwargs):
+    routed = route(*args, **kwargs)
+    warnings.warn("`rope_scaling` is deprecated and will be removed in a future version.", FutureWarning)
+    warnings.warn("a warning of our own, after the routing", UserWarning)
+    return routed
+
+console.route_console = route_then_warn
+target, sys.argv = sys.argv[2], sys.argv[2:]
+if target.endswith(".py"):
+    runpy.run_path(target, run_name="__main__")
+else:
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+"""
+
+
+def entry_points(tiny_model, tmp_path):
+    job = {"world_size": 1, "master_port": free_port(), "entry_script": "run_image_gen.py",
+           "model_args": {"prompt": "a fox", "model-id": str(tiny_model), "device": "cpu", "image-size": "64x64"}}
+    return {
+        "run_image_gen": ["run_image_gen.py", "--prompt", "a fox", "--model-id", tiny_model, "--device", "cpu",
+                          "--image-size", "64x64", "--diff-infer-steps", "1", "--save", tmp_path / "fox.png"],
+        "launcher": ["utils.launcher", write_yaml(tmp_path, job), "--dry-run"],
+        "planner": ["utils.planner", "--model-id", tiny_model, "--device", "cpu", "--image-size", "64x64"],
+        "selfcheck": ["utils.selfcheck", "--device", "cpu", "--skip", "kernels,moe-stream,collectives,generation",
+                      "--out", tmp_path / "selfcheck"],
+        "converter": ["utils/convert_model.py", "--model-path", tiny_model, "--output-path", tmp_path / "tp2",
+                      "--tp-attn", "2", "--ep", "2"],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["run_image_gen", "launcher", "planner", "selfcheck", "converter"])
+def test_every_entry_point_keeps_the_known_harmless_warnings_off_its_console(tmp_path, tiny_model, entry):
+    """Outside run.sh too: the planner printed transformers' `rope_scaling` FutureWarning and the
+    `Siglip2ImageProcessorFast` deprecation before its own first line; the self-check the latter."""
+    argv = [str(a) for a in entry_points(tiny_model, tmp_path)[entry]]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK_LOG_DIR", "RANK", "WORLD_SIZE", "PYTHONWARNINGS")}
+    res = subprocess.run([sys.executable, "-c", ENTRY_WITH_WARNINGS, str(ROOT), *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    console = res.stdout + res.stderr
+    assert res.returncode == 0, console[-3000:]
+    shown = [message for message in KNOWN_HARMLESS if message in console]
+    assert not shown, (shown, console[-3000:])
+    assert "a warning of our own, after the routing" in res.stderr, console[-3000:]
 
 
 def remove_job_logs(log, rank_logs):

@@ -1,5 +1,6 @@
 """run.sh's YAML: what used to traceback, eat memory or pass wrongly is one `error:` line before launch."""
 import resource
+import shutil
 import time
 
 import pytest
@@ -26,9 +27,19 @@ def test_an_alias_bomb_is_refused_quickly_in_little_memory(tiny_model, tmp_path)
     lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 8) + "]" for i in range(1, 10)]      # 8^10 ~ 2^30 values
     start, peak = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     res = dry_run(tmp_path, "\n".join(lines) + "\n")
-    assert_one_error(res, "config: aliases expand it to more than 20000 values")
+    # a4 is the first key whose value alone expands past the limit (8^5 + ... > 20000)
+    assert_one_error(res, "error: a4: aliases expand its value to more than 20000 values (line 5); write the values "
+                          "out; drop the aliases")
     assert time.monotonic() - start < 10
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024       # KiB: < 200 MiB more
+
+
+def test_an_alias_bomb_inside_model_args_names_its_key(tiny_model, tmp_path):
+    lines = ["world_size: 1", "master_port: 29611", "entry_script: run_image_gen.py", "model_args:",
+             f"  model-id: {tiny_model}", '  prompt: &p "a fox"', "  extra: &x [*p, *p, *p, *p, *p, *p, *p, *p]"]
+    lines += [f"  extra{i}: &x{i} [" + ", ".join([f"*x{i - 1}" if i > 1 else "*x"] * 8) + "]" for i in range(1, 7)]
+    res = dry_run(tmp_path, "\n".join(lines) + "\n")
+    assert_one_error(res, "error: model_args.extra4: aliases expand its value to more than 20000 values (line 11)")
 
 
 def test_a_few_aliases_are_still_fine(tiny_model, tmp_path):
@@ -59,6 +70,35 @@ def test_an_entry_script_that_is_not_python_is_refused(tiny_model, tmp_path, scr
 def test_an_on_off_environment_switch_with_another_value_is_refused(tiny_model, tmp_path, name, value):
     res = run_launcher(write_yaml(tmp_path, {**job(tiny_model), "env_vars": {name: value}}), "--dry-run")
     assert_one_error(res, f"error: env_vars.{name}: ")
+
+
+@pytest.mark.parametrize("where, line", [
+    ("env_vars", "error: env_vars.NOTE: value 'a\\x00b' contains a NUL byte; remove it (an environment variable "
+                 "cannot hold one)"),
+    ("model_args", "error: model_args.prompt: 'a fox\\x00 in snow' contains a NUL byte; remove it (a command line "
+                   "cannot carry one)"),
+    ("model_name", "error: model_name: ")])
+def test_a_nul_byte_is_refused_as_a_field_before_torchrun(tiny_model, tmp_path, where, line):
+    """A real launch (not --dry-run): the value would reach torchrun's environment or command line,
+    where Popen refuses it (`launcher: unexpected ValueError: embedded null byte`). No log, no job."""
+    from test_launcher import ROOT, run_launcher_in_process
+    from multirank import free_port
+    name = f"nul-test-{tmp_path.name}"
+    spec = {**job(tiny_model), "master_port": free_port(), "model_name": name}
+    if where == "env_vars":
+        spec["env_vars"] = {"NOTE": "a\0b"}
+    elif where == "model_args":
+        spec["model_args"]["prompt"] = "a fox\0 in snow"
+    else:
+        spec["model_name"] = name + "\0"
+    res = run_launcher_in_process(write_yaml(tmp_path, spec), "--no-plan")
+    logs = list((ROOT / "res").glob(f"*/{name}*"))
+    for folder in logs:                 # a launch that got as far as its log
+        shutil.rmtree(folder)
+        if not any(folder.parent.iterdir()):
+            folder.parent.rmdir()
+    assert_one_error(res, line)
+    assert not logs and "log: " not in res.stdout
 
 
 @pytest.mark.parametrize("key, value", [("diff-infer-steps", 1000000000), ("verbose", -1), ("seed", 2**32),

@@ -45,7 +45,7 @@ def load_and_compare(rank, world_size, original, converted_dir, moe_mode):
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
-    from adaptor_patches.weights.rank_slices import rank_state_dict
+    from rank_state import rank_state_dict
     context = RankContext(Layout(world_size, 1, moe_mode), rank, model_adaptor.apply("cpu"))
     states = [load_model(original, context).state_dict(), load_model(converted_dir, context).state_dict()]
     assert set(states[1]) == set(states[0])
@@ -152,18 +152,19 @@ def test_shims_reference_refuses_a_converted_checkpoint(converted, tmp_path):
     assert_one_error(proc, "error: model-id: ")
 
 
-def test_check_checkpoint_wants_this_ranks_directory(converted, tmp_path):
+def test_the_check_for_a_run_wants_this_ranks_directory(converted, tmp_path):
     import shutil
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import LoadingError, check_checkpoint
+    from adaptor_patches.weights.checkpoint import open_checkpoint
+    from adaptor_patches.weights.safetensors_io import LoadingError
     copy = tmp_path / "tp2"
     shutil.copytree(converted["tp2"], copy)
     layout = Layout(2, 1, "tp")
-    check_checkpoint(copy, layout, 1)
+    open_checkpoint(copy).check_for_run(layout, 1)
     shutil.rmtree(copy / "rank-01")
     with pytest.raises(LoadingError, match="rank-01 is missing"):
-        check_checkpoint(copy, layout, 1)
-    check_checkpoint(copy, layout, 0)
+        open_checkpoint(copy).check_for_run(layout, 1)
+    open_checkpoint(copy).check_for_run(layout, 0)
 
 
 def test_a_loaded_weight_that_differs_from_the_checkpoint_is_refused(tiny_model):
@@ -172,10 +173,11 @@ def test_a_loaded_weight_that_differs_from_the_checkpoint_is_refused(tiny_model)
     import model_adaptor
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import LoadingError, load_model, plan_rank, spot_check_plan, spot_check_values
+    from adaptor_patches.weights.checkpoint import open_checkpoint
+    from adaptor_patches.weights.load import LoadingError, load_model, spot_check_plan, spot_check_values
     try:
         model = load_model(tiny_model, RankContext(device=model_adaptor.apply("cpu")))    # passes the check
-        files, tensors = plan_rank(tiny_model, Layout(), 0)
+        files, tensors = open_checkpoint(tiny_model).plan(Layout(), 0)
         plan = [t.name for t in spot_check_plan(tensors, model.state_dict())]
         gate = next(name for name in plan if name.endswith("mlp.gate.wg.weight"))
         assert len(plan) == 8 and any("final_layer" in name for name in plan), plan

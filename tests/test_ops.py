@@ -17,7 +17,7 @@ from adaptor_patches.kernels.device import Device
 from adaptor_patches.kernels.torch_kernels import expert_counts, grouped_mm_applies
 from adaptor_patches.parallel.context import RankContext
 from adaptor_patches.parallel.layout import Layout
-from adaptor_patches.weights.rank_slices import rank_state_dict
+from rank_state import rank_state_dict
 
 DTYPES = (torch.float32, torch.bfloat16)
 # Per-expert matmul of bf16 inputs: grouped forms may accumulate in another order than the

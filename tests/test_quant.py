@@ -144,9 +144,10 @@ def load(model_dir, quantize=None, layout=None, rank=0):
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
-    context = RankContext(layout or Layout(), rank, model_adaptor.apply("cpu"))
+    context = RankContext(layout or Layout(), rank, model_adaptor.apply("cpu"),
+                          expert_format=None if quantize in (None, "none") else quantize)
     with contextlib.redirect_stderr(io.StringIO()):
-        return load_model(model_dir, context, quantize=quantize)
+        return load_model(model_dir, context)
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +186,10 @@ def test_moe_layer_with_8bit_experts_is_close_to_bf16(models, form, fmt):
 # ---------------------------------------------------------------- the ways in: identical weights
 
 def rank_tensors_read(model_dir, layout, tp_rank, quantize=None):
-    """{name: tensor} of one rank as the loader plans and reads it (weights.load.weights_source)."""
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.weights.load import check_checkpoint, weights_source
-    context = RankContext(layout, tp_rank)
-    context.expert_format = check_checkpoint(model_dir, layout, tp_rank, quantize=quantize)
-    files, tensors = weights_source(model_dir, context).plan()
+    """{name: tensor} of one rank as the loader plans and reads it (Checkpoint.plan)."""
+    from adaptor_patches.weights.checkpoint import open_checkpoint
+    checkpoint = open_checkpoint(model_dir)
+    files, tensors = checkpoint.plan(layout, tp_rank, checkpoint.check_for_run(layout, tp_rank, quantize=quantize))
     return {t.name: t.read(files) for t in tensors}
 
 
@@ -237,7 +236,7 @@ def split_layout(split):
 @pytest.mark.parametrize("split", [pytest.param("one", marks=pytest.mark.slow), "tp2",
                                    pytest.param("ep2", marks=pytest.mark.slow)])
 def test_every_way_in_gives_the_same_8bit_weights(tiny_model, folders, split):
-    from adaptor_patches.weights.rank_slices import rank_state_dict
+    from rank_state import rank_state_dict
     layout = split_layout(SPLITS[split])
     full = {k: v for path in sorted(tiny_model.glob("*.safetensors")) for k, v in load_file(path).items()}
     config = json.loads((tiny_model / "config.json").read_text())
@@ -251,6 +250,57 @@ def test_every_way_in_gives_the_same_8bit_weights(tiny_model, folders, split):
         # bf16 folders, ours and the recipe's, quantized while they load
         for bf16 in (f"bf16_{split}", f"recipe_bf16_{split}"):
             assert_same_tensors(rank_tensors_read(folders[bf16], layout, rank, "int8"), at_load)
+
+
+def test_an_8bit_folder_decides_the_format_before_the_model_is_built(folders):
+    """A context that leaves the format open gets the folder's: a new context made before the model
+    is built, every layer built with it; the caller's context is never written (it cannot be)."""
+    import dataclasses
+    import model_adaptor
+    from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.weights.load import load_model
+    context = RankContext(device=model_adaptor.apply("cpu"))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = load_model(folders["int8_one"], context)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            context.expert_format = "int8"
+    finally:
+        model_adaptor.remove()
+    assert context.expert_format is None and model.rank_context.expert_format == "int8"
+    moe = model.model.layers[0].mlp
+    assert moe.rank_context is model.rank_context and moe.experts.w13.dtype == torch.int8
+
+
+@pytest.mark.slow
+def test_a_run_reads_each_checkpoint_file_once(folders, tmp_path):
+    """The CLI's check and the loader share one Checkpoint, checked once: every index, safetensors
+    header, config.json and manifest.json our code reads is read once per process (the run's own
+    reads of tensor bytes aside), for our 8-bit folder and the recipe's."""
+    from unittest import mock
+    from adaptor_patches.weights import checkpoint, safetensors_io
+    reads = []
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def read(path, *args, **kwargs):
+            reads.append((name, str(path)))
+            return real(path, *args, **kwargs)
+        return mock.patch.object(module, name, read)
+
+    for folder in (folders["int8_one"], folders["recipe_int8_one"]):
+        reads.clear()
+        checkpoint._OPENED.clear()              # as in a fresh process
+        with counted(safetensors_io, "read_header"), counted(safetensors_io, "read_index"), \
+                counted(checkpoint, "read_header"), counted(checkpoint, "read_index"), \
+                counted(checkpoint, "read_config"), counted(checkpoint, "read_manifest"):
+            _, _, args = generate_args(folder, tmp_path, folder.name, steps=1)
+            proc = run_cli_in_process(args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        again = sorted({read for read in reads if reads.count(read) > 1})
+        assert not again, f"{folder.name}: read more than once: {again}"
+        assert any(name == "read_header" for name, _ in reads) and ("read_config", str(folder / "config.json")) in reads
 
 
 def test_converted_fp8_loads_as_quantized_at_load(models, folders):

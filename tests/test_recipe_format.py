@@ -52,27 +52,25 @@ def assert_one_error(proc, start):
 @pytest.mark.parametrize("name", list(RECIPE_SPLITS))
 def test_layout_is_inferred_from_the_folder_contents(recipe, name, tmp_path):
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import checkpoint_layout
+    from adaptor_patches.weights.checkpoint import open_checkpoint
     folder = copy_of(recipe[name], tmp_path)
     for config_path in folder.rglob("config.json"):        # no record of the split: shapes and rank count only
         config = json.loads(config_path.read_text())
         for key in ("tp_attn", "tp_moe", "ep", "world_size", "replica_factor", "parallel_strategy"):
             config.pop(key)
         config_path.write_text(json.dumps(config))
-    assert checkpoint_layout(folder) == Layout.from_degrees(*RECIPE_SPLITS[name])
+    assert open_checkpoint(folder).weight_layout == Layout.from_degrees(*RECIPE_SPLITS[name])
 
 
 @pytest.mark.parametrize("name", list(RECIPE_SPLITS))
 def test_every_rank_reads_the_tensors_it_would_read_from_the_original(tiny_model, recipe, name):
-    from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import plan_rank, weights_source
+    from adaptor_patches.weights.checkpoint import open_checkpoint
     layout = Layout.from_degrees(*RECIPE_SPLITS[name])
     for rank in range(layout.world_size):
-        source = weights_source(recipe[name], RankContext(Layout(layout.world_size, 1, layout.moe), rank))
-        assert source.directory == recipe[name] / f"rank-{rank:02d}"
-        files, tensors = source.plan()
-        original_files, wanted = plan_rank(tiny_model, layout, rank)
+        files, tensors = open_checkpoint(recipe[name]).plan(Layout(layout.world_size, 1, layout.moe), rank)
+        assert files.directory == recipe[name] / f"rank-{rank:02d}"
+        original_files, wanted = open_checkpoint(tiny_model).plan(layout, rank)
         got = {t.name: t for t in tensors}
         assert set(got) == {t.name for t in wanted}
         for want in wanted:

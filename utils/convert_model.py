@@ -35,6 +35,7 @@ OUT.old is refused, not removed. Bad input is refused before anything is written
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -51,14 +52,17 @@ from typing import Optional
 
 if __name__ == "__main__":      # run by its documented path (python utils/convert_model.py): Python puts
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # utils/, not the project root, on sys.path
+    from utils.runtime.rank_console import route_console
+    route_console()             # one console: known-harmless third-party warnings off it (before transformers)
 
 from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402
-from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_FILE, MANIFEST_FORMAT, ORIGINAL,  # noqa: E402
-                                                CheckpointError, open_checkpoint, rank_dir_name, read_manifest)
-from adaptor_patches.weights.quantized import MANIFEST_KEY, our_rank_format, quantize_tensors  # noqa: E402
-from adaptor_patches.weights.rank_slices import rank_tensors  # noqa: E402
-from adaptor_patches.weights.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles, LoadingError  # noqa: E402
-from utils.safetensors_stream import StreamingWriter, copy_file, copy_with_sha256, file_sha256  # noqa: E402
+from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_EXPERT_FORMAT, MANIFEST_FILE,  # noqa: E402
+                                                MANIFEST_FORMAT, ORIGINAL, Checkpoint, CheckpointError,
+                                                manifest_record, open_checkpoint, read_manifest)
+from adaptor_patches.weights.safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles,  # noqa: E402
+                                                    LoadingError, rank_dir_name)
+from utils.safetensors_stream import (ByteBudget, StreamingWriter, copy_file, copy_with_sha256,  # noqa: E402
+                                      file_sha256, write_json)
 
 GB = 10 ** 9
 SHARD_SIZE_RANGE_GB = (0.001, 1000.0)      # 1 MB .. 1 TB: smaller makes a shard per tensor, larger is no cap
@@ -110,14 +114,13 @@ def rank_shards(tensors: list, max_bytes: int) -> list:
     return split_into_shards(unchanged, max_bytes) + split_into_shards(made, max_bytes)
 
 
-def plan_jobs(files: CheckpointFiles, config: dict, layout: Layout, max_bytes: int,
-              expert_format: Optional[str] = None) -> list:
+def plan_jobs(checkpoint: Checkpoint, layout: Layout, max_bytes: int, expert_format: Optional[str] = None) -> list:
     """Every shard of every rank, ordered shard-major so the ranks read the same source bytes together.
     Ranks > 0 copy rank 0's shards of unchanged tensors instead of making them again; those copies
     come last, so that no worker waits for the shard it copies while others could be made."""
     jobs, rank0 = [], []
     for rank in range(layout.tp):
-        shards = rank_shards(quantize_tensors(rank_tensors(files, config, layout, rank), expert_format), max_bytes)
+        shards = rank_shards(checkpoint.plan(layout, rank, expert_format)[1], max_bytes)
         for k, shard in enumerate(shards, 1):
             unchanged = all(t.stored is not None for t in shard)
             twin = rank0[k - 1].relpath if rank and unchanged else None   # every rank has the same shard plan
@@ -137,31 +140,6 @@ def oversized_notes(jobs: list, max_bytes: int) -> list:
 
 
 # ---------------------------------------------------------------- writing
-
-class ByteBudget:
-    """At most `limit` bytes of output tensors in memory across all workers (a larger tensor alone)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used, self.aborted = limit, 0, False
-        self._changed = threading.Condition()
-
-    def acquire(self, nbytes: int) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: self.aborted or self.used == 0 or self.used + nbytes <= self.limit)
-            if self.aborted:
-                raise RuntimeError("conversion aborted after a failure elsewhere")
-            self.used += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._changed:
-            self.used -= nbytes
-            self._changed.notify_all()
-
-    def abort(self) -> None:
-        with self._changed:
-            self.aborted = True
-            self._changed.notify_all()
-
 
 def write_shard(job: ShardJob, files: CheckpointFiles, out: Path, budget: ByteBudget, on_bytes) -> tuple:
     """Write one shard, tensor by tensor (unchanged ones copied by the kernel, the others made in
@@ -188,12 +166,6 @@ def side_files(source: Path) -> list:
                   if p.is_file() and p.name not in skip and not p.name.endswith(".safetensors"))
 
 
-def write_json(path: Path, data: dict) -> tuple:
-    raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
-    path.write_bytes(raw)
-    return len(raw), hashlib.sha256(raw).hexdigest()
-
-
 def write_small_files(source: Path, out: Path, config: dict, layout_block: dict, jobs: list) -> dict:
     """config.json (with the layout), the other side files, and each rank's index; {relpath: (size, sha)}."""
     written = {}
@@ -215,10 +187,17 @@ def write_small_files(source: Path, out: Path, config: dict, layout_block: dict,
     return written
 
 
-def progress_bar(total: int, desc: str):
+@contextlib.contextmanager
+def progress(total: int, desc: str):
+    """A progress bar on stderr, as on_bytes(n), which the workers' threads may call."""
     from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
-                dynamic_ncols=True, mininterval=0.5)
+    lock = threading.Lock()
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+              dynamic_ncols=True, mininterval=0.5) as bar:
+        def on_bytes(n):
+            with lock:
+                bar.update(n)
+        yield on_bytes
 
 
 def copy_twin(job: ShardJob, twin_result, out: Path, on_bytes) -> tuple:
@@ -230,12 +209,7 @@ def copy_twin(job: ShardJob, twin_result, out: Path, on_bytes) -> tuple:
 
 
 def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int, budget: ByteBudget) -> dict:
-    lock = threading.Lock()
-    with progress_bar(sum(job.nbytes for job in jobs), "convert") as bar:
-        def on_bytes(n):
-            with lock:
-                bar.update(n)
-
+    with progress(sum(job.nbytes for job in jobs), "convert") as on_bytes:
         pool, futures = ThreadPoolExecutor(max_workers=workers), {}
         try:
             for job in jobs:        # a twin comes after its rank-0 shard, which is thus running or done
@@ -369,9 +343,7 @@ def validate(args) -> tuple:
         if problem:
             raise ConvertError(problem)
         checkpoint.verify()         # the loader's checks: headers, offsets, shapes against config.json
-    except CheckpointError as exc:
-        raise ConvertError(exc.for_field("model-path")) from None
-    except LoadingError as exc:
+    except LoadingError as exc:          # `model-id: problem; fix`, under the converter's field
         raise ConvertError("model-path:" + str(exc).split(":", 1)[1]) from None
     return source, out, layout, checkpoint
 
@@ -386,7 +358,7 @@ def convert(args) -> str:
     config = checkpoint.config
     max_bytes = int(args.max_shard_size * GB)
     files = checkpoint.files()
-    jobs = plan_jobs(files, config, layout, max_bytes, args.expert_format)
+    jobs = plan_jobs(checkpoint, layout, max_bytes, args.expert_format)
     for note in oversized_notes(jobs, max_bytes):
         print(note, file=sys.stderr)
     partial = sibling(out, PARTIAL_SUFFIX)
@@ -399,11 +371,7 @@ def convert(args) -> str:
     try:
         written = write_small_files(source, partial, config, layout_block, jobs)
         written.update(run_jobs(jobs, files, partial, args.max_workers, ByteBudget(max_bytes)))
-        manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
-                    "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(written.items())}}
-        if args.expert_format:
-            manifest[MANIFEST_KEY] = args.expert_format
-        write_json(partial / MANIFEST_FILE, manifest)
+        write_json(partial / MANIFEST_FILE, manifest_record(layout_block, source, written, args.expert_format))
         commit(partial, out)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
@@ -436,12 +404,7 @@ def verify(out: Path, workers: int = 1) -> str:
         if (out / rel).stat().st_size != record["size"]:
             raise ConvertError(f"verify: {rel} has {(out / rel).stat().st_size} bytes, the manifest says "
                                f"{record['size']}; convert again", exit_code=1)
-    lock = threading.Lock()
-    with progress_bar(sum(r["size"] for r in records.values()), "verify") as bar:
-        def on_bytes(n):
-            with lock:
-                bar.update(n)
-
+    with progress(sum(r["size"] for r in records.values()), "verify") as on_bytes:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             digests = dict(zip(records, pool.map(lambda rel: file_sha256(out / rel, on_bytes), records)))
     for rel, record in records.items():
@@ -454,11 +417,12 @@ def verify(out: Path, workers: int = 1) -> str:
 
 
 def verify_expert_format(out: Path, manifest: dict, layout: Layout) -> str:
-    """Every rank's experts in the manifest's format, 8-bit ones with float32 scales of their shape."""
-    recorded = manifest.get(MANIFEST_KEY)
+    """Every rank's experts in the manifest's format, 8-bit ones with float32 scales of their shape
+    (the checkpoint's answer, Checkpoint.stored_expert_format; its files already match the manifest)."""
+    recorded = manifest.get(MANIFEST_EXPERT_FORMAT)
     for rank in range(layout.tp):
         try:
-            held = our_rank_format(out / rank_dir_name(rank))
+            held = open_checkpoint(out).stored_expert_format(rank)
         except LoadingError as exc:
             raise ConvertError(f"verify: {str(exc).partition(': ')[2]}", exit_code=1) from None
         if held != recorded:

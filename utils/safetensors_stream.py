@@ -1,4 +1,4 @@
-"""Write a safetensors file one tensor at a time, hashing the bytes as they go out.
+"""The converter's writer: a safetensors file one tensor at a time, hashing the bytes as they go out.
 
 The header is written first, from the planned names, dtypes and shapes; each tensor follows as it
 is produced, so the file's sha256 needs no re-read. Two ways in:
@@ -10,7 +10,8 @@ Writes are write-behind and hashing runs beside them: each tensor is hashed on t
 thread while its write thread writes it, and the caller produces the next tensor meanwhile; the
 caller waits for both before handing over another, so at most two tensors (one being written and
 hashed, one being produced) are alive per writer, and a single conversion worker keeps two cores
-busy. The files are ordinary safetensors.
+busy. The files are ordinary safetensors. `ByteBudget` bounds the tensors all workers hold at once;
+small files are written (`write_json`, `copy_with_sha256`) and read back (`file_sha256`) with their sha256.
 """
 from __future__ import annotations
 
@@ -25,12 +26,11 @@ import threading
 from pathlib import Path
 
 
-from adaptor_patches.weights.safetensors_io import DTYPES, tensor_bytes
+from adaptor_patches.weights.safetensors_io import DTYPE_NAMES, tensor_bytes
 
 HASH_CHUNK = 16 << 20
 WRITE_CHUNK = 64 << 20
 NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def header_bytes(entries, metadata=None) -> bytes:
@@ -208,3 +208,35 @@ def copy_with_sha256(source: Path, target: Path) -> tuple:
     data = source.read_bytes()
     target.write_bytes(data)
     return len(data), hashlib.sha256(data).hexdigest()
+
+
+def write_json(path: Path, data: dict) -> tuple:
+    """Write a small JSON file (sorted keys); return (size, sha256) of what was written."""
+    raw = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    path.write_bytes(raw)
+    return len(raw), hashlib.sha256(raw).hexdigest()
+
+
+class ByteBudget:
+    """At most `limit` bytes of output tensors in memory across all workers (a larger tensor alone)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.aborted = limit, 0, False
+        self._changed = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.aborted or self.used == 0 or self.used + nbytes <= self.limit)
+            if self.aborted:
+                raise RuntimeError("conversion aborted after a failure elsewhere")
+            self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._changed:
+            self.used -= nbytes
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        with self._changed:
+            self.aborted = True
+            self._changed.notify_all()

@@ -5,7 +5,9 @@ loader, weights/load.py, does this). The patched `__init__`s read the context be
 and keep what they need (their shard, their kernel set, the context for its groups), so nothing
 is read from process-global state afterwards, and two models in one process do not interfere.
 Outside `building` the patched classes build for a single process on the device the adaptor was
-applied for.
+applied for. A context never changes once made (assigning a field raises): everything a module
+reads from it, the experts' format included, is decided before the model is built; another
+job makes another context (`dataclasses.replace`).
 
 Process groups come from a ("cfg", "tp") DeviceMesh, built at the first collective a module needs;
 a layout that needs them without an initialised process group is refused when the model is built,
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Optional
 
 from ..kernels import kernels_for
@@ -42,13 +44,23 @@ class RankContext:
     text_to_image_only: bool = False         # leave out UNUSED_IN_TEXT_TO_IMAGE (run_image_gen's jobs)
     planning: bool = False                   # built on the meta device to be measured (utils/planner/plan.py), never run
     expert_format: Optional[str] = None      # routed experts in 8 bit: "int8" / "fp8" (kernels/quant.py); None: bf16
-    _mesh: object = field(default=None, repr=False)
+    _mesh: object = field(default=None, repr=False)      # made at the first collective (group())
 
     def __post_init__(self):
         if not 0 <= self.rank < self.layout.world_size:
             raise LayoutError(f"rank: {self.rank} is outside world size {self.layout.world_size}")
         if self.kernels is None:
-            self.kernels = kernels_for(self.device.kind)
+            object.__setattr__(self, "kernels", kernels_for(self.device.kind))
+
+    def __setattr__(self, name, value):
+        """Each field is set once, by __init__; only the mesh is filled in later, by group()."""
+        if name != "_mesh" and name in self.__dict__:
+            raise FrozenInstanceError(f"cannot assign to field {name!r}: a RankContext is fixed once made; "
+                                      f"make another (dataclasses.replace) before building the model")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        raise FrozenInstanceError(f"cannot delete field {name!r}: a RankContext is fixed once made")
 
     @property
     def skipped_components(self) -> tuple:

@@ -1,44 +1,50 @@
-"""A checkpoint directory, opened once: its format, config, weight layout, files and their integrity.
+"""The one checkpoint object: a directory opened and checked once per process.
 
 `open_checkpoint(dir)` reads config.json (its size fields type-checked) and tells the format:
+original (upstream's: an index and shards, or one model.safetensors), converted (ours,
+utils/convert_model.py: manifest.json, a `parallel_layout` block, rank-XX folders) or recipe (the
+cann-recipes converter's rank-XX folders; recipe_format.py infers the layout). The launcher, the
+CLI, the planner, the converter and the loader all ask this one object (cached by path and the
+stat of its files), and each question is answered once:
 
-    original    upstream's checkpoint: an index and its shards, or one model.safetensors
-    converted   ours (utils/convert_model.py): manifest.json, a `parallel_layout` block, rank-XX folders
-    recipe      the cann-recipes converter's rank-XX folders (recipe_format.py infers the layout)
+    check_for_run(layout, rank, per_rank, quantize)   can this run load it? check_run; config.json
+                        and the guidance against the layout; verify(); the experts' format against
+                        --quantize. Returns the format the experts run in
+    check_run(layout, rank, per_rank)   the format and layout alone, from JSON files
+    verify()            every index and shard header: readable, bounded, offsets against dtype x
+                        shape, in the file; an original's tensors against config.json's shapes, a
+                        converted rank's against its plan
+    expert_format(tp_rank)   the format the folder's experts are in ("int8" / "fp8"; None: bf16),
+                        scales checked; ours also against its manifest
+    files(tp_rank), plan(layout, tp_rank, expert_format)   what a rank reads, headers checked; its
+                        tensors planned (rank_slices / recipe_format, quantized.py)
 
-The launcher's check (run.sh / --dry-run), the CLI's check before the load, the planner, the
-converter and the loader all ask this one object (a process opens a directory once; the object is
-cached by path and the stat of its config.json):
-
-    checkpoint.check_run(layout, rank, per_rank)   can this run load it? (format and layout)
-    checkpoint.verify()                            every index and shard header: readable, bounded,
-                                                   offsets against dtype x shape, in the file; an
-                                                   original's tensors against config.json's shapes
-    checkpoint.files(tp_rank)                      CheckpointFiles of what that rank reads, headers
-                                                   already read and checked
-
-Every problem is a CheckpointError: one `model-id: <file>: problem; fix` line.
+Every problem is one `model-id: <file>: problem; fix` line (LoadingError; CheckpointError where a
+surface renames the field).
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..kernels.quant import FORMATS
 from ..parallel.layout import Layout, LayoutError, attention_sizes, moe_layers
-from .rank_slices import EXPERT_KEY, LAYER_KEY, rank_tensors
-from .recipe_format import RECONVERT, is_recipe_folder, recipe_layout
+from .quantized import quantize_tensors
+from .rank_slices import EXPERT_KEY, EXPERT_STACK, LAYER_KEY, rank_tensors, stacks_format
+from .recipe_format import RECONVERT, is_recipe_folder, read_recipe_folder, recipe_folder_format, recipe_rank_tensors
 from .safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles, HeaderError, LoadingError, StoredTensor,
-                             read_header, read_index)
+                             rank_dir_name, read_header, read_index)
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
+MANIFEST_EXPERT_FORMAT = "expert_format"     # in our manifest.json: the format of the experts (absent: bf16)
 LAYOUT_KEY = "parallel_layout"
 REDOWNLOAD = "download or copy the checkpoint again"
 ORIGINAL, CONVERTED, RECIPE = "original", "converted", "recipe"
+QUANTIZE_CHOICES = ("none",) + FORMATS
 
 # config.json's fields the split and the checks compute with: (may be absent, may be one per layer, least value)
 CONFIG_NUMBERS = {"hidden_size": (False, False, 1), "num_attention_heads": (False, False, 1),
@@ -59,10 +65,6 @@ class CheckpointError(LoadingError):
     def for_field(self, name: str) -> str:
         """The same line under another surface's field name (the converter's `model-path`)."""
         return f"{name}: {self.problem}; {self.fix}"
-
-
-def rank_dir_name(tp_rank: int) -> str:
-    return f"rank-{tp_rank:02d}"
 
 
 def read_json_object(path: Path, fix: str = REDOWNLOAD) -> dict:
@@ -128,6 +130,16 @@ def read_manifest(path: Path) -> tuple:
     return manifest, records, layout
 
 
+def manifest_record(layout_block: dict, source: Path, files: dict, expert_format: Optional[str]) -> dict:
+    """The manifest.json utils/convert_model.py writes (`files`: {relpath: (size, sha256)});
+    read_manifest reads it back."""
+    manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
+                "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(files.items())}}
+    if expert_format:
+        manifest[MANIFEST_EXPERT_FORMAT] = expert_format
+    return manifest
+
+
 # ---------------------------------------------------------------- what config.json implies
 
 def expected_shape(key: str, config: dict) -> Optional[tuple]:
@@ -182,9 +194,6 @@ def key_problem(key: str, stored, config: dict) -> Optional[str]:
     return None
 
 
-STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13|w2)$")
-
-
 class _ShapesOnly(CheckpointFiles):
     """An original checkpoint as config.json describes it (shapes only, nothing to read): what
     rank_tensors plans a converted rank's tensors from."""
@@ -193,7 +202,7 @@ class _ShapesOnly(CheckpointFiles):
         infos = {}
         for key in rank_files.keys():
             stored = rank_files.info(key)
-            match = STACKED.match(key)
+            match = EXPERT_STACK.match(key)
             if match:
                 experts = moe_layers(config)[int(match[1])].experts
                 kind = "gate_and_up_proj" if match[2] == "w13" else "down_proj"
@@ -226,6 +235,21 @@ def converted_shape_problem(rank_files: CheckpointFiles, config: dict, layout: L
     return None
 
 
+# ---------------------------------------------------------------- the experts' format
+
+def resolve_expert_format(held: Optional[str], quantize: Optional[str], model_dir) -> Optional[str]:
+    """The format the experts run in: an 8-bit folder's own (a --quantize that says otherwise is an
+    error), else --quantize's (None: not given; "none": bf16)."""
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise LoadingError(f"quantize: {quantize!r} is not one of {', '.join(QUANTIZE_CHOICES)}; pick one "
+                           f"(none keeps the experts bf16)")
+    asked = None if quantize in (None, "none") else quantize
+    if held is not None and quantize is not None and asked != held:
+        raise LoadingError(f"quantize: {model_dir} holds {held} experts but --quantize is {quantize}; "
+                           f"drop --quantize (an 8-bit folder runs in its format) or pass the original checkpoint")
+    return held or asked
+
+
 # ---------------------------------------------------------------- the object
 
 @dataclass
@@ -234,7 +258,11 @@ class Checkpoint:
     format: str
     config: dict
     weight_layout: Optional[Layout]          # what a per-rank folder was converted for; None: original
+    manifest: Optional[dict] = None          # ours: manifest.json, read and checked when opened
     _parts: dict = field(default_factory=dict)      # {folder: CheckpointFiles}, headers read and checked
+    _opened: dict = field(default_factory=dict)     # {folder: CheckpointFiles} read while opening, not yet checked
+    _formats: dict = field(default_factory=dict)    # {tp_rank: the experts' format of its folder}
+    _accepted: dict = field(default_factory=dict)   # {(layout, rank, per_rank, quantize): expert format}
     _verified: bool = False
 
     @property
@@ -255,6 +283,45 @@ class Checkpoint:
     def weights_dir(self, tp_rank: int) -> Path:
         return self.directory / rank_dir_name(tp_rank) if self.per_rank else self.directory
 
+    def check_for_run(self, layout: Layout, rank: int, per_rank: bool = True,
+                      quantize: Optional[str] = None) -> Optional[str]:
+        """Refuse, from JSON files and safetensors headers alone (before any weight is read or any
+        collective), a checkpoint this run cannot load, the cheaper, likelier mistakes first; return
+        the format its experts run in (`quantize`: the job's --quantize, None when not given).
+        Asked again (the loader after the CLI), it answers from memory."""
+        key = (layout, rank, per_rank, quantize)
+        if key not in self._accepted:
+            self.check_run(layout, rank, per_rank)
+            if per_rank:                # the shims alone parallelise nothing
+                self.check_layout(layout)
+            self.verify()
+            held = self.expert_format(layout.tp_rank(rank)) if self.per_rank else None
+            expert_format = resolve_expert_format(held, quantize, self.directory)
+            if expert_format is not None and not per_rank:
+                raise LoadingError(f"quantize: 8-bit experts ({expert_format}) need the full adaptor; drop --adaptor "
+                                   f"shims or --quantize")
+            self._accepted[key] = expert_format
+        return self._accepted[key]
+
+    def check_layout(self, layout: Layout) -> None:
+        """The one rule of a layout against this checkpoint's JSON files: head / expert divisibility
+        (Layout.check), and CFG parallel needs an unconditional branch, a guidance scale above 1 in
+        generation_config.json (a config-only folder, planned before its weights, has none to check)."""
+        layout.check(self.config)
+        path = self.directory / "generation_config.json"
+        if layout.cfg == 1 or not path.is_file():
+            return
+        try:
+            generation = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path} is not readable JSON ({exc})", "repair it or download it again") from None
+        if not isinstance(generation, dict):
+            raise CheckpointError(f"{path} is not a JSON object", "repair it or download it again")
+        scale = generation.get("diff_guidance_scale")
+        if scale is None or scale <= 1:
+            raise LayoutError(f"cfg-parallel: guidance scale {scale} (diff_guidance_scale in {path}) leaves no "
+                              f"unconditional branch to run in parallel; turn cfg-parallel off (and unset CFG_PARALLEL)")
+
     def check_run(self, layout: Layout, rank: int, per_rank: bool = True) -> None:
         """Refuse, from JSON files alone, a per-rank folder this run cannot load: the shims-only
         reference, another layout, this rank's folder missing."""
@@ -271,6 +338,41 @@ class Checkpoint:
         rank_dir = self.weights_dir(layout.tp_rank(rank))
         if not (rank_dir / "config.json").is_file():
             raise LoadingError(f"model-id: {rank_dir} is missing; {self.fix}")
+
+    def expert_format(self, tp_rank: int = 0) -> Optional[str]:
+        """Which expert format this checkpoint holds: "int8" / "fp8", None for bf16 (an original is
+        bf16), from rank `tp_rank`'s stacked experts, their scales checked; ours must also agree with
+        its manifest. The one answer to the question: the CLI, the launcher, the loader and the
+        converter's --verify all ask it here."""
+        if not self.per_rank:
+            return None
+        if tp_rank not in self._formats:
+            held = self.stored_expert_format(tp_rank)
+            recorded = (self.manifest or {}).get(MANIFEST_EXPERT_FORMAT)
+            if self.format == CONVERTED and recorded != held:
+                raise LoadingError(f"model-id: {self.directory}'s {MANIFEST_FILE} records {recorded or 'bf16'} "
+                                   f"experts but {self.weights_dir(tp_rank)} holds {held or 'bf16'} ones; convert it again")
+            self._formats[tp_rank] = held
+        return self._formats[tp_rank]
+
+    def stored_expert_format(self, tp_rank: int = 0) -> Optional[str]:
+        """The format rank `tp_rank`'s stacked experts are stored in, from its tensors alone (the
+        manifest not consulted: the converter's --verify words that comparison itself)."""
+        files = self.files(tp_rank)
+        if self.format == RECIPE:
+            return recipe_folder_format(files, files.directory)
+        return stacks_format(files, [k for k in files.keys() if EXPERT_STACK.match(k)], files.directory)
+
+    def plan(self, layout: Layout, tp_rank: int, expert_format: Optional[str] = None) -> tuple:
+        """(CheckpointFiles, RankTensors) of what `tp_rank` reads under the run's `layout`: an original
+        planned in that layout (rank_slices); our converted rank folder holds exactly the rank's
+        tensors (planned whole); a recipe rank folder is mapped to them (recipe_format). Bf16 expert
+        stacks become `expert_format` as they are read (quantized.py); 8-bit ones are read as stored."""
+        files = self.files(tp_rank)
+        planner = recipe_rank_tensors if self.format == RECIPE else rank_tensors
+        if self.format == CONVERTED:
+            layout, tp_rank = Layout(), 0
+        return files, quantize_tensors(planner(files, self.config, layout, tp_rank), expert_format)
 
     def files(self, tp_rank: int = 0) -> CheckpointFiles:
         """What `tp_rank` reads, its index and headers checked (an original: verify() in full)."""
@@ -305,20 +407,22 @@ class Checkpoint:
         return self
 
     def _read_part(self, folder: Path, tp_rank: int = 0) -> CheckpointFiles:
-        index = folder / INDEX_FILE
+        index, opened = folder / INDEX_FILE, self._opened.pop(folder, None)
         try:
-            if index.is_file():
-                weight_map = read_index(index)
+            if opened is not None:          # read when the checkpoint was opened (a recipe's rank-00)
+                weight_map, headers = opened.weight_map, opened.headers_read()
+            elif index.is_file():
+                weight_map, headers = read_index(index), {}
             elif (folder / SINGLE_FILE).is_file():
-                weight_map = dict.fromkeys(read_header(folder / SINGLE_FILE), SINGLE_FILE)
+                weight_map, headers = dict.fromkeys(read_header(folder / SINGLE_FILE), SINGLE_FILE), {}
             else:
                 raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}",
                                       "pass a HunyuanImage-3 checkpoint directory")
-            headers = {}
             for file in sorted(set(weight_map.values())):
                 if not (folder / file).is_file():
                     raise CheckpointError(f"{file} (listed in {INDEX_FILE}) is missing from {folder}", self.fix)
-                headers[file] = read_header(folder / file)
+                if file not in headers:
+                    headers[file] = read_header(folder / file)
         except HeaderError as exc:
             raise CheckpointError(str(exc), self.fix) from None
         except OSError as exc:
@@ -343,22 +447,25 @@ class Checkpoint:
             raise CheckpointError(f"{len(missing)} tensors the split needs are missing, e.g. {missing[0]}")
 
 
-def _detect(directory: Path) -> tuple:
-    """(format, config, weight layout) from the JSON files alone (a recipe folder: its rank-00 headers)."""
+def _detect(directory: Path) -> Checkpoint:
+    """The Checkpoint's format, config and weight layout from the JSON files alone (a recipe folder:
+    also its rank-00 headers, which the object keeps)."""
     config = read_config(directory / "config.json", complete=False)
     if (directory / MANIFEST_FILE).is_file():
         fix = "convert it again with utils/convert_model.py"
         if LAYOUT_KEY not in config:
             raise LoadingError(f"model-id: {directory} has a {MANIFEST_FILE} but its config.json lacks "
                                f"'{LAYOUT_KEY}'; {fix}")
-        read_manifest(directory / MANIFEST_FILE)
+        manifest = read_manifest(directory / MANIFEST_FILE)[0]
         try:
-            return CONVERTED, config, Layout.from_json(config[LAYOUT_KEY])
+            return Checkpoint(directory, CONVERTED, config, Layout.from_json(config[LAYOUT_KEY]), manifest)
         except (LayoutError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{directory}/config.json has a damaged {LAYOUT_KEY} block ({exc!r})", fix) from None
     if is_recipe_folder(directory):
-        return RECIPE, config, recipe_layout(directory)
-    return ORIGINAL, config, None
+        recipe = read_recipe_folder(directory)
+        return Checkpoint(directory, RECIPE, config, recipe.layout, _opened={recipe.first_rank.directory: recipe.first_rank},
+                          _formats={0: recipe.expert_format})
+    return Checkpoint(directory, ORIGINAL, config, None)
 
 
 _OPENED: dict = {}
@@ -386,7 +493,7 @@ def open_checkpoint(directory) -> Checkpoint:
     cached = _OPENED.get(key)
     if cached is not None and stamp is not None and cached[0] == stamp:
         return cached[1]
-    checkpoint = Checkpoint(directory, *_detect(directory))
+    checkpoint = _detect(directory)
     if stamp is not None:
         _OPENED[key] = (stamp, checkpoint)
     return checkpoint

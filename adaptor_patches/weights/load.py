@@ -1,4 +1,4 @@
-"""Loading a rank's model: this rank's weights, from an original or a converted checkpoint.
+"""Loading as orchestration: the checkpoint checked for the rank, its plan, a lazy state dict, the checks after.
 
 `--model-id` is one of three kinds:
 
@@ -9,8 +9,8 @@
 * a converted checkpoint (utils/convert_model.py writes it from the same plans): OUT/manifest.json,
   OUT/config.json with a `parallel_layout` block, and one ordinary checkpoint per "tp" rank in
   OUT/rank-XX. Rank r of the "tp" group reads OUT/rank-{r:02d} (the CFG branches share it) whole;
-  its layout must equal the run's, which `Checkpoint.check_run` (checkpoint.py) verifies before any collective.
-
+  its layout must equal the run's, which `Checkpoint.check_for_run` (checkpoint.py) verifies before any
+  collective.
 * a folder converted by the cann-recipes-infer recipe's converter: rank-XX folders, no manifest,
   experts stacked [E, out, in]. recipe_format.py infers its layout from its tensors (checked like
   ours) and plans rank r's tensors from OUT/rank-{r:02d} in the runtime layout.
@@ -18,7 +18,9 @@
 All are the same path (a plan of RankTensors over a source, a lazy state dict, the same checks; a
 converted folder of ours is planned with the single-process layout, i.e. every tensor whole) and
 give bit-identical weights. 8-bit experts (quantized.py) ride on the same plan: a folder in 8 bit
-is read as it is; `quantize` makes the plan's bf16 expert stacks 8-bit while they load.
+is read as it is; a context whose expert_format is 8-bit has the plan's bf16 expert stacks made
+8-bit while they load. The context is complete before the model is built: `checked_context`
+gives it the folder's format when it left the choice open.
 
 Why not upstream's `from_pretrained(dir)` with weight converters: transformers 5 materialises every
 checkpoint tensor whole (`get_slice(k)[...]`, 4 reader threads, all reads queued at once) before a
@@ -29,102 +31,27 @@ The shims-only reference (`per_rank=False`) does use upstream's own from_pretrai
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Optional
 
+from ..model_family import model_class, takes_conditioning_images
 from ..parallel.context import RankContext, building, components_left_out
 from ..parallel.layout import Layout
-from .checkpoint import (CONVERTED, LAYOUT_KEY, MANIFEST_FILE, RECIPE, Checkpoint,  # noqa: F401
-                         open_checkpoint, rank_dir_name)
-from .rank_slices import RankTensor, rank_tensors
-from .quantized import manifest_format, our_rank_format, quantize_tensors, resolve_expert_format
-from .recipe_format import recipe_expert_format, recipe_rank_tensors
+from .checkpoint import Checkpoint, open_checkpoint
+from .rank_slices import RankTensor
 from .safetensors_io import CheckpointFiles, LoadingError
 
 
-def is_converted(model_dir) -> bool:
-    """Converted by utils/convert_model.py (a manifest.json beside the rank folders)."""
-    return (Path(model_dir) / MANIFEST_FILE).is_file()
-
-
-def checkpoint_layout(model_dir) -> Optional[Layout]:
-    """The weight layout a per-rank folder was converted for (ours: its layout block; the recipe's:
-    inferred from its tensors), or None for an original checkpoint."""
-    return open_checkpoint(model_dir).weight_layout
-
-
-def folder_expert_format(checkpoint: Checkpoint, rank_dir: Optional[Path] = None) -> Optional[str]:
-    """The experts' format a per-rank folder holds ("int8" / "fp8"; None: bf16 or an original),
-    its scales checked (in `rank_dir`, else rank-00); ours must also agree with its manifest."""
-    if checkpoint.format == CONVERTED:
-        rank_dir = rank_dir or checkpoint.weights_dir(0)
-        recorded, held = manifest_format(checkpoint.directory), our_rank_format(rank_dir)
-        if recorded != held:
-            raise LoadingError(f"model-id: {checkpoint.directory}'s {MANIFEST_FILE} records {recorded or 'bf16'} "
-                               f"experts but {rank_dir} holds {held or 'bf16'} ones; convert it again")
-        return held
-    if checkpoint.format == RECIPE:
-        return recipe_expert_format(checkpoint.directory)
-    return None
-
-
-def check_checkpoint(model_dir, layout: Layout, rank: int, per_rank: bool = True,
-                     quantize: Optional[str] = None) -> Optional[str]:
-    """Refuse, from JSON files and safetensors headers alone (before any collective), a checkpoint
-    this run cannot load (Checkpoint.check_run; 8-bit experts' scales); return the format its
-    experts run in (`quantize`: the job's --quantize, None when not given; quantized.resolve_expert_format)."""
-    checkpoint = open_checkpoint(model_dir)
-    checkpoint.check_run(layout, rank, per_rank)
-    if not checkpoint.per_rank:
-        expert_format = resolve_expert_format(None, quantize, model_dir)
-        if expert_format is not None and not per_rank:
-            raise LoadingError(f"quantize: 8-bit experts ({expert_format}) need the full adaptor; drop --adaptor "
-                               f"shims or --quantize")
-        return expert_format
-    rank_dir = checkpoint.weights_dir(layout.tp_rank(rank)) if checkpoint.format == CONVERTED else None
-    return resolve_expert_format(folder_expert_format(checkpoint, rank_dir), quantize, model_dir)
-
-
-@dataclass(frozen=True)
-class WeightsSource:
-    """What one rank reads: `directory`, planned by `planner` under `layout` for `tp_rank`;
-    `files` its CheckpointFiles where already opened (checked) by the Checkpoint."""
-    directory: Path
-    layout: Layout
-    tp_rank: int
-    planner: Callable = rank_tensors
-    files: Optional[CheckpointFiles] = None
-    expert_format: Optional[str] = None     # bf16 expert stacks of the plan are quantized to it as they load
-
-    def plan(self) -> tuple:
-        """(CheckpointFiles, this rank's RankTensors)."""
-        files = self.files if self.files is not None else CheckpointFiles(self.directory)
-        config = json.loads((self.directory / "config.json").read_text())
-        return files, quantize_tensors(self.planner(files, config, self.layout, self.tp_rank), self.expert_format)
-
-
-def weights_source(checkpoint, context: RankContext) -> WeightsSource:
-    """This rank's WeightsSource (check_run has accepted a converted folder): an original is
-    planned in the run's layout; our converted rank folder holds exactly the rank's tensors (planned
-    whole); a recipe rank folder is mapped to them by recipe_format."""
-    if not isinstance(checkpoint, Checkpoint):
-        checkpoint = open_checkpoint(checkpoint)
-    files, fmt = checkpoint.files(context.tp_rank), context.expert_format
-    if checkpoint.format == CONVERTED:
-        return WeightsSource(files.directory, Layout(), 0, files=files, expert_format=fmt)
-    if checkpoint.format == RECIPE:
-        return WeightsSource(files.directory, context.layout, context.tp_rank, recipe_rank_tensors, files, fmt)
-    return WeightsSource(files.directory, context.layout, context.tp_rank, files=files, expert_format=fmt)
-
-
-def plan_rank(weights_dir: Path, layout: Layout, tp_rank: int):
-    """(CheckpointFiles, this rank's RankTensors) of an original checkpoint or converted rank directory."""
-    return WeightsSource(Path(weights_dir), layout, tp_rank).plan()
-
-
 # ---------------------------------------------------------------- loading
+
+def checked_context(checkpoint: Checkpoint, context: RankContext, per_rank: bool = True) -> RankContext:
+    """`context`, once `checkpoint` is checked for it (Checkpoint.check_for_run; answered from memory
+    when the CLI asked first). Its expert_format is the one the experts run in; None leaves it to
+    the checkpoint (an 8-bit folder's own, else bf16): then a context with the folder's format is
+    made, before any model is built (a RankContext never changes)."""
+    expert_format = checkpoint.check_for_run(context.layout, context.rank, per_rank, context.expert_format)
+    return context if expert_format == context.expert_format else replace(context, expert_format=expert_format)
+
 
 def load_tokenizer(model_dir):
     """The checkpoint's fast tokenizer, read directly from tokenizer.json.
@@ -147,18 +74,26 @@ class _LazyTensor:
         return self.tensor.read(self.files)[item]
 
 
-def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankContext, **kwargs):
+def lazy_state_dict(checkpoint: Checkpoint, context: RankContext, left_out=None) -> tuple:
+    """(the state dict transformers' from_pretrained is handed: {name: a tensor read when indexed},
+    CheckpointFiles, the plan). Components left out (default: the context's skipped_components; the
+    model class decides, parallel/context.components_left_out) are neither built nor read."""
+    files, tensors = checkpoint.plan(context.layout, context.tp_rank, context.expert_format)
+    left_out = context.skipped_components if left_out is None else left_out
+    skipped = tuple(f"{path}." for path in left_out)
+    return {t.name: _LazyTensor(t, files) for t in tensors if not t.name.startswith(skipped)}, files, tensors
+
+
+def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankContext, checkpoint=None, **kwargs):
     """`from_pretrained` (transformers', bound to model class `cls`) fed this rank's tensors lazily,
-    then spot-checked against the checkpoint."""
+    then spot-checked against the checkpoint (`checkpoint`: the directory's Checkpoint, where the
+    caller has it: load_model passes it through upstream's from_pretrained)."""
     from transformers import GenerationConfig
-    context.expert_format = check_checkpoint(model_dir, context.layout, context.rank, quantize=context.expert_format)
-    checkpoint = open_checkpoint(model_dir)
-    source = weights_source(checkpoint, context)
-    weights_dir = source.directory
-    files, tensors = source.plan()
-    left_out = components_left_out(context, cls)
-    skipped = tuple(f"{path}." for path in left_out)      # not built: not read either
-    lazy = {t.name: _LazyTensor(t, files) for t in tensors if not t.name.startswith(skipped)}
+    checkpoint = checkpoint or open_checkpoint(model_dir)
+    context = checked_context(checkpoint, context)
+    left_out = components_left_out(context, cls)          # the Instruct model keeps its conditioning modules
+    lazy, files, tensors = lazy_state_dict(checkpoint, context, left_out)
+    weights_dir = files.directory
     config = kwargs.pop("config", None)
     if config is None:
         config_kwargs = {"moe_impl": kwargs.pop("moe_impl")} if "moe_impl" in kwargs else {}
@@ -176,29 +111,27 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
     return result
 
 
-def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_impl: str = "eager",
-               per_rank: bool = True, quantize: Optional[str] = None):
-    """Upstream's model with this rank's weights (the context's layout and rank decide which).
-    per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole.
-    quantize: the job's --quantize ("none" / "int8" / "fp8"; None: not given, an 8-bit folder's own
-    format or bf16); the experts' format is set on the context."""
-    from ..model_family import model_class, takes_conditioning_images
-    model_dir = Path(model_dir)
-    asked = quantize if quantize is not None else context.expert_format
-    context.expert_format = check_checkpoint(model_dir, context.layout, context.rank, per_rank, asked)
-    checkpoint = open_checkpoint(model_dir)       # the CLI's check opened it already: the same object
+def load_model(checkpoint, context: RankContext, attn_impl: str = "sdpa", moe_impl: str = "eager",
+               per_rank: bool = True):
+    """Upstream's model with this rank's weights (the context's layout and rank decide which), from
+    `checkpoint` (a Checkpoint, or its directory). The context's expert_format is the format the
+    routed experts run in (None: bf16, or an 8-bit folder's own: checked_context).
+    per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole."""
+    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     cls = model_class(checkpoint.config)          # the base model's file or the Instruct one (model_family.py)
+    model_dir = str(checkpoint.directory)
     kwargs = dict(attn_implementation=attn_impl, dtype="auto", moe_impl=moe_impl, output_loading_info=True)
     if context.device.is_accelerator:
         kwargs["device_map"] = {"": context.device.torch_device}
-    if per_rank:       # the patched from_pretrained: from_pretrained_by_slices, loaded keys and values checked
-        model, _ = cls.from_pretrained(str(model_dir), rank_context=context, **kwargs)
+    if per_rank:       # the patched from_pretrained: checked_context, from_pretrained_by_slices, values checked
+        model, _ = cls.from_pretrained(model_dir, rank_context=context, checkpoint=checkpoint, **kwargs)
         weights_dir = checkpoint.weights_dir(context.tp_rank)
     else:
-        model, info = cls.from_pretrained(str(model_dir), **kwargs)
-        weights_dir = model_dir
+        checked_context(checkpoint, context, per_rank=False)        # no 8-bit experts, no per-rank folder
+        model, info = cls.from_pretrained(model_dir, **kwargs)
+        weights_dir = checkpoint.directory
         _check_loaded(weights_dir, info)
-        spot_check_values(model, *WeightsSource(model_dir, Layout(), 0, files=checkpoint.files()).plan())
+        spot_check_values(model, *checkpoint.plan(Layout(), 0))       # upstream's layout: every tensor whole
     # The Instruct model reads tokenizer.json itself (compat_instruct.load_tokenizer_with_merges)
     model.load_tokenizer(str(weights_dir) if takes_conditioning_images(cls) else load_tokenizer(weights_dir))
     adopt_kernel_storage(model)
@@ -206,11 +139,12 @@ def load_model(model_dir, context: RankContext, attn_impl: str = "sdpa", moe_imp
 
 
 def adopt_kernel_storage(model) -> None:
-    """Stacked experts take the storage their kernel set prefers (NPU: NZ), once the weights are checked."""
-    from ..moe.experts import GroupedExperts
+    """Modules that keep weights in the storage their kernel set prefers (moe/experts.py's stacked
+    experts; NPU: NZ) take it, once the weights are checked."""
     for module in model.modules():
-        if isinstance(module, GroupedExperts):
-            module.adopt_kernel_storage()
+        adopt = getattr(module, "adopt_kernel_storage", None)
+        if callable(adopt):
+            adopt()
 
 
 SPOT_CHECK_BYTES = 4 << 20          # only small tensors are read a second time

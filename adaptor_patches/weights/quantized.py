@@ -1,4 +1,4 @@
-"""8-bit routed experts on the one weight path: quantizing a rank's plan, and checking 8-bit folders.
+"""Quantization as a plan-to-plan transform: a rank's bf16 expert stacks become 8-bit stacks and scales.
 
 Three ways in, one result (kernels/quant.py has the formats):
 
@@ -9,7 +9,8 @@ Three ways in, one result (kernels/quant.py has the formats):
   alive at once is one expert's slice, never a layer's experts.
 * `utils/convert_model.py --int8|--fp8`: the converter writes the same plan (so the same bytes).
 * a folder already in 8 bit (ours converted with --int8 / --fp8, the recipe's --int8): its 8-bit
-  stacks and scales are read as stored; it runs in its format without a flag.
+  stacks and scales are read as stored; it runs in its format without a flag (checkpoint.py
+  tells the format a folder holds and checks its scales).
 
 Scales are per output channel of the rank's own slice: under MoE TP, w13's columns are cut before
 quantizing (a column's scale does not depend on the others), and w2's rows are cut before
@@ -19,29 +20,17 @@ every layout, the recipe's --int8 folders included.
 """
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import replace
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..kernels.quant import FORMATS, STORAGE_DTYPES, format_of, quantize_per_channel
-from .rank_slices import RankTensor
-from .safetensors_io import DTYPE_NAMES, DTYPES, CheckpointFiles, LoadingError
+from ..kernels.quant import STORAGE_DTYPES, quantize_per_channel
+from .rank_slices import EXPERT_STACK, RankTensor, scale_name
+from .safetensors_io import DTYPE_NAMES
 
-QUANTIZE_CHOICES = ("none",) + FORMATS
-EXPERT_STACK = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(w13|w2)$")
 FLOAT_DTYPES = ("BF16", "F16", "F32")
-MANIFEST_KEY = "expert_format"      # in our manifest.json: the format of the experts (absent: bf16)
 
-
-def scale_name(weight_name: str) -> str:
-    return f"{weight_name}_scale"
-
-
-# ---------------------------------------------------------------- quantizing a plan
 
 class _QuantizedStack:
     """One expert stack quantized expert by expert; the weight and its scale are two RankTensors,
@@ -91,63 +80,3 @@ def quantize_tensors(tensors: list, fmt: Optional[str]) -> list:
         else:
             planned.append(tensor)
     return planned
-
-
-# ---------------------------------------------------------------- the format of a folder
-
-def stacked_format(files: CheckpointFiles, weight_names: list, folder, scale_of=scale_name,
-                   out_dim: int = -1) -> Optional[str]:
-    """The expert format of a rank folder ("int8", "fp8", None = bf16) from its stacked expert
-    weights `weight_names`, after checking every 8-bit stack has its scale: float32, shape
-    [E, out] (`out_dim`: the weight's output dim, -1 for ours [E, in, out], 1 for the recipe's
-    [E, out, in]). One `model-id:` error line otherwise."""
-    formats = set()
-    for name in weight_names:
-        info = files.info(name)
-        fmt = format_of(DTYPES[info.dtype])
-        formats.add(fmt)
-        scale = scale_of(name)
-        if fmt is None:
-            if scale in files.weight_map:
-                raise LoadingError(f"model-id: {folder} has {scale} beside a {info.dtype} {name}; a scale belongs "
-                                   f"to an 8-bit (I8 / F8_E4M3) weight; convert the checkpoint again")
-            continue
-        if scale not in files.weight_map:
-            raise LoadingError(f"model-id: {folder} has {fmt} {name} but no {scale}, without which its values are "
-                               f"unknown; convert the checkpoint again")
-        scale_info = files.info(scale)
-        expected = (info.shape[0], info.shape[out_dim])
-        if scale_info.dtype != "F32":
-            raise LoadingError(f"model-id: {folder}'s {scale} is {scale_info.dtype}, expected F32 (float32 per-channel "
-                               f"scales); convert the checkpoint again")
-        if tuple(scale_info.shape) != expected:
-            raise LoadingError(f"model-id: {folder}'s {scale} has shape {list(scale_info.shape)}, expected "
-                               f"{list(expected)} (one scale per expert and output channel of {name} "
-                               f"{list(info.shape)}); convert the checkpoint again")
-    if len(formats) > 1:
-        names = ", ".join(sorted(f or "bf16" for f in formats))
-        raise LoadingError(f"model-id: {folder} mixes expert formats ({names}); convert the checkpoint again")
-    return formats.pop() if formats else None
-
-
-def our_rank_format(rank_dir: Path) -> Optional[str]:
-    files = CheckpointFiles(rank_dir)
-    return stacked_format(files, [k for k in files.keys() if EXPERT_STACK.match(k)], rank_dir)
-
-
-def manifest_format(model_dir: Path) -> Optional[str]:
-    from .load import MANIFEST_FILE
-    return json.loads((Path(model_dir) / MANIFEST_FILE).read_text()).get(MANIFEST_KEY)
-
-
-def resolve_expert_format(folder_format: Optional[str], quantize: Optional[str], model_dir) -> Optional[str]:
-    """The format the experts run in: an 8-bit folder's own (a --quantize that says otherwise is an
-    error), else --quantize's (None / "none": bf16)."""
-    if quantize is not None and quantize not in QUANTIZE_CHOICES:
-        raise LoadingError(f"quantize: {quantize!r} is not one of {', '.join(QUANTIZE_CHOICES)}; pick one "
-                           f"(none keeps the experts bf16)")
-    asked = None if quantize in (None, "none") else quantize
-    if folder_format is not None and quantize is not None and asked != folder_format:
-        raise LoadingError(f"quantize: {model_dir} holds {folder_format} experts but --quantize is {quantize}; "
-                           f"drop --quantize (an 8-bit folder runs in its format) or pass the original checkpoint")
-    return folder_format or asked

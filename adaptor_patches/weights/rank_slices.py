@@ -1,11 +1,12 @@
-"""The one weight path: checkpoint name -> this rank's slice, in the layout the patched modules hold.
+"""The per-rank slice plan: checkpoint name -> this rank's slice, in the layout the patched modules hold.
 
 `rank_tensors(source, config, layout, tp_rank)` plans every tensor of one rank under a weight
 layout (parallel/layout.py): which bytes of the original checkpoint it reads and how they become
-the local tensor. The loader (load.py) hands the plan to transformers as a lazy state dict when
-loading an original checkpoint; utils/convert_model.py writes the same plan to per-rank folders;
-`rank_state_dict` applies it to tensors in memory (a module's state_dict). Whatever the runtime
-can run, the converter writes, and both hold bit-identical weights.
+the local tensor (a `RankTensor`: name, shape, dtype, how to read it). This plan is the contract
+of the weight path: the recipe's folders are planned to the same names and shapes
+(recipe_format.py), quantization turns a plan into a plan (quantized.py), the loader (load.py)
+hands a plan to transformers as a lazy state dict, utils/convert_model.py writes it to per-rank
+folders. Whatever the runtime can run, the converter writes, and both hold bit-identical weights.
 
     self_attn.qkv_proj.{weight,bias}   rows of this rank's heads (HeadShard.qkv_rows), under TP
     self_attn.o_proj.weight            input columns of those heads (row-parallel)
@@ -24,11 +25,13 @@ from typing import Callable, Optional
 
 import torch
 
+from ..kernels.quant import format_of
 from ..parallel.layout import Layout, moe_layers
-from .safetensors_io import DTYPES, CheckpointFiles, StateDictSource, StoredTensor
+from .safetensors_io import DTYPES, CheckpointFiles, LoadingError, StoredTensor
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate_and_up_proj|down_proj)\.weight$")
+EXPERT_STACK = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13|w2)$")     # a rank's stacked experts
 ATTENTION_SPLIT = ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.o_proj.weight")
 SHARED_SPLIT = ("mlp.shared_mlp.gate_and_up_proj.weight", "mlp.shared_mlp.down_proj.weight")
 
@@ -46,6 +49,11 @@ class RankTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def scale_name(stack_name: str) -> str:
+    """The per-channel scales of an 8-bit expert stack (GroupedExperts' w13_scale / w2_scale)."""
+    return f"{stack_name}_scale"
 
 
 def pair_rows(half: int, cols: slice) -> torch.Tensor:
@@ -150,12 +158,38 @@ def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -
     return tensors
 
 
-def rank_state_dict(full_state_dict: dict, config, layout: Layout, tp_rank: int,
-                    expert_format: Optional[str] = None) -> dict:
-    """`rank_tensors` applied to tensors in memory: full upstream tensors (names as in the model,
-    `model.layers.N....`) -> this rank's tensors under the same names as the patched model's
-    (routed experts in `expert_format`, weights/quantized.py, when given)."""
-    from .quantized import quantize_tensors
-    source = StateDictSource(full_state_dict)
-    return {t.name: t.read(source) for t in quantize_tensors(rank_tensors(source, config, layout, tp_rank),
-                                                               expert_format)}
+# ---------------------------------------------------------------- 8-bit stacks as stored
+
+def stacks_format(files: CheckpointFiles, weight_names: list, folder, scale_of=scale_name,
+                  out_dim: int = -1) -> Optional[str]:
+    """The expert format of a rank folder ("int8", "fp8", None = bf16) from its stacked expert
+    weights `weight_names`, after checking every 8-bit stack has its scale: float32, shape
+    [E, out] (`out_dim`: the weight's output dim, -1 for ours [E, in, out], 1 for the recipe's
+    [E, out, in]). One `model-id:` error line otherwise."""
+    formats = set()
+    for name in weight_names:
+        info = files.info(name)
+        fmt = format_of(DTYPES[info.dtype])
+        formats.add(fmt)
+        scale = scale_of(name)
+        if fmt is None:
+            if scale in files.weight_map:
+                raise LoadingError(f"model-id: {folder} has {scale} beside a {info.dtype} {name}; a scale belongs "
+                                   f"to an 8-bit (I8 / F8_E4M3) weight; convert the checkpoint again")
+            continue
+        if scale not in files.weight_map:
+            raise LoadingError(f"model-id: {folder} has {fmt} {name} but no {scale}, without which its values are "
+                               f"unknown; convert the checkpoint again")
+        scale_info = files.info(scale)
+        expected = (info.shape[0], info.shape[out_dim])
+        if scale_info.dtype != "F32":
+            raise LoadingError(f"model-id: {folder}'s {scale} is {scale_info.dtype}, expected F32 (float32 per-channel "
+                               f"scales); convert the checkpoint again")
+        if tuple(scale_info.shape) != expected:
+            raise LoadingError(f"model-id: {folder}'s {scale} has shape {list(scale_info.shape)}, expected "
+                               f"{list(expected)} (one scale per expert and output channel of {name} "
+                               f"{list(info.shape)}); convert the checkpoint again")
+    if len(formats) > 1:
+        names = ", ".join(sorted(f or "bf16" for f in formats))
+        raise LoadingError(f"model-id: {folder} mixes expert formats ({names}); convert the checkpoint again")
+    return formats.pop() if formats else None

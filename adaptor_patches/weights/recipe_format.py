@@ -1,4 +1,4 @@
-"""Checkpoints converted by the cann-recipes-infer HunyuanImage-3.0 recipe, read through the one weight path.
+"""The cann-recipes-infer recipe's converted folders, planned to the same contract as rank_slices.py.
 
 Users of that recipe have folders made by its `utils/convert_model.py --tp-attn A --tp-moe M --ep E`.
 What such a folder holds (read off the recipe's converter; nothing here is its code):
@@ -20,31 +20,31 @@ What such a folder holds (read off the recipe's converter; nothing here is its c
         everything else                  whole
 
 The layout comes from what is in the folder: the rank count, the o_proj / qkv_proj shapes
-(attention degree) and the stacked experts' shapes (EP and MoE-TP degrees). `recipe_layout`
-turns it into our `Layout`, which the loader compares with the run's exactly as for our own
-converted folders. `recipe_rank_tensors` plans one rank's tensors in the runtime layout of
+(attention degree) and the stacked experts' shapes (EP and MoE-TP degrees). `read_recipe_folder`
+turns it into our `Layout`, which the run's is compared with exactly as for our own converted
+folders (checkpoint.py). `recipe_rank_tensors` plans one rank's tensors in the runtime layout of
 rank_slices (experts.w13 [E, H, 2I] x2 first, experts.w2 [E, I, H], the shared MLP in upstream's
 order, cut under MoE TP): the experts are transposed, the shared MLP's halves put back, the rest
 read as stored. Int8 folders (the recipe's --int8: int8 stacks with float32 `*_scale` [E, out]
 per output row) are read as 8-bit experts: the weights transposed like bf16 ones, the scales as
-stored (their rows are our output columns); weights/quantized.py checks the scales.
+stored (their rows are our output columns). `recipe_folder_format` tells a rank folder's expert
+format (int8 or bf16) and checks its scales (rank_slices.stacks_format).
 """
 from __future__ import annotations
 
 import json
 import re
 import struct
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from ..parallel.layout import HeadShard, Layout, LayoutError, attention_sizes, moe_layers
-from .quantized import stacked_format
-from .rank_slices import LAYER_KEY, RankTensor, cut_tensor, pair_rows, whole_tensor
-from .safetensors_io import CheckpointFiles, LoadingError
+from .rank_slices import LAYER_KEY, RankTensor, cut_tensor, pair_rows, scale_name, stacks_format, whole_tensor
+from .safetensors_io import RANK_DIR, CheckpointFiles, LoadingError, rank_dir_name
 
-RANK_DIR = re.compile(r"rank-(\d+)\Z")
 STACKED_EXPERTS = re.compile(r"^mlp\.experts\.(w13|w2)_(weight|scale)$")
 SHARED_GATE_AND_UP = "mlp.shared_mlp.gate_and_up_proj.weight"
 SHARED_DOWN = "mlp.shared_mlp.down_proj.weight"
@@ -54,21 +54,21 @@ RECONVERT = "convert the original checkpoint again (the recipe's converter or ut
 def is_recipe_folder(model_dir) -> bool:
     """Per-rank folders without our manifest.json: what the recipe's converter writes (the caller
     has ruled out our own converted format first)."""
-    return (Path(model_dir) / "rank-00" / "config.json").is_file()
+    return (Path(model_dir) / rank_dir_name(0) / "config.json").is_file()
 
 
 def _rank_count(model_dir: Path) -> int:
     numbers = sorted(int(m[1]) for p in model_dir.iterdir() if p.is_dir() and (m := RANK_DIR.match(p.name)))
     missing = sorted(set(range(numbers[-1] + 1)) - set(numbers))
     if missing:
-        raise LoadingError(f"model-id: {model_dir / f'rank-{missing[0]:02d}'} is missing (the folder has rank "
-                           f"folders up to rank-{numbers[-1]:02d}); {RECONVERT}")
+        raise LoadingError(f"model-id: {model_dir / rank_dir_name(missing[0])} is missing (the folder has rank "
+                           f"folders up to {rank_dir_name(numbers[-1])}); {RECONVERT}")
     return len(numbers)
 
 
 def _read_first_rank(model_dir: Path) -> tuple:
     """(config.json, CheckpointFiles) of rank-00, or one error line."""
-    first = model_dir / "rank-00"
+    first = model_dir / rank_dir_name(0)
     try:
         config = json.loads((first / "config.json").read_text(encoding="utf-8"))
         files = CheckpointFiles(first)
@@ -126,12 +126,12 @@ def _expert_degrees(files: CheckpointFiles, config: dict, folder: Path) -> tuple
     return sizes.intermediate // w2[2], sizes.experts // w13[0]
 
 
-def _recipe_scale_name(weight_key: str) -> str:
+def recipe_scale_name(weight_key: str) -> str:
     return weight_key[:-len("_weight")] + "_scale"
 
 
-def recipe_folder_format(files: CheckpointFiles, folder: Path):
-    """"int8" for a folder converted with the recipe's --int8 (scales checked), None for bf16."""
+def recipe_folder_format(files: CheckpointFiles, folder: Path) -> Optional[str]:
+    """"int8" for a rank folder converted with the recipe's --int8 (scales checked), None for bf16."""
     weights = [k for k in files.keys() if (m := LAYER_KEY.match(k)) and (s := STACKED_EXPERTS.match(m[2]))
                and s[2] == "weight"]
     for key in files.keys():
@@ -139,26 +139,28 @@ def recipe_folder_format(files: CheckpointFiles, folder: Path):
         stacked = STACKED_EXPERTS.match(match[2]) if match else None
         if stacked and stacked[2] == "scale" and key[:-len("_scale")] + "_weight" not in files.weight_map:
             raise LoadingError(f"model-id: {folder} has {key} but no {key[:-len('_scale')]}_weight; {RECONVERT}")
-    return stacked_format(files, weights, folder, _recipe_scale_name, out_dim=1)
+    return stacks_format(files, weights, folder, recipe_scale_name, out_dim=1)
 
 
-def recipe_expert_format(model_dir):
-    """The expert format of a recipe folder, from rank-00 (the converter quantizes every rank alike)."""
-    model_dir = Path(model_dir)
-    _, files = _read_first_rank(model_dir)
-    return recipe_folder_format(files, model_dir / "rank-00")
+@dataclass(frozen=True)
+class RecipeFolder:
+    """What a recipe folder's contents say: its weight layout, and rank-00 as read to tell it."""
+    layout: Layout
+    first_rank: CheckpointFiles
+    expert_format: Optional[str]        # rank-00's: "int8" (the recipe's --int8) or None (bf16)
 
 
-def recipe_degrees(model_dir) -> tuple:
-    """(tp_attn, tp_moe, ep) a recipe folder was converted with, inferred from its contents: the rank
-    count, rank-00's attention projections and stacked experts; config.json's own record, where
-    present, must agree. One `model-id:` error line for anything else."""
+def read_recipe_folder(model_dir) -> RecipeFolder:
+    """The split a recipe folder was converted with (--tp-attn, --tp-moe, --ep), inferred from its
+    contents: the rank count, rank-00's attention projections and stacked experts (their format
+    checked first); config.json's own record, where present, must agree. One `model-id:` error line
+    for anything else, a split this project does not run included."""
     model_dir = Path(model_dir)
     ranks = _rank_count(model_dir)
     config, files = _read_first_rank(model_dir)
-    folder = model_dir / "rank-00"
+    folder = model_dir / rank_dir_name(0)
     try:
-        recipe_folder_format(files, folder)
+        expert_format = recipe_folder_format(files, folder)
         tp_attn = _attention_degree(files, config, folder)
         tp_moe, ep = _expert_degrees(files, config, folder)
     except LoadingError:
@@ -166,9 +168,9 @@ def recipe_degrees(model_dir) -> tuple:
     except (OSError, KeyError, TypeError, ValueError, struct.error) as exc:     # a shard or config.json damaged
         raise LoadingError(f"model-id: {folder} cannot be read as a cann-recipes rank folder ({exc!r}); "
                            f"{RECONVERT}") from None
-    degrees = (tp_attn, tp_moe, ep)
+    degrees, first = (tp_attn, tp_moe, ep), rank_dir_name(0)
     if ranks != max(tp_attn, tp_moe * ep):
-        raise LoadingError(f"model-id: {model_dir} has {ranks} rank folders, but rank-00's tensors are split for "
+        raise LoadingError(f"model-id: {model_dir} has {ranks} rank folders, but {first}'s tensors are split for "
                            f"--tp-attn {tp_attn} --tp-moe {tp_moe} --ep {ep} ({max(tp_attn, tp_moe * ep)} ranks); "
                            f"{RECONVERT}")
     recorded = tuple(config.get(key) for key in ("tp_attn", "tp_moe", "ep"))
@@ -176,14 +178,8 @@ def recipe_degrees(model_dir) -> tuple:
         raise LoadingError(f"model-id: {folder}/config.json records --tp-attn {recorded[0]} --tp-moe {recorded[1]} "
                            f"--ep {recorded[2]}, but its tensors are split for --tp-attn {tp_attn} --tp-moe {tp_moe} "
                            f"--ep {ep}; {RECONVERT}")
-    return degrees
-
-
-def recipe_layout(model_dir) -> Layout:
-    """The weight layout of a recipe folder, as our `Layout` (what `Layout.weights` of a run must equal)."""
-    tp_attn, tp_moe, ep = recipe_degrees(model_dir)
     try:
-        return Layout.from_degrees(tp_attn, tp_moe, ep)
+        return RecipeFolder(Layout.from_degrees(tp_attn, tp_moe, ep), files, expert_format)
     except LayoutError as exc:
         raise LoadingError(f"model-id: {model_dir} was converted by cann-recipes with --tp-attn {tp_attn} --tp-moe "
                            f"{tp_moe} --ep {ep}, a split this project does not run ({str(exc).split('; ')[0]}); "
@@ -211,7 +207,8 @@ def recipe_rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank:
         layer, rest = (int(match[1]), match[2]) if match else (None, "")
         stacked = STACKED_EXPERTS.match(rest)
         if stacked and stacked[2] == "scale":        # [E, out rows] = our [E, out columns]: as stored
-            tensors.append(replace(whole_tensor(files, key), name=f"model.layers.{layer}.mlp.experts.{stacked[1]}_scale"))
+            name = scale_name(f"model.layers.{layer}.mlp.experts.{stacked[1]}")
+            tensors.append(replace(whole_tensor(files, key), name=name))
         elif stacked:
             tensors.append(_stacked(files, key, f"model.layers.{layer}.mlp.experts.{stacked[1]}"))
         elif rest in (SHARED_GATE_AND_UP, SHARED_DOWN) and layer in moe:

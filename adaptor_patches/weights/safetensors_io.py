@@ -1,16 +1,18 @@
-"""Reading safetensors checkpoints by byte ranges: only the bytes a rank needs, no mmap.
+"""Bytes and headers: a safetensors checkpoint directory read by byte ranges, only the bytes a rank needs.
 
 `CheckpointFiles(dir)` reads a checkpoint directory (an index and its shards, or one
 `model.safetensors`) with positioned reads: bytes read do not stay in this process's RSS and no
 GIL is held while reading. Rows are read directly; columns are read in row blocks of
 COLUMN_BLOCK_BYTES (row-major storage puts every rank's columns on every page anyway).
-`StateDictSource` offers the same reads over tensors already in memory.
+`read_header` / `read_index` check what they read against the format. A checkpoint split per
+rank (ours or the cann-recipes converter's) keeps rank r's checkpoint in `rank_dir_name(r)`.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,12 @@ DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 COLUMN_BLOCK_BYTES = 64 << 20       # rows read at once when cutting columns
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+RANK_DIR = re.compile(r"rank-(\d+)\Z")
+
+
+def rank_dir_name(tp_rank: int) -> str:
+    """The folder of rank `tp_rank`'s checkpoint in a checkpoint converted per rank."""
+    return f"rank-{tp_rank:02d}"
 
 
 class LoadingError(LayoutError):
@@ -168,6 +176,10 @@ class CheckpointFiles:
     def keys(self) -> list:
         return list(self.weight_map)
 
+    def headers_read(self) -> dict:
+        """{file: read_header(file)} of the files whose header has been read so far."""
+        return dict(self._headers)
+
     def info(self, key: str) -> StoredTensor:
         file = self.weight_map[key]
         if file not in self._headers:
@@ -209,27 +221,3 @@ def _runs(index: list) -> list:
         else:
             runs.append([i, i + 1])
     return [tuple(r) for r in runs]
-
-
-# ---------------------------------------------------------------- one rank's tensors
-
-
-
-class StateDictSource(CheckpointFiles):
-    """CheckpointFiles' reads over a {name: tensor} dict (a module's state_dict) instead of files."""
-
-    def __init__(self, state_dict: dict):
-        self.tensors = dict(state_dict)
-        self.weight_map = dict.fromkeys(self.tensors, "")
-        self._infos = {name: StoredTensor(Path(""), DTYPE_NAMES[t.dtype], tuple(t.shape), i, t.numel() * t.element_size())
-                       for i, (name, t) in enumerate(self.tensors.items())}
-
-    def info(self, key: str) -> StoredTensor:
-        return self._infos[key]
-
-    def read_rows(self, key: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        tensor = self.tensors[key]
-        return tensor.clone() if tensor.dim() == 0 else tensor[start:stop].clone()
-
-    def read_columns(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self.tensors[key][:, start:stop].clone()

@@ -25,9 +25,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_model_args,  # noqa: F401
-                                 check_parallel, check_top, env_string, load_config, model_config, resolve_path)
+from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigError, check_job_values,  # noqa: F401
+                                          check_model_args, check_top, env_string, load_config, model_config,
+                                          resolve_path)
 from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, RendezvousError, meet
+from utils.runtime.api_key import LAUNCHER_ENV
 from utils.runtime.errors import FieldError
 from utils.runtime.rank_console import RANK_LOG_DIR
 
@@ -69,8 +71,27 @@ def exports(job: dict) -> dict:
     return env
 
 
+def key_handover(job: dict) -> tuple:
+    """(model_args for the command line, environment the ranks also get, names whose values are never
+    printed). A YAML `api-key` travels to the ranks in LAUNCHER_ENV, never on a command line that the
+    console, the log and `ps` show: the command carries `--api-key-env LAUNCHER_ENV` instead."""
+    margs, extra = dict(job["model_args"]), {}
+    key, env_name = margs.get("api-key"), margs.get("api-key-env")
+    if key is not None and env_name is not None:
+        raise ConfigError("model_args.api-key", "given with api-key-env", "keep one of them (api-key-env keeps the "
+                                                                         "key out of the YAML)")
+    if key is not None:
+        margs.pop("api-key")
+        margs["api-key-env"] = env_name = LAUNCHER_ENV
+        extra[LAUNCHER_ENV] = str(key)
+    elif env_name is not None and not (os.environ.get(env_name) or job["env_vars"].get(env_name)):
+        raise ConfigError("model_args.api-key-env", f"{env_name} is not set (neither in the environment nor in "
+                                                    f"env_vars)", f"export {env_name}=<key> before run.sh")
+    return margs, extra, {env_name} if env_name else set()
+
+
 def torchrun_command(job: dict) -> list[str]:
-    margs = dict(job["model_args"])
+    margs = key_handover(job)[0]
     if job["dist_timeout"] is not None and margs.get("dist-timeout") is None:
         margs["dist-timeout"] = job["dist_timeout"]
     rendezvous = [f"--rdzv-conf=timeout={rendezvous_timeout(job)}"] if job["nnodes"] > 1 else []
@@ -97,8 +118,9 @@ def check_port_free(job: dict) -> None:
                               "pick a free port, or stop the job that holds it") from None
 
 
-def shell_line(env: dict, cmd: list[str]) -> str:
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.join(cmd)])
+def shell_line(env: dict, cmd: list[str], hidden=()) -> str:
+    return " ".join([f"{k}={'<hidden>' if k in hidden else shlex.quote(v)}" for k, v in env.items()] +
+                    [shlex.join(cmd)])
 
 
 def log_path(job: dict) -> Path:
@@ -299,21 +321,22 @@ def meet_other_nodes(job: dict, log) -> bool:
         os.close(console_fd)
 
 
-def launch(job: dict, env: dict) -> int:
+def launch(job: dict, env: dict, config_path: Path) -> int:
     cmd = torchrun_command(job)
     model_id = job["model_args"]["model-id"]
     path = log_path(job)
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"log: {path}", flush=True)
-    child_env = {**os.environ, **env, RANK_LOG_DIR: str(path.with_suffix(""))}
+    _, secret_env, hidden = key_handover(job)
+    child_env = {**os.environ, **env, **secret_env, RANK_LOG_DIR: str(path.with_suffix(""))}
     with open(path, "ab") as log:
-        log.write(f"# {shell_line(env, cmd)}\n".encode())
+        log.write(f"# {shell_line(env, cmd, hidden)}\n".encode())
         if needs_tiny_model(job):
             rc = run_tee([sys.executable, TINY_MODEL_SCRIPT, "--out", model_id], child_env, log)
             if rc:
                 print(f"error: build_tiny_model: {TINY_MODEL_SCRIPT} failed (exit {rc}); see {path}", file=sys.stderr)
                 return rc
-            check_parallel(job, model_config(model_id, False), child_env)
+            check_job_values(job, model_config(model_id, False), config_path, child_env)
         if job["nnodes"] > 1 and not meet_other_nodes(job, log):
             return 1
         return run_tee(cmd, child_env, log)
@@ -345,8 +368,9 @@ def run(argv: list[str]) -> int:
         return selfcheck.main(argv[1:])
     path, options = parse_argv(argv)
     job = check_top(load_config(path))
-    config = check_model_args(job["model_args"], job["build_tiny_model"], path)
-    layout = check_parallel(job, config, {**os.environ, **job["env_vars"]})
+    config = check_model_args(job["model_args"], job["build_tiny_model"])
+    key_handover(job)                   # the YAML's key refusals, in its own words, before the job check
+    layout = check_job_values(job, config, path, {**os.environ, **job["env_vars"]})
     env = exports(job)
     if not options["dry_run"] and not options["plan"]:
         check_port_free(job)
@@ -356,10 +380,14 @@ def run(argv: list[str]) -> int:
         if options["plan"]:
             return 0
     if not options["dry_run"]:
-        return launch(job, env)
+        return launch(job, env, path)
     if needs_tiny_model(job):
         print(f"note: would first run {TINY_MODEL_SCRIPT} --out {job['model_args']['model-id']}", file=sys.stderr)
-    print(shell_line(env, torchrun_command(job)))
+    _, secret_env, hidden = key_handover(job)
+    if secret_env:
+        print(f"note: api-key: handed to the ranks in the environment variable {LAUNCHER_ENV} (not shown); export it "
+              f"before running this command yourself", file=sys.stderr)
+    print(shell_line(env, torchrun_command(job), hidden))
     return 0
 
 

@@ -6,11 +6,9 @@ it as one `error:` line and exits 2.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 import socket
-import warnings
 from pathlib import Path
 
 from utils.runtime import request_schema as schema
@@ -32,7 +30,6 @@ RECIPE_OTHER_KEYS = {
 }
 MAX_YAML_DEPTH = 50              # a config is a few levels deep; 5000 would exhaust Python's stack
 MAX_YAML_NODES = 20000           # nodes after alias expansion: a few lines of aliases can mean 2^26
-OUTPUT_KEYS = ("save", "metrics-json", "save-latents", "save-text")
 ATTN_IMPLS = ("sdpa", "eager", "npu")
 MOE_IMPLS = ("eager", "npu_grouped_matmul")
 UNSUPPORTED_IMPLS = {"flash_attention_2": "the flash-attn package's kernel has no attention-TP path here",
@@ -69,7 +66,7 @@ def load_config(path: Path) -> dict:
                 self.depth -= 1
 
         def construct_document(self, node):
-            expanded_size(node, {})
+            check_expansion(node)
             self._check_unique(node, "")
             return super().construct_document(node)
 
@@ -88,15 +85,31 @@ def load_config(path: Path) -> dict:
                     self._check_unique(item, prefix)
 
     def expanded_size(node, sizes: dict) -> int:
-        """Nodes the document has once every alias is expanded (a shared node counts each time)."""
+        """Nodes under `node` once every alias is expanded (a shared node counts each time); each
+        node's count kept in `sizes`, so a few lines of aliases cost a few steps, not 2^26."""
         if id(node) not in sizes:
             children = node.value if isinstance(node, yaml.SequenceNode) else \
                 [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
             sizes[id(node)] = 1 + sum(expanded_size(child, sizes) for child in children)
-            if sizes[id(node)] > MAX_YAML_NODES:
-                raise ConfigError("config", f"aliases expand it to more than {MAX_YAML_NODES} values (line "
-                                            f"{node.start_mark.line + 1})", "write the values out; drop the aliases")
         return sizes[id(node)]
+
+    def check_expansion(root) -> None:
+        """Refuse a document that aliases expand beyond MAX_YAML_NODES, naming the deepest key whose
+        value alone does (e.g. model_args.seed), else the whole config."""
+        sizes = {}
+        if expanded_size(root, sizes) <= MAX_YAML_NODES:
+            return
+        path, node, line = [], root, root.start_mark.line + 1
+        while isinstance(node, yaml.MappingNode):
+            big = [(key, value) for key, value in node.value if sizes[id(value)] > MAX_YAML_NODES]
+            if not big:
+                break
+            key, node = big[0]
+            path.append(key.value if isinstance(key, yaml.ScalarNode) else str(key))
+            line = key.start_mark.line + 1
+        what = "its value" if path else "it"
+        raise ConfigError(".".join(path) or "config", f"aliases expand {what} to more than {MAX_YAML_NODES} values "
+                          f"(line {line})", "write the values out; drop the aliases")
 
     if not path.is_file():
         raise ConfigError("config", f"'{path}' does not exist", "pass an existing YAML file (see config/)")
@@ -152,7 +165,7 @@ def check_top(cfg: dict) -> dict:
         raise ConfigError("node_rank", f"{job['node_rank']} is not below nnodes={job['nnodes']}",
                           f"use a node_rank in 0..{job['nnodes'] - 1} or raise nnodes")
     addr = job["master_addr"]
-    if not isinstance(addr, str) or not addr or any(c.isspace() for c in addr):
+    if not isinstance(addr, str) or not addr or any(c.isspace() or c == "\0" for c in addr):
         raise ConfigError("master_addr", f"{addr!r} is not a host name or IP", "use e.g. 127.0.0.1 or node0")
     if job["nnodes"] > 1 and "master_addr" not in cfg:
         raise ConfigError("master_addr", f"missing with nnodes={job['nnodes']} (the default 127.0.0.1 reaches no "
@@ -178,7 +191,7 @@ def check_top(cfg: dict) -> dict:
         raise ConfigError("build_tiny_model", f"{job['build_tiny_model']!r} is not true/false", "use true or false")
     name = job["model_name"]
     if name is not None and (not isinstance(name, str) or not name.strip() or name.strip(".") == ""
-                             or "/" in name or os.sep in name):
+                             or "/" in name or os.sep in name or "\0" in name):
         raise ConfigError("model_name", f"{name!r} cannot name a log folder",
                           "use a plain name such as hunyuan-image-3.0, or leave it out (the model-id's last part)")
     if job["launcher"] != "torchrun":
@@ -199,10 +212,11 @@ def check_env_vars(value) -> dict:
                               "use letters, digits and '_', not starting with a digit")
         if not isinstance(val, SCALARS):
             raise ConfigError(f"env_vars.{name}", f"value {val!r} is not a scalar", "use a string or a number")
+        if "\0" in env_string(val):
+            raise ConfigError(f"env_vars.{name}", f"value {ascii(val)} contains a NUL byte",
+                              "remove it (an environment variable cannot hold one)")
     env = {name: env_string(val) for name, val in value.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from adaptor_patches.parallel.layout import LayoutError, env_flag
+    from adaptor_patches.parallel.layout import LayoutError, env_flag
     for name in ENV_SWITCHES:
         try:
             env_flag(name, env)
@@ -211,8 +225,10 @@ def check_env_vars(value) -> dict:
     return env
 
 
-def check_model_args(margs, build_tiny: bool, config_path: Path | None = None) -> dict | None:
-    """Validate model_args; return the checkpoint's config.json (None if it is yet to be built)."""
+def check_model_args(margs, build_tiny: bool) -> dict | None:
+    """model_args as YAML values: flag names, value types, each value by the request schema
+    (utils/runtime/request_schema.py), the switches and choices; the checkpoint's config.json (None if
+    it is yet to be built). The job's rules come after: check_job_values."""
     if not isinstance(margs, dict):
         raise ConfigError("model_args", f"is {type(margs).__name__}, not a mapping",
                           "write `flag-name: value` lines under model_args")
@@ -232,14 +248,13 @@ def check_model_args(margs, build_tiny: bool, config_path: Path | None = None) -
                 spec.check(val)
             except FieldError as exc:
                 raise exc.renamed(f"model_args.{key}") from None
-    rule = output_rule(margs, config_path)
-    check_prompts_file(get("prompts"), resolve_path(get("save-dir", "outputs/batch")), rule)
+    for key, val in margs.items():            # a NUL byte cannot reach the ranks' command line
+        if any(isinstance(v, str) and "\0" in v for v in (val if isinstance(val, list) else [val])):
+            raise ConfigError(f"model_args.{key}", f"{ascii(val)} contains a NUL byte",
+                              "remove it (a command line cannot carry one)")
     for key in SWITCHES:
         if not isinstance(get(key, False), bool):
             raise ConfigError(f"model_args.{key}", f"{margs[key]!r} is not true/false", "use true or false")
-    if get("moe-tp") and get("moe-ep"):
-        raise ConfigError("model_args.moe-tp/moe-ep", "both true; they are exclusive", "keep one of them")
-    check_step_cache(get)
     for key, allowed in (("attn-impl", ATTN_IMPLS), ("moe-impl", MOE_IMPLS), ("sys-deepseek-prompt", REWRITE_PROMPTS)):
         value = get(key, allowed[0])
         if value not in allowed:
@@ -248,40 +263,31 @@ def check_model_args(margs, build_tiny: bool, config_path: Path | None = None) -
             if key in ("attn-impl", "moe-impl"):
                 fix += " (on an NPU the fused NPU kernels run with any of them)"
             raise ConfigError(f"model_args.{key}", f"{value!r} is not one of {'|'.join(allowed)}{why}", fix)
-    if get("quant-compute", "weight") == "8bit" and get("device", "auto") in ("cuda", "cpu"):
-        raise ConfigError("model_args.quant-compute", f"8bit (W8A8) runs only on npu, the job's device is "
-                          f"{get('device')}", "use quant-compute: weight")
     if get("multi-stream") not in (None, True, False, "on", "off"):
         raise ConfigError("model_args.multi-stream", f"{margs['multi-stream']!r} is not on|off", "use on or off")
-    config = model_config(get("model-id"), build_tiny)
-    if config is not None:
-        check_text_task(get("bot-task"), get("save-text") is not None, resolve_path(get("model-id")))
-    return config
+    return model_config(get("model-id"), build_tiny)
 
 
-def check_step_cache(get) -> None:
-    """The step-cache keys together (each alone is checked by the schema), against the steps."""
-    steps = get("diff-infer-steps", 50) if get("prompts") is None and not get("serve") else None
+def check_job_values(job: dict, config: dict | None, config_path: Path | None, env: dict):
+    """run_image_gen's own job check (utils/runtime/job_check.py) on the YAML's values, as every
+    rank will run it (less the tokenizer's prompt lengths), then the checkpoint as rank 0 will check
+    it; return the job's Layout. `config` None: the tiny checkpoint is yet to be built."""
+    from adaptor_patches.parallel.layout import LayoutError
+    from utils.runtime.job_args import from_model_args
+    from utils.runtime.job_check import check_job
+    margs = job["model_args"]
+    args = from_model_args(margs, resolve=resolve_path)
     try:
-        schema.step_cache_of(lambda name: get(name.replace("_", "-")), steps)
+        checked = check_job(args, world_size=job["world_size"] * job["nnodes"], env=env, writes_outputs=True,
+                            inputs=[("config YAML", config_path)], resolve=resolve_path, model_ready=config is not None)
+        if config is not None:
+            check_converted(resolve_path(margs["model-id"]), checked.layout, margs.get("adaptor") != "shims",
+                            margs.get("quantize"))
     except FieldError as exc:
         raise exc.renamed(f"model_args.{exc.field}") from None
-
-
-def check_text_task(bot_task, save_text: bool, model_dir: Path) -> None:
-    """think / recaption on this checkpoint, by adaptor_patches.text_phase's rule (its JSON only)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from adaptor_patches.text_phase import text_task_problem
-    path = model_dir / "generation_config.json"
-    try:
-        generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError("model_args.model-id", f"{path} is not valid JSON ({e})", "repair or regenerate it") from None
-    problem = text_task_problem(bot_task, save_text, generation if isinstance(generation, dict) else {})
-    if problem:
-        field, what, fix = problem
-        raise ConfigError(f"model_args.{field}", what, fix)
+    except LayoutError as exc:
+        raise _config_error(exc) from None
+    return checked.layout
 
 
 def check_flag(key, val) -> None:
@@ -293,43 +299,6 @@ def check_flag(key, val) -> None:
         return
     raise ConfigError(f"model_args.{key}", f"a {type(val).__name__} value cannot be a flag",
                       "use a string, number, true/false, null or a list of those")
-
-
-def output_rule(margs: dict, config_path: Path | None):
-    """run_image_gen's output rule, from the YAML: no output in the model dir, on the YAML or prompts file,
-    or on another output."""
-    from utils.runtime.output_rule import OutputRule
-    model_id = margs.get("model-id")
-    inputs = [("config YAML", config_path)]
-    if isinstance(margs.get("prompts"), str):
-        inputs.append(("prompts file", resolve_path(margs["prompts"])))
-    rule = OutputRule(resolve_path(model_id) if isinstance(model_id, str) and model_id.strip() else None, inputs)
-    for key in OUTPUT_KEYS:
-        if isinstance(margs.get(key), str):
-            try:
-                rule.add(key, resolve_path(margs[key]))
-            except FieldError as exc:
-                raise exc.renamed(f"model_args.{key}") from None
-    return rule
-
-
-def check_prompts_file(value, save_dir: Path, rule) -> None:
-    """model_args.prompts: the file's lines, checked as run_image_gen.py will (the checks that need the
-    tokenizer run there, before the weights load)."""
-    if value is None:
-        return
-    from utils.runtime.batch_job import METRICS_FILE
-    from utils.runtime.image_requests import ImageRequest, RequestError, read_prompts_file
-    path = resolve_path(str(value))
-    if not path.is_file():
-        raise ConfigError("model_args.prompts", f"{path} is not a file", "point it at a prompts file (.txt or .jsonl)")
-    try:
-        rule.add("save-dir", save_dir / METRICS_FILE)
-        read_prompts_file(path, ImageRequest(prompt=""), save_dir, rule=rule)
-    except RequestError as exc:
-        raise ConfigError("model_args.prompts", f"{path}: {exc}", "fix that line") from None
-    except FieldError as exc:
-        raise exc.renamed(f"model_args.{exc.field}") from None
 
 
 def model_config(model_id, build_tiny: bool) -> dict | None:
@@ -368,35 +337,12 @@ def _config_error(e) -> "ConfigError":
     return ConfigError(field, problem, fix or "see config/README.md")
 
 
-def check_parallel(job: dict, config: dict | None, env: dict):
-    """The layout rules of adaptor_patches/parallel/layout.py, applied to the whole job (all nodes)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from adaptor_patches.parallel.layout import Layout, LayoutError, env_flag
-    margs = job["model_args"]
-    try:
-        layout = Layout.from_flags(
-            job["world_size"] * job["nnodes"],
-            cfg_parallel=bool(margs.get("cfg-parallel")) or env_flag("CFG_PARALLEL", env),
-            moe_tp=bool(margs.get("moe-tp")), moe_ep=bool(margs.get("moe-ep")),
-            vae_parallel=bool(margs.get("vae-parallel")) or env_flag("USE_VAE_PARALLEL", env),
-        )
-        if config is not None:
-            layout.check(config)
-            check_converted(resolve_path(margs["model-id"]), layout, margs.get("adaptor") != "shims",
-                            margs.get("quantize"))
-        return layout
-    except LayoutError as e:
-        raise _config_error(e) from None
-
-
 def check_converted(model_dir: Path, layout, per_rank: bool, quantize=None) -> None:
     """The checkpoint as the ranks will check it: converted (ours or the cann-recipes converter's)
     for this layout, every index and shard header sound, an original's shapes as config.json says;
     8-bit experts with their scales, and model_args.quantize agreeing with an 8-bit folder."""
-    from adaptor_patches.weights.load import check_checkpoint
     checkpoint = open_model(model_dir)
-    checkpoint.check_run(layout, 0, per_rank=per_rank)
-    if checkpoint.has_weights:          # a config.json alone is planned, not checked (the ranks refuse it)
-        checkpoint.verify()
-        check_checkpoint(model_dir, layout, 0, per_rank=per_rank, quantize=quantize)
+    if checkpoint.has_weights:
+        checkpoint.check_for_run(layout, 0, per_rank, quantize)
+    else:                               # a config.json alone is planned, not checked (the ranks refuse it)
+        checkpoint.check_run(layout, 0, per_rank)

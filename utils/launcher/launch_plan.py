@@ -39,21 +39,8 @@ def device_memory_of(kind: str, ranks_per_node: int):
 
 
 def plan_job(job: dict, layout, options: dict) -> None:
-    """Plan quietly (transformers' deprecation warnings while the config is read are not the user's
-    business here): the console gets one `plan:` line, or the refusal."""
-    import warnings
-    from transformers.utils import logging as transformers_logging
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _plan_job(job, layout, options)
-    finally:
-        transformers_logging.set_verbosity(verbosity)
-
-
-def _plan_job(job: dict, layout, options: dict) -> None:
+    """The console gets one `plan:` line, or the refusal (third-party warnings while the config is
+    read: utils/runtime/rank_console.py, as for every entry point)."""
     from utils.planner import plan as planner
     margs = job["model_args"]
     model_dir = resolve_path(str(margs["model-id"]))

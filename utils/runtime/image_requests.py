@@ -47,21 +47,31 @@ def field_problem(name: str, value) -> Optional[FieldError]:
 
 
 class RequestChecker:
-    """The checks that need the checkpoint's JSON files and tokenizer (read once)."""
+    """The checks that need the checkpoint's JSON files (read once, or given) and its tokenizer
+    (loaded when first needed; `context=False` leaves the context check to the caller)."""
 
-    def __init__(self, model_id):
+    def __init__(self, model_id, generation_config: Optional[dict] = None, layers=None, context: bool = True):
         self.model_id = Path(model_id)
-        path = self.model_id / "generation_config.json"
-        self.generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        config = self.model_id / "config.json"
-        layers = json.loads(config.read_text(encoding="utf-8")).get("num_hidden_layers") if config.is_file() else None
+        if generation_config is None:
+            path = self.model_id / "generation_config.json"
+            generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            config = self.model_id / "config.json"
+            layers = json.loads(config.read_text(encoding="utf-8")).get("num_hidden_layers") \
+                if config.is_file() else None
+        self.generation_config = generation_config
         self.layers = layers if is_int(layers) else None      # a step cache's blocks must leave layers to skip
+        self.context = context
         self._tokenizer = None
 
     def prompt_tokens(self, prompt: str) -> int:
         if self._tokenizer is None:
             from adaptor_patches.weights.load import load_tokenizer
-            self._tokenizer = load_tokenizer(self.model_id)
+            try:
+                self._tokenizer = load_tokenizer(self.model_id)
+            except Exception as exc:        # transformers' own words; the checkpoint check found nothing
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise FieldError("model-id", f"the tokenizer of {self.model_id} does not load ({type(exc).__name__}: "
+                                 f"{first})", "download or copy the checkpoint again") from None
         return len(self._tokenizer(prompt, verbose=False)["input_ids"])
 
     def problem(self, request) -> Optional[FieldError]:
@@ -77,7 +87,7 @@ class RequestChecker:
         if request.step_cache is not None:
             for field, what, fix in request.step_cache.problems(request.diff_infer_steps, self.layers):
                 return FieldError(f"step_cache.{field}", what, fix)
-        return self.context_problem(request.prompt)
+        return self.context_problem(request.prompt) if self.context else None
 
     def context_problem(self, prompt: str) -> Optional[FieldError]:
         """A prompt the model's context cannot hold would run for minutes behind a tokenizer warning."""
@@ -119,8 +129,9 @@ def _parse_line(text: str, number: int, jsonl: bool) -> dict:
 def read_lines(path: Path) -> list:
     try:
         data = path.read_bytes()
-    except OSError as exc:
-        raise RequestError("prompts", f"cannot read {path} ({exc.strerror or exc})", "pass a readable file") from None
+    except (OSError, ValueError) as exc:           # ValueError: a path with a NUL byte
+        reason = getattr(exc, "strerror", None) or exc
+        raise RequestError("prompts", f"cannot read {path} ({reason})", "pass a readable file") from None
     lines = data.split(b"\n")
     for number, raw in enumerate(lines, 1):
         try:

@@ -1,6 +1,6 @@
 """`--prompts` and `--serve` inside run_image_gen.py's job: one model load, many images, rank 0 deciding.
 
-run_image_gen.run() loads the model and hands over here; the generation itself stays the CLI's
+run_image_gen.run() prepares and loads and hands over here; the generation itself stays the CLI's
 (`generate`), so an image from a prompts line or an HTTP request equals the `--prompt` run with the
 same seed, size and steps.
 """
@@ -8,32 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from utils.runtime.job_args import default_request
 from utils.runtime.outputs import UsageError
 
 
-def default_request(args):
-    """The CLI's flags as an ImageRequest: what a line or a body does not set."""
-    from utils.runtime.image_requests import ImageRequest
-    from utils.runtime.request_schema import REQUEST_FIELDS
-    fields = {f.name: getattr(args, f.name) for f in REQUEST_FIELDS}
-    return ImageRequest(**{**fields, "prompt": args.prompt or ""}, save_text=args.save_text)
-
-
-def job_step_cache(args):
-    """The CLI's step cache (every request's default) from --step-cache*, checked against the steps
-    (--prompt) and the model's layers; FieldError naming the flag."""
-    import json
-    from utils.runtime.request_schema import FieldError, step_cache_of
-    try:                    # a damaged config.json is the checkpoint check's to report, in its words
-        config = json.loads((Path(args.model_id) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = None
-    layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
-    if args.step_cache not in (None, "none") and args.adaptor != "full":
-        raise FieldError("step-cache", "needs the adaptor's patches, not --adaptor shims",
-                         "use --adaptor full or --step-cache none")
-    return step_cache_of(lambda name: getattr(args, name), args.diff_infer_steps if args.prompt is not None else None,
-                         layers)
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def start_server(args, log):
@@ -42,27 +26,39 @@ def start_server(args, log):
     from utils.runtime.image_server import ImageServer
     try:
         server = ImageServer(args.host, args.port, default_request(args), RequestChecker(args.model_id),
-                             args.queue_size, args.max_n, log, args.client_timeout)
+                             args.queue_size, args.max_n, log, args.client_timeout, api_key=args.api_key)
     except OSError as exc:
         raise UsageError(f"port: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another "
                          f"--port or stop what uses it") from None
     server.install_signal_handlers()
     server.start()
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log(f"note: listening on {args.host}: reachable from other machines, with no authentication")
+    if not is_loopback(args.host):
+        log(f"note: listening on {args.host}: reachable from other machines; every API call needs the key"
+            if args.api_key is not None else
+            f"warning: listening on {args.host} with no API key: anyone who reaches port {server.httpd.server_address[1]} "
+            f"can run the model; start with --api-key-env NAME (docs/SERVING.md)")
     log(f"serving on {server.address} (model loading; GET /health says when it is ready)")
     return server
 
 
-def run_many(args, model, dist, rank, server, log, generate, is_collective_failure) -> int:
-    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/rank_loop.py)."""
+def run_many(args, requests, model, dist, rank, server, log, generate, is_collective_failure) -> int:
+    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/rank_loop.py).
+    `requests`: the prompts file's, checked (rank 0; None on the others and for --serve)."""
     import signal
+    from adaptor_patches.denoise_watch import DenoiseWatch, watching
     from utils.runtime.batch_job import run_batch
     from utils.runtime.rank_loop import RankLoop
 
     def one(request):
-        image = generate(model, args, request, rank)
+        with watching(model, denoise_watch(request)):
+            image = generate(model, args, request, rank)
         return image, model.last_text_phase.summary(), model.last_step_cache
+
+    def denoise_watch(request):
+        """--serve: every rank watches each image's steps (rank 0 reports progress and decides a cancel)."""
+        if not args.serve:
+            return None
+        return server.watch(request) if server is not None else DenoiseWatch(request.diff_infer_steps)
 
     loop = RankLoop(dist, rank, one, is_collective_failure)
     model.pipeline.set_progress_bar_config(disable=True)      # one bar per job (images), not one per image
@@ -70,7 +66,7 @@ def run_many(args, model, dist, rank, server, log, generate, is_collective_failu
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     if args.prompts is not None:
-        return run_batch(loop, getattr(args, "requests", []), Path(args.save_dir), args.skip_existing, log)
+        return run_batch(loop, requests or [], Path(args.save_dir), args.skip_existing, log)
     if server is None:
         loop.run(pull=None, deliver=None)
         return 0
@@ -78,6 +74,9 @@ def run_many(args, model, dist, rank, server, log, generate, is_collective_failu
     log(f"ready: POST {server.address}/v1/images/generations")
     try:
         loop.run(server.pull, server.deliver)
+    except Exception as exc:             # a rank lost or the ranks disagreeing: the running request hears it
+        server.fail_running(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+        raise
     finally:
         server.close()
     log(f"server stopped: {server.metrics.summary()}")

@@ -1,16 +1,19 @@
-"""One console for a job of many ranks; every rank keeps everything in its own log.
+"""One console for every entry point; under run.sh every rank keeps everything in its own log.
 
-run.sh (utils/launcher/launch.py) sets RANK_LOG_DIR for the ranks it starts; run_image_gen.py then calls
-`route_rank_output()` before it imports transformers or upstream:
+Each entry point run as a program (run_image_gen.py, `python -m utils.launcher`, `-m utils.planner`,
+`-m utils.selfcheck`, utils/convert_model.py) calls `route_console(rank)` first, before it imports
+transformers or upstream:
 
-  rank 0       its stdout and stderr reach the console as before and are copied to
-               RANK_LOG_DIR/rank0.log, except KNOWN_HARMLESS third-party warnings: those go to
-               the log only. An unknown warning still reaches the console.
-  other ranks  stdout and stderr (the file descriptors too, so C++ messages from torch or a
-               device runtime are kept) go to RANK_LOG_DIR/rank<N>.log only; a line starting
-               with `error:` (a rank's one-line reason for failing) also reaches the console.
+  rank 0, a tool  stdout and stderr reach the console, except KNOWN_HARMLESS third-party warnings.
+                  Under run.sh (which sets RANK_LOG_DIR for the ranks it starts) everything is also
+                  copied to RANK_LOG_DIR/rank0.log, those warnings included; elsewhere there is no
+                  log and they are dropped. An unknown warning still reaches the console.
+  other ranks     under run.sh, stdout and stderr (the file descriptors too, so C++ messages from
+                  torch or a device runtime are kept) go to RANK_LOG_DIR/rank<N>.log only; a line
+                  starting with `error:` (a rank's one-line reason for failing) also reaches the
+                  console. Under plain torchrun they are left as they are.
 
-Without RANK_LOG_DIR (plain torchrun, the tests' in-process runs) nothing changes.
+A main(argv) called in-process (the tests) routes nothing.
 """
 from __future__ import annotations
 
@@ -38,23 +41,35 @@ def is_known_harmless(text: str) -> bool:
 
 
 class RankZeroStream(io.TextIOBase):
-    """Rank 0's stdout / stderr: everything to the log, all but the known-harmless to the console."""
+    """Rank 0's (or a tool's) stdout / stderr: everything to the log if there is one, all but the
+    known-harmless to the console."""
 
-    def __init__(self, console, log):
+    def __init__(self, console, log=None):
         self.console, self.log = console, log
 
     def write(self, text: str) -> int:
-        self.log.write(text)
+        if self.log is not None:
+            self.log.write(text)
         if not is_known_harmless(text):
             self.console.write(text)
         return len(text)
 
     def flush(self) -> None:
-        self.log.flush()
+        if self.log is not None:
+            self.log.flush()
         self.console.flush()
 
     def isatty(self) -> bool:        # progress bars draw as they would on the console
         return self.console.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def buffer(self):
+        """The console's bytes, unfiltered: the launcher passes its job's output through (each rank
+        has routed its own)."""
+        return self.console.buffer
 
     @property
     def encoding(self):
@@ -90,12 +105,17 @@ class OtherRankStream(io.TextIOBase):
 _routed: list = []
 
 
-def route_rank_output(rank: int, env=os.environ) -> Path | None:
-    """Route this rank's output as the module docstring says (once per process); return its log
-    path, None when nothing is routed."""
+def route_console(rank: int = 0, env=os.environ) -> Path | None:
+    """Route this process's output as the module docstring says (once per process); return its log
+    path, None when there is none."""
+    if _routed:
+        return _routed[0]
     folder = env.get(RANK_LOG_DIR)
-    if not folder or _routed:
-        return _routed[0] if _routed else None
+    if not folder:
+        if rank == 0:
+            sys.stdout, sys.stderr = RankZeroStream(sys.stdout), RankZeroStream(sys.stderr)
+            _routed.append(None)
+        return None
     path = Path(folder) / f"rank{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     log = open(path, "a", buffering=1, encoding="utf-8", errors="replace")

@@ -24,6 +24,7 @@ from adaptor_patches.kernels import QUANT_COMPUTES
 from adaptor_patches.kernels.quant import FORMATS as EXPERT_FORMATS
 from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS, StepCacheError, \
     StepCacheSettings, settings_from_value
+from utils.runtime.api_key import ENV_NAME, key_problem
 from utils.runtime.errors import FieldError, UsageError  # noqa: F401  (the schema's refusals)
 
 SEED_RANGE = (0, 2**32 - 1)
@@ -60,7 +61,7 @@ def utf8_problem(text: str) -> Optional[str]:
 @dataclass(frozen=True)
 class Field:
     name: str                       # the attribute / prompts-file key (diff_infer_steps)
-    kind: str                       # "text", "int", "float", "choice", "image_size", "path"
+    kind: str                       # "text", "int", "float", "choice", "image_size", "path", "secret", "env_name"
     default: Any = None
     help: str = ""
     low: Optional[float] = None
@@ -109,6 +110,11 @@ class Field:
             for _, problem, fix in StepCacheSettings(**{setting: value}).problems():
                 self.refuse(problem, fix, field=name)
             return value
+        if self.kind == "secret":                      # never quoted back: a refusal must not show a key
+            problem = key_problem(value)
+            if problem:
+                self.refuse(problem, field=name)
+            return value
         if self.kind in ("int", "float"):
             what = f"{value!r} is not {'an integer' if self.kind == 'int' else 'a number'} {self.span()}"
             if not (is_int(value) or (self.kind == "float" and isinstance(value, float))):
@@ -133,6 +139,8 @@ class Field:
             too_big = big is not None and all(int(side) >= 1 for side in big.groups())
             self.refuse(f"{value!r} has a side beyond {MAX_IMAGE_SIDE}" if too_big
                         else f"{value!r} is not auto, HxW or H:W", field=name)
+        if self.kind == "env_name" and not ENV_NAME.match(value):
+            self.refuse(f"{value!r} is not an environment variable name", field=name)
         if self.kind == "path":
             if "\0" in value:
                 self.refuse(f"{ascii(value)} contains a NUL byte", field=name)
@@ -196,6 +204,11 @@ JOB_OPTIONS = (
     Field("max_n", "int", 4, "--serve: most images one request may ask for", 1, None),
     Field("client_timeout", "float", 30.0, "--serve: seconds a client may stay silent (a slow or half-open "
           "connection) before it is dropped", 0, 3600.0, example="30"),
+    Field("api_key", "secret", None, "--serve: the key every API call must send (Authorization: Bearer KEY); "
+          "prefer --api-key-env, a key on the command line shows in ps and the shell history", optional=True,
+          example="a random hex string: python -c 'import secrets; print(secrets.token_hex(24))'"),
+    Field("api_key_env", "env_name", None, "--serve: the environment variable that holds the API key",
+          optional=True, example="HUNYUAN_API_KEY"),
     Field("rewrite", "int", 0, "accepted for cann-recipes YAMLs; no prompt is rewritten (nor is one in the "
           "recipe's script)", 0, None),
     Field("dist_timeout", "float", 1200.0, "seconds a collective may wait for the other ranks before the job ends "

@@ -1,5 +1,9 @@
 import sys
 
-from utils.selfcheck.selfcheck import main
+from utils.runtime.rank_console import route_console
+
+route_console()          # one console: known-harmless third-party warnings off it (before transformers loads)
+
+from utils.selfcheck.selfcheck import main  # noqa: E402
 
 sys.exit(main())

@@ -1,0 +1,166 @@
+"""The server on two real gloo ranks (torchrun), a real HTTP client: progress, cancel, a lost rank.
+
+One server start for every check, in order: a streamed request's progress events; a request
+cancelled mid-denoising (its client closes the stream) after which the ranks still agree (the next
+image equals the CLI's); then rank 1 is SIGKILLed while a request runs, and that request's client
+still gets a JSON 5xx saying the job lost a rank before the server exits."""
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from generation import ROOT
+from multirank import free_port
+from utils.launcher.launch import child_processes
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+
+
+def post(url, body, timeout=300):
+    request = urllib.request.Request(url + "/v1/images/generations", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def health(url):
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except (urllib.error.URLError, ConnectionError):
+        return None, {}
+
+
+def stream(url, body):
+    """POST with "stream": true; (the response, an iterator of (event, data) as they arrive); closing the
+    response closes the connection."""
+    import http.client
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=300)
+    connection.request("POST", "/v1/images/generations", json.dumps({**body, "stream": True}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+
+    def events():
+        name = None
+        for raw in response:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                yield name, json.loads(line[6:])
+    return response, events()
+
+
+def pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker with RANK=rank (Linux /proc)."""
+    for pid, _ in child_processes(torchrun_pid):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} under torchrun {torchrun_pid}")
+
+
+def wait_busy(url, server, log_path):
+    deadline = time.time() + 120
+    while not health(url)[1].get("busy"):
+        assert server.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def test_two_rank_server_streams_progress_cancels_on_every_rank_and_answers_a_lost_rank(tiny_model, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "run_image_gen.py", "--serve", "--port", str(port), "--model-id", str(tiny_model), "--device", "cpu",
+           "--image-size", "64x64", "--diff-infer-steps", str(STEPS), "--cfg-parallel"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.time() + 300
+        while health(url)[0] != 200:
+            assert server.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        ranks = child_processes(server.pid)
+
+        # Progress: queued, then every denoising step of the image, then the result.
+        connection, events = stream(url, {"prompt": "a red fox", "seed": 11, "steps": STEPS})
+        seen = list(events)
+        connection.close()
+        names = [name for name, _ in seen]
+        assert names[-1] == "result" and set(names) <= {"queued", "progress", "result"}, names   # queued: if it waited
+        steps = [data["step"] for name, data in seen if name == "progress"]
+        assert steps == list(range(STEPS + 1)), seen[:-1]
+        assert all(data["steps"] == STEPS and data["images"] == 1 for name, data in seen if name == "progress")
+        streamed = pixels(seen[-1][1]["data"][0]["b64_json"])
+        code, plain = post(url, {"prompt": "a red fox", "seed": 11, "steps": STEPS})
+        assert code == 200 and np.array_equal(pixels(plain["data"][0]["b64_json"]), streamed)
+
+        # Cancel: the client closes a long stream mid-denoising; every rank stops at the next step ...
+        connection, events = stream(url, {"prompt": "a long one", "seed": 3, "steps": 1000})
+        for name, data in events:
+            if name == "progress" and data["step"] >= 2:
+                break
+        connection.close()
+        deadline = time.time() + 30
+        while health(url)[1].get("busy"):
+            assert time.time() < deadline, "the cancelled request still runs"
+            time.sleep(0.1)
+        assert "its request is cancelled at the next denoising step" in log_path.read_text()
+        # ... and still agree: the same request as before gives the same image
+        code, again = post(url, {"prompt": "a red fox", "seed": 11, "steps": STEPS})
+        assert code == 200 and np.array_equal(pixels(again["data"][0]["b64_json"]), streamed)
+
+        # Rank 1 dies while a long request runs: its client gets a JSON 5xx, then the job ends.
+        answer = []
+        client = threading.Thread(target=lambda: answer.append(post(url, {"prompt": "a long one", "seed": 5,
+                                                                          "steps": 1000})))
+        client.start()
+        wait_busy(url, server, log_path)
+        time.sleep(0.5)                                     # inside the denoising loop
+        os.kill(rank_pid(server.pid, 1), signal.SIGKILL)
+        client.join(120)
+        assert answer, "no answer within 120 s"
+        code, payload = answer[0]
+        assert 500 <= code < 600, (code, payload)
+        error = payload["error"]
+        assert error["code"] == code and error["type"] == "server_error" and "lost a rank" in error["message"], error
+        assert server.wait(120) != 0
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        for pid, _ in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    text = log_path.read_text()
+    assert "[rank 0] error:" not in text or text.count("error: rank 0: a collective failed") == 1, text[-3000:]

@@ -1,0 +1,187 @@
+"""What the images API reads and writes: an OpenAI-style body -> checked ImageRequests, results -> response items.
+
+No HTTP here (utils/runtime/http_api.py is the handler): a body is a dict already decoded, a refusal is
+BadRequest (a FieldError whose `param` is the body's key), a result is the rank loop's ImageResult.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import re
+from dataclasses import replace
+
+from utils.runtime.image_requests import RequestChecker
+from utils.runtime.request_schema import REQUEST, REQUEST_FIELDS, FieldError, is_int, parse_image_size
+
+OPENAI_IGNORED = ("model", "quality", "style", "user", "background", "moderation")
+SCHEMA_KEYS = tuple(f.api_name for f in REQUEST_FIELDS if f.api_name)
+FIELDS = SCHEMA_KEYS + ("n", "size", "response_format", "output_format") + OPENAI_IGNORED
+
+
+class BadRequest(FieldError):
+    """A request this server refuses: `param` is the body's key (OpenAI's error shape)."""
+
+    @property
+    def param(self):
+        return self.field                        # a setting inside an object: step_cache.interval
+
+
+def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int) -> list:
+    """The ImageRequests of one API body (n of them, seeds seed, seed+1, ...) or BadRequest."""
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise BadRequest(unknown[0], f"unknown field '{unknown[0]}'", f"fields: {', '.join(FIELDS[:8])}")
+    if "prompt" not in body:
+        raise BadRequest("prompt", "missing", "send the image's description")
+    n = body.get("n", 1)
+    if not is_int(n) or not 1 <= n <= max_n:
+        raise BadRequest("n", f"{n!r} is not an integer in 1..{max_n}", "ask for fewer images (--max-n)")
+    if body.get("response_format", "b64_json") != "b64_json":
+        raise BadRequest("response_format", f"{body['response_format']!r} is not supported",
+                         "use b64_json (this server keeps no files to link to)")
+    if body.get("output_format", "png") != "png":
+        raise BadRequest("output_format", f"{body['output_format']!r} is not produced", "use png")
+    size = body.get("size")            # absent: the server's --image-size; OpenAI's WIDTHxHEIGHT, ours HxW
+    sides = parse_image_size(size) if isinstance(size, str) and "x" in size else None
+    if size is not None and size != "auto" and sides is None:
+        raise BadRequest("size", f"{size!r} is not WIDTHxHEIGHT or auto", "use e.g. 1024x1024")
+    fields = {spec.name: body.get(spec.api_name, getattr(defaults, spec.name)) for spec in REQUEST_FIELDS
+              if spec.api_name}
+    fields["image_size"] = defaults.image_size if size is None else "auto" if size == "auto" else \
+        f"{sides[1]}x{sides[0]}"
+    api_names = {**{spec.name: spec.api_name or spec.name for spec in REQUEST_FIELDS}, "image_size": "size"}
+    try:
+        if body.get("step_cache") is not None:       # a mode or an object of settings over the server's
+            fields["step_cache"] = REQUEST["step_cache"].check(body["step_cache"], base=defaults.step_cache)
+        request = replace(defaults, **fields, save=None, save_text=None)
+        problem = checker.problem(request)
+    except FieldError as exc:
+        problem = exc
+    if problem:
+        raise BadRequest(api_names.get(problem.field, problem.field), problem.problem, problem.fix)
+    seeds = [None] * n if request.seed is None else [(request.seed + i) % 2**32 for i in range(n)]
+    return [replace(request, seed=s) for s in seeds]
+
+
+def png_b64(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def result_item(result) -> dict:
+    """One image of the response: the PNG, its seed and size, its text and step-cache record."""
+    item = {"b64_json": png_b64(result.image), "seed": result.request.seed,
+            "size": f"{result.image.width}x{result.image.height}"}
+    if result.text is not None:
+        item["text"] = result.text
+        if result.request.bot_task == "recaption":
+            item["revised_prompt"] = result.text
+    if result.step_cache:
+        item["step_cache"] = {k: result.step_cache[k] for k in
+                              ("mode", "computed_steps", "cached_steps", "forwards_saved")}
+    return item
+
+
+def take_stream(body: dict) -> bool:
+    """Pop the body's "stream" (server-sent events when true); BadRequest when it is not a boolean."""
+    stream = body.pop("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream", f"{stream!r} is not true or false", "use true for server-sent events, or leave it out")
+    return stream
+
+
+# ---------------------------------------------------------------- POST /v1/images/edits
+
+MAX_IMAGES = 3                     # upstream's Instruct model takes one to three conditioning images
+MAX_IMAGE_BYTES = 20 << 20         # per image, as sent
+MAX_IMAGE_PIXELS = 8192 * 8192     # per image, decoded (a small file may decode huge)
+FORM_INTEGERS = ("n", "seed", "steps")
+
+
+def form_fields(parts: list) -> tuple:
+    """(body dict, image payloads) of multipart form-data parts [(name, filename, bytes)]: text fields
+    typed as the JSON body would carry them, files under image / image[] in order."""
+    import json
+    body, images = {}, []
+    for name, filename, data in parts:
+        if name in ("image", "image[]"):
+            images.append(data)
+            continue
+        if filename is not None:
+            raise BadRequest(name or "body", "is a file, but only image / image[] may be files",
+                             "send the other fields as text")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(name, "is not UTF-8 text", "send the field as UTF-8") from None
+        if name in FORM_INTEGERS and re.fullmatch(r"[0-9]{1,12}", text):
+            value = int(text)
+        elif name == "stream" and text in ("true", "false"):
+            value = text == "true"
+        elif name == "step_cache" and text.lstrip().startswith("{"):
+            try:
+                value = json.loads(text)
+            except (ValueError, RecursionError):
+                raise BadRequest("step_cache", "is not a JSON object", 'send a mode name or {"mode": ...}') from None
+        else:
+            value = text
+        body[name] = value
+    return body, images
+
+
+def json_images(body: dict) -> list:
+    """The JSON form's "image": one base64 string (or data: URL) or a list of them -> their bytes."""
+    value = body.pop("image", None)
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    images = []
+    for i, item in enumerate(items, 1):
+        if not isinstance(item, str):
+            raise BadRequest(f"image[{i}]", f"a JSON {type(item).__name__}, not base64 text",
+                             "send the image file as base64 or a data: URL")
+        text = item.split(",", 1)[1] if item.startswith("data:") and "," in item else item
+        try:
+            images.append(base64.b64decode(text, validate=True))
+        except ValueError:
+            raise BadRequest(f"image[{i}]", "is not base64", "send the image file as base64 or a data: URL") from None
+    return images
+
+
+def decode_images(payloads: list) -> list:
+    """The conditioning images as RGB PIL images: 1..MAX_IMAGES of them, each a whole image file within
+    the limits; BadRequest naming image or image[i]."""
+    from PIL import Image
+    if not 1 <= len(payloads) <= MAX_IMAGES:
+        raise BadRequest("image", f"{len(payloads)} images", f"send 1 to {MAX_IMAGES} (image[] in a form, or "
+                                                            f"\"image\": [base64, ...] in JSON)")
+    images = []
+    for i, data in enumerate(payloads, 1):
+        if len(data) > MAX_IMAGE_BYTES:
+            raise BadRequest(f"image[{i}]", f"{len(data)} bytes, more than {MAX_IMAGE_BYTES}", "send a smaller file")
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                width, height = opened.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise BadRequest(f"image[{i}]", f"{width}x{height} pixels, more than {MAX_IMAGE_PIXELS}",
+                                     "send a smaller image")
+                images.append(opened.convert("RGB"))
+        except BadRequest:
+            raise
+        except Exception as exc:          # PIL raises many kinds for a file that is not a whole image
+            raise BadRequest(f"image[{i}]", f"is not an image PIL can read ({type(exc).__name__})",
+                             "send a PNG, JPEG or WebP file") from None
+    return images
+
+
+def edit_requests(requests: list, images: list, limit: int) -> list:
+    """The hand-off from the HTTP side to the model: requests whose images condition the generation.
+    A checkpoint that takes none (limit 0, the base model) is refused here; issue 28 (the Instruct
+    model) fills in how the images travel with the requests to every rank."""
+    if limit == 0:
+        raise BadRequest("image", "this checkpoint takes no conditioning images",
+                         "use POST /v1/images/generations, or serve an Instruct checkpoint")
+    if len(images) > limit:
+        raise BadRequest("image", f"{len(images)} images; this checkpoint takes at most {limit}", f"send 1 to {limit}")
+    raise BadRequest("image", "conditioning images do not reach the model yet", "use POST /v1/images/generations")

@@ -2,7 +2,7 @@
 pipeline and image processor of the pinned upstream 1ea1526, which were rewritten for the Instruct
 model (`modeling_hunyuan_image_3.py`) and no longer serve the base one. Rows of
 model_adaptor.PATCHES (shims: the shims-only reference installs them too); the base model's images
-are bit-identical to those it made on 62da220 (tests/test_generation.py pins a latent).
+are bit-identical to those it made on 62da220 (tests/test_upstream_pin.py pins the latents).
 
   HunyuanImage3ImageProcessor (as hunyuan.py sees it)
         1ea1526's processor asserts a base image size of at least 256 (its resolution step, base/16,

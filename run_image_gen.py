@@ -1,10 +1,11 @@
 """Generate images with HunyuanImage-3.0 through the parallel adaptor.
 
 Flags are upstream's (`--prompt --model-id --attn-impl --moe-impl --seed --diff-infer-steps
---image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`), the
+--image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`; for
+HunyuanImage-3.0-Instruct also `--image a.png[,b.png,c.png] --infer-align-image-size`), the
 cann-recipes script's (also `--attn-impl npu`, `--moe-impl npu_grouped_matmul`, `--rewrite`,
-`--sys-deepseek-prompt`), plus ours (`--device --warmup --rounds --metrics-json`, parallel
-switches, `--adaptor`): utils/runtime/job_args.py. Works as one process or under torchrun. Rank 0
+`--sys-deepseek-prompt`), plus ours (`--device --warmup --rounds --metrics-json --guidance-scale`,
+parallel switches, `--adaptor`): utils/runtime/job_args.py. Works as one process or under torchrun. Rank 0
 writes the PNG (atomically) and the metrics JSON.
 
 Three modes, one model load each: `--prompt TEXT` (one image), `--prompts FILE` (every line of a
@@ -228,8 +229,9 @@ def generate(model, args, request, rank):
                   bot_task=request.bot_task, diff_infer_steps=request.diff_infer_steps,
                   verbose=args.verbose if rank == 0 else 0)
     if instruct:                        # upstream's own --image and --infer-align-image-size
+        import torch.distributed as dist
         from utils.runtime.input_images import request_images
-        images = request_images(request)
+        images = request_images(request, dist if dist.is_initialized() else None)
         kwargs.update(image=images or None, infer_align_image_size=bool(images) and args.infer_align_image_size)
     else:                               # the Instruct model streams its text itself (verbose >= 2)
         kwargs["stream"] = args.verbose > 0 and rank == 0
@@ -422,6 +424,7 @@ def main(argv=None) -> int:
         from adaptor_patches.parallel.layout import LayoutError
         from adaptor_patches.text_phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
+        from utils.runtime.input_images import ImagesDisagree
         from utils.runtime.rank_loop import RankFailure
         phase = JobPhase()
         try:
@@ -430,7 +433,7 @@ def main(argv=None) -> int:
             return run(job, rank, phase)
         except (DeviceError, LayoutError, UpstreamMismatchError, ContextTooLongError) as exc:
             raise UsageError(str(exc)) from exc
-        except (RankFailure, OutputWriteError) as exc:        # after the load: not a usage error
+        except (RankFailure, OutputWriteError, ImagesDisagree) as exc:        # after the load: not a usage error
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
         except Exception as exc:

@@ -10,7 +10,8 @@ resolution buckets, so nothing bigger helps). Upstream's Instruct model takes 1 
 Only rank 0 reads the files (and the HTTP side only sees rank 0's process): an InputImage carries
 the file's bytes to the other ranks (run_image_gen.py broadcasts --prompt's; the rank loop
 broadcasts each request with its images), so a rank never reads another copy of a file that may
-differ (another node, a file rewritten meanwhile). Every rank decodes the same bytes the same way
+differ (another node, a file rewritten meanwhile). Before each image the ranks compare the
+digests of what they hold (`same_on_every_rank`). Every rank decodes the same bytes the same way
 (`decode`); upstream's own `load_image` then applies the EXIF orientation and converts to RGB, as
 it does for a path.
 """
@@ -113,11 +114,37 @@ def with_images(request, read=read_images):
         return replace(request, image_problem=str(exc))
 
 
-def request_images(request) -> list:
-    """Every rank: the request's images decoded (an empty list for text to image)."""
+class ImagesDisagree(RuntimeError):
+    """A rank holds other conditioning images than rank 0."""
+
+
+def request_images(request, dist=None) -> list:
+    """Every rank: the request's images decoded (an empty list for text to image), after the ranks
+    compared their images' digests (`same_on_every_rank`)."""
     if getattr(request, "image_problem", None):
         raise InputImageError(request.image_problem)
-    return [decode(image) for image in request.image_inputs or ()]
+    inputs = request.image_inputs or ()
+    same_on_every_rank(dist, inputs)
+    return [decode(image) for image in inputs]
+
+
+def same_on_every_rank(dist, inputs) -> None:
+    """The images came from rank 0, so every rank holds the same bytes; their digests are compared
+    anyway (one small all-gather per image request), so that a change letting a rank read its own
+    copy fails here, naming the rank, instead of hanging in a collective (another size: other token
+    counts) or silently mixing two images into one."""
+    if dist is None or dist.get_world_size() == 1:
+        return
+    mine = [(image.name, image.digest) for image in inputs]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    def shown(images):
+        return ", ".join(f"{name} sha256 {digest[:12]}" for name, digest in images) or "none"
+
+    for rank, theirs in enumerate(every):
+        if theirs != every[0]:
+            raise ImagesDisagree(f"image: rank {rank} holds other conditioning images ({shown(theirs)}) than rank 0 "
+                                 f"({shown(every[0])}); every rank must use the bytes rank 0 read")
 
 
 def share_images(dist, images: Optional[tuple]) -> tuple:

@@ -4,7 +4,7 @@ server (POST /v1/images/edits and /generations), and two gloo ranks that must us
 One tiny Instruct checkpoint (base size 256, the smallest its image processor builds), 2 steps,
 small inputs. Two single-process CLI runs are the references:
   EDIT_TWO    --image a.png,b.png --bot-task think_recaption (text written with --save-text)
-  GUIDED      --image a.png --guidance-scale 30
+  GUIDED      --image a.png --guidance-scale 30 (its metrics: the 2 steps asked for, not the checkpoint's 50)
 One server start answers four requests: the OpenAI client's images.edit with both images (equals
 EDIT_TWO: image and text), a streamed JSON edit with base64 a.png at guidance 30 (equals GUIDED),
 the same edit at the checkpoint's guidance (must differ: the scale reaches the model), and the
@@ -71,7 +71,9 @@ def inputs(tmp_path_factory):
 def references(tiny_instruct, inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("instruct_cli")
     edit_two = cli(tiny_instruct, out, "edit_two", *EDIT_TWO, "--image", f"{inputs / 'a.png'},{inputs / 'b.png'}")
-    guided = cli(tiny_instruct, out, "guided", *GUIDED, "--image", inputs / "a.png")
+    guided = cli(tiny_instruct, out, "guided", *GUIDED, "--image", inputs / "a.png", "--metrics-json", out / "m.json")
+    steps = len(json.loads((out / "m.json").read_text())["rounds"][0]["denoise_step_s"])
+    assert steps == STEPS, f"--diff-infer-steps {STEPS} ran {steps} denoising steps on the Instruct model"
     return {"edit_two": edit_two, "guided": guided[0]}
 
 

@@ -1,10 +1,11 @@
 """Generate images with HunyuanImage-3.0 through the parallel adaptor.
 
 Flags are upstream's (`--prompt --model-id --attn-impl --moe-impl --seed --diff-infer-steps
---image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`), the
+--image-size --save --verbose --reproduce --bot-task --use-system-prompt --system-prompt`; for
+HunyuanImage-3.0-Instruct also `--image a.png[,b.png,c.png] --infer-align-image-size`), the
 cann-recipes script's (also `--attn-impl npu`, `--moe-impl npu_grouped_matmul`, `--rewrite`,
-`--sys-deepseek-prompt`), plus ours (`--device --warmup --rounds --metrics-json`, parallel
-switches, `--adaptor`): utils/runtime/job_args.py. Works as one process or under torchrun. Rank 0
+`--sys-deepseek-prompt`), plus ours (`--device --warmup --rounds --metrics-json --guidance-scale`,
+parallel switches, `--adaptor`): utils/runtime/job_args.py. Works as one process or under torchrun. Rank 0
 writes the PNG (atomically) and the metrics JSON.
 
 Three modes, one model load each: `--prompt TEXT` (one image), `--prompts FILE` (every line of a
@@ -59,6 +60,7 @@ class RankJob:
     log: Callable
     server: object                   # --serve on rank 0: the ImageServer, listening
     started: float                   # perf_counter before the device was set up (load_s counts from it)
+    images: tuple = ()               # --image's files (InputImage): rank 0's bytes, on every rank
 
     @property
     def args(self):
@@ -124,12 +126,16 @@ def prepare(job: CheckedJob, rank: int, phase: JobPhase) -> RankJob:
     dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
     phase.name = "agreeing on the seed"
     seed = shared_seed(dist, args.seed)
+    phase.name = "receiving the conditioning images from rank 0"
+    from utils.runtime.input_images import share_images
+    images = share_images(dist, job.images) if args.image else ()
     if args.reproduce:
         import torch
         set_reproducibility(torch, seed)
     log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
         f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} experts={expert_format or 'bf16'} seed={seed}")
-    return RankJob(job, rank, checkpoint, expert_format, device, context, dist, owns_group, seed, log, server, started)
+    return RankJob(job, rank, checkpoint, expert_format, device, context, dist, owns_group, seed, log, server, started,
+                   images)
 
 
 def implementations(args, device_kind: str, kernel_set: str) -> tuple:
@@ -213,18 +219,31 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
 # ---------------------------------------------------------------- the job
 
 def generate(model, args, request, rank):
-    """One image; the text phase's record is left on model.last_text_phase (text_phase.py)."""
+    """One image; the text phase's record is left on model.last_text_phase (text_phase.py). The
+    Instruct model takes the request's images (decoded alike on every rank) and returns
+    (cot_text, images); its text is on last_text_phase as the base model's."""
+    from adaptor_patches.model_family import takes_conditioning_images
+    instruct = takes_conditioning_images(model)
     kwargs = dict(prompt=request.prompt, seed=request.seed, image_size=request.image_size,
                   use_system_prompt=args.use_system_prompt, system_prompt=args.system_prompt,
                   bot_task=request.bot_task, diff_infer_steps=request.diff_infer_steps,
-                  verbose=args.verbose if rank == 0 else 0, stream=args.verbose > 0 and rank == 0)
+                  verbose=args.verbose if rank == 0 else 0)
+    if instruct:                        # upstream's own --image and --infer-align-image-size
+        import torch.distributed as dist
+        from utils.runtime.input_images import request_images
+        images = request_images(request, dist if dist.is_initialized() else None)
+        kwargs.update(image=images or None, infer_align_image_size=bool(images) and args.infer_align_image_size)
+    else:                               # the Instruct model streams its text itself (verbose >= 2)
+        kwargs["stream"] = args.verbose > 0 and rank == 0
+    if request.guidance_scale is not None:      # read by the pipeline call (base: upstream's; Instruct: compat_instruct)
+        kwargs["diff_guidance_scale"] = request.guidance_scale
     if args.max_new_tokens is not None:
         kwargs["max_new_tokens"] = args.max_new_tokens
     from adaptor_patches import step_cache
     with step_cache.running(model, request.step_cache, request.diff_infer_steps) as run:
-        image = model.generate_image(**kwargs)
+        result = model.generate_image(**kwargs)
     model.last_step_cache = run.summary() if run is not None else None
-    return image
+    return result[1][0] if instruct else result
 
 
 def describe_text_phase(text: dict) -> str:
@@ -258,7 +277,7 @@ def one_image(rank_job: RankJob, model, load_s: float, phase: JobPhase) -> Round
     args, rank, device, log = rank_job.args, rank_job.rank, rank_job.device, rank_job.log
     # Phase timings synchronise the device around every forward: only when they are asked for.
     timer = PhaseTimer(device).attach(model) if args.metrics_json or args.save_latents else None
-    request = replace(default_request(args), seed=rank_job.seed)
+    request = replace(default_request(args), seed=rank_job.seed, image_inputs=rank_job.images)
     for i in range(args.warmup):
         phase.name = f"warm-up generation {i + 1}"
         generate(model, args, request, rank)
@@ -405,6 +424,7 @@ def main(argv=None) -> int:
         from adaptor_patches.parallel.layout import LayoutError
         from adaptor_patches.text_phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
+        from utils.runtime.input_images import ImagesDisagree
         from utils.runtime.rank_loop import RankFailure
         phase = JobPhase()
         try:
@@ -413,7 +433,7 @@ def main(argv=None) -> int:
             return run(job, rank, phase)
         except (DeviceError, LayoutError, UpstreamMismatchError, ContextTooLongError) as exc:
             raise UsageError(str(exc)) from exc
-        except (RankFailure, OutputWriteError) as exc:        # after the load: not a usage error
+        except (RankFailure, OutputWriteError, ImagesDisagree) as exc:        # after the load: not a usage error
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
         except Exception as exc:

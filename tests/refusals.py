@@ -39,6 +39,14 @@ LAUNCHER_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_expe
 REAL_CONFIG = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_experts": 64,
                "moe_intermediate_size": 3072}
 ENTRY_SCRIPT = "import sys\nprint(sys.argv[1:])\nsys.exit(3)\n"
+_INSTRUCT_GENERATION = {"sequence_template": "instruct", "bot_task": "think_recaption", "diff_guidance_scale": 2.5}
+INSTRUCT_KEYS = {      # what adaptor_patches/model_family.py and utils/tiny_instruct.py set in the two files
+    "instruct_config": {"config.json": {"model_version": "HunyuanImage-3.0-Instruct"},
+                        "generation_config.json": {**_INSTRUCT_GENERATION, "diff_infer_steps": 50}},
+    "distil_config": {"config.json": {"model_version": "HunyuanImage-3.0-Instruct-Distil", "cfg_distilled": True,
+                                      "use_meanflow": True},
+                      "generation_config.json": {**_INSTRUCT_GENERATION, "diff_infer_steps": 8}},
+}
 
 
 def load_cases() -> list:
@@ -47,7 +55,9 @@ def load_cases() -> list:
 
 class Models(dict):
     """The checkpoints cases name, each made when first asked for under `root`: `tiny` and `text`
-    (given, or made), `config_only` (tiny's JSON files only), `launcher_config` / `real_config` (a
+    (given, or made), `config_only` (tiny's JSON files only), `instruct_config` / `distil_config`
+    (those files with the keys that make them HunyuanImage-3.0-Instruct / -Distil: INSTRUCT_KEYS;
+    a refusal of an image comes before any weight is looked for), `launcher_config` / `real_config` (a
     config.json of head and expert counts only), `converted_<split>`, `int8_<split>`,
     `recipe_<split>` (a cann-recipes folder) for the splits below."""
 
@@ -70,6 +80,11 @@ class Models(dict):
             for file in ("config.json", "generation_config.json"):
                 shutil.copy(self["tiny"] / file, out / file)
             path = out
+        elif name in INSTRUCT_KEYS:
+            path = Path(shutil.copytree(self["config_only"], out))
+            for file, changes in INSTRUCT_KEYS[name].items():
+                data = json.loads((path / file).read_text())
+                (path / file).write_text(json.dumps({**data, **changes}))
         elif name in ("launcher_config", "real_config"):
             out.mkdir(parents=True)
             (out / "config.json").write_text(json.dumps(LAUNCHER_CONFIG if name == "launcher_config" else REAL_CONFIG))

@@ -52,7 +52,9 @@ def flags(margs: dict) -> list[str]:
             out.append(f"--{key}={val}")        # a value like "--x" would read as a flag
             continue
         out.append(f"--{key}")
-        if isinstance(val, list):
+        if key == "image" and isinstance(val, list):        # upstream's --image takes one comma-separated value
+            out.append(",".join(env_string(v) for v in val))
+        elif isinstance(val, list):
             out.extend(env_string(v) for v in val)
         elif val is not True:
             out.append(str(val))

@@ -35,7 +35,8 @@ MOE_IMPLS = ("eager", "npu_grouped_matmul")
 UNSUPPORTED_IMPLS = {"flash_attention_2": "the flash-attn package's kernel has no attention-TP path here",
                      "flashinfer": "the FlashInfer package's MoE has no TP / EP path here"}
 REWRITE_PROMPTS = ("universal", "text_rendering")
-SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce", "noise-on-cpu", "skip-existing", "serve")
+SWITCHES = ("moe-tp", "moe-ep", "cfg-parallel", "vae-parallel", "reproduce", "noise-on-cpu", "skip-existing", "serve",
+            "infer-align-image-size")
 SCALARS = (str, int, float, bool)
 ENV_SWITCHES = ("CFG_PARALLEL", "USE_VAE_PARALLEL")
 FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")

@@ -11,7 +11,8 @@ import re
 from dataclasses import replace
 
 from utils.runtime.image_requests import RequestChecker
-from utils.runtime.request_schema import REQUEST, REQUEST_FIELDS, FieldError, is_int, parse_image_size
+from utils.runtime.input_images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, InputImage, bytes_problem  # noqa: F401
+from utils.runtime.request_schema import MAX_IMAGES, REQUEST, REQUEST_FIELDS, FieldError, is_int, parse_image_size
 
 OPENAI_IGNORED = ("model", "quality", "style", "user", "background", "moderation")
 SCHEMA_KEYS = tuple(f.api_name for f in REQUEST_FIELDS if f.api_name)
@@ -75,12 +76,22 @@ def result_item(result) -> dict:
             "size": f"{result.image.width}x{result.image.height}"}
     if result.text is not None:
         item["text"] = result.text
-        if result.request.bot_task == "recaption":
-            item["revised_prompt"] = result.text
+        revised = revised_prompt(result.text, result.request.bot_task)
+        if revised is not None:
+            item["revised_prompt"] = revised
     if result.step_cache:
         item["step_cache"] = {k: result.step_cache[k] for k in
                               ("mode", "computed_steps", "cached_steps", "forwards_saved")}
     return item
+
+
+def revised_prompt(text: str, bot_task):
+    """OpenAI's revised_prompt: the recaption, where the text has one (the Instruct model writes it
+    between <recaption> and </recaption>; the base model's recaption task answers with it alone)."""
+    start, end = "<recaption>", "</recaption>"
+    if start in text:
+        return text.split(start, 1)[1].split(end, 1)[0].strip()
+    return text if bot_task == "recaption" else None
 
 
 def take_stream(body: dict) -> bool:
@@ -93,10 +104,8 @@ def take_stream(body: dict) -> bool:
 
 # ---------------------------------------------------------------- POST /v1/images/edits
 
-MAX_IMAGES = 3                     # upstream's Instruct model takes one to three conditioning images
-MAX_IMAGE_BYTES = 20 << 20         # per image, as sent
-MAX_IMAGE_PIXELS = 8192 * 8192     # per image, decoded (a small file may decode huge)
 FORM_INTEGERS = ("n", "seed", "steps")
+FORM_NUMBERS = ("guidance_scale",)
 
 
 def form_fields(parts: list) -> tuple:
@@ -117,6 +126,8 @@ def form_fields(parts: list) -> tuple:
             raise BadRequest(name, "is not UTF-8 text", "send the field as UTF-8") from None
         if name in FORM_INTEGERS and re.fullmatch(r"[0-9]{1,12}", text):
             value = int(text)
+        elif name in FORM_NUMBERS and re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,9})?", text):
+            value = float(text)
         elif name == "stream" and text in ("true", "false"):
             value = text == "true"
         elif name == "step_cache" and text.lstrip().startswith("{"):
@@ -149,39 +160,28 @@ def json_images(body: dict) -> list:
     return images
 
 
-def decode_images(payloads: list) -> list:
-    """The conditioning images as RGB PIL images: 1..MAX_IMAGES of them, each a whole image file within
-    the limits; BadRequest naming image or image[i]."""
-    from PIL import Image
+def check_images(payloads: list) -> list:
+    """The conditioning images as they travel to the ranks (input_images.InputImage, named image[i]):
+    1..MAX_IMAGES of them, each a whole image file within the limits; BadRequest naming image or image[i]."""
     if not 1 <= len(payloads) <= MAX_IMAGES:
         raise BadRequest("image", f"{len(payloads)} images", f"send 1 to {MAX_IMAGES} (image[] in a form, or "
                                                             f"\"image\": [base64, ...] in JSON)")
     images = []
     for i, data in enumerate(payloads, 1):
-        if len(data) > MAX_IMAGE_BYTES:
-            raise BadRequest(f"image[{i}]", f"{len(data)} bytes, more than {MAX_IMAGE_BYTES}", "send a smaller file")
-        try:
-            with Image.open(io.BytesIO(data)) as opened:
-                width, height = opened.size
-                if width * height > MAX_IMAGE_PIXELS:
-                    raise BadRequest(f"image[{i}]", f"{width}x{height} pixels, more than {MAX_IMAGE_PIXELS}",
-                                     "send a smaller image")
-                images.append(opened.convert("RGB"))
-        except BadRequest:
-            raise
-        except Exception as exc:          # PIL raises many kinds for a file that is not a whole image
-            raise BadRequest(f"image[{i}]", f"is not an image PIL can read ({type(exc).__name__})",
-                             "send a PNG, JPEG or WebP file") from None
+        problem = bytes_problem(data)
+        if problem:
+            raise BadRequest(f"image[{i}]", *problem)
+        images.append(InputImage(f"image[{i}]", data))
     return images
 
 
 def edit_requests(requests: list, images: list, limit: int) -> list:
-    """The hand-off from the HTTP side to the model: requests whose images condition the generation.
-    A checkpoint that takes none (limit 0, the base model) is refused here; issue 28 (the Instruct
-    model) fills in how the images travel with the requests to every rank."""
+    """The hand-off from the HTTP side to the model: each request carries the images' bytes, which the
+    rank loop broadcasts with it (every rank decodes them alike). A checkpoint that takes none (limit
+    0, the base model) is refused."""
     if limit == 0:
         raise BadRequest("image", "this checkpoint takes no conditioning images",
                          "use POST /v1/images/generations, or serve an Instruct checkpoint")
     if len(images) > limit:
         raise BadRequest("image", f"{len(images)} images; this checkpoint takes at most {limit}", f"send 1 to {limit}")
-    raise BadRequest("image", "conditioning images do not reach the model yet", "use POST /v1/images/generations")
+    return [replace(request, image_inputs=tuple(images)) for request in requests]

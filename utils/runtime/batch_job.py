@@ -2,7 +2,8 @@
 
 Rank 0 walks the checked requests, skips those whose image exists (`--skip-existing`: images are
 written atomically, so an existing file is a finished one), picks a seed for lines without one
-(`--seed` when given, else random) and hands each to every rank (utils/runtime/rank_loop.py). It writes
+(`--seed` when given, else random), reads the line's conditioning images (Instruct) and hands each
+request, its images' bytes with it, to every rank (utils/runtime/rank_loop.py). It writes
 the image and its text, appends one JSON line per image to SAVE_DIR/metrics.jsonl and ends with
 a summary line there and on the console; a tqdm bar with ETA shows progress. A line whose image
 fails on every rank alike is reported and the batch goes on; the exit code is then 1.
@@ -38,6 +39,10 @@ def image_record(result) -> dict:
               "image_size": request.image_size, "diff_infer_steps": request.diff_infer_steps,
               "bot_task": request.bot_task, "save": request.save, "seconds": round(result.seconds, 3),
               "status": "ok" if result.ok else "failed"}
+    if request.image:
+        record["image"] = list(request.image)
+    if request.guidance_scale is not None:
+        record["guidance_scale"] = request.guidance_scale
     if result.ok:
         record["size"] = [result.image.height, result.image.width]
         phase = result.text_phase or {}
@@ -74,6 +79,7 @@ def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, log) ->
         loop.run(pull=None, deliver=None)
         return 0
     from tqdm import tqdm
+    from utils.runtime.input_images import with_images
     save_dir.mkdir(parents=True, exist_ok=True)
     metrics = save_dir / METRICS_FILE
     todo = [r for r in requests if not (skip_existing and Path(r.save).is_file())]
@@ -84,9 +90,9 @@ def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, log) ->
     done, failed, start = [], [], time.perf_counter()
     bar = tqdm(total=len(todo), desc="images", unit="img", file=sys.stderr, dynamic_ncols=True)
 
-    def pull():
+    def pull():                         # a line's images travel with it, read here (input_images.with_images)
         request = next(pending, None)
-        return ("stop", None) if request is None else ("run", [choose_seed(request)])
+        return ("stop", None) if request is None else ("run", [with_images(choose_seed(request))])
 
     def deliver(results):
         for result in results:

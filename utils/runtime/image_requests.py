@@ -8,8 +8,9 @@ task available on this checkpoint), so a bad line or body never costs a generati
 
 Prompts files (`--prompts FILE`): `.jsonl` -> one JSON object per line with `prompt` and
 optionally `seed`, `image_size`, `diff_infer_steps`, `bot_task`, `save`, `step_cache` (a mode name
-or an object of settings over the CLI's: docs/STEP_CACHE.md); any other file -> one
-prompt per line. Blank lines and lines starting with `#` are skipped; line numbers are the file's.
+or an object of settings over the CLI's: docs/STEP_CACHE.md), `image` (Instruct: a list of 1 to 3
+files or "a.png,b.png", relative to the prompts file's folder; each checked before the load and
+read on rank 0 when the line runs), `guidance_scale`; any other file -> one prompt per line. Blank lines and lines starting with `#` are skipped; line numbers are the file's.
 Images go to `--save-dir` as `NNNN_<words of the prompt>.png` (NNNN = the line number), or to the
 line's `save` (relative to `--save-dir`); the think / recaption text beside it as `.txt`.
 """
@@ -26,7 +27,9 @@ from utils.runtime.request_schema import REQUEST, REQUEST_FIELDS, FieldError, is
 
 LINE_FIELDS = tuple(f.name for f in REQUEST_FIELDS)
 ImageRequest = request_type(__name__, extra=(("save_text", None),      # rank 0 writes the think / recaption text
-                                             ("label", "prompt")))     # how messages name it: "line 3", "request 7"
+                                             ("label", "prompt"),      # how messages name it: "line 3", "request 7"
+                                             ("image_inputs", None),   # the images' bytes (input_images.InputImage)
+                                             ("image_problem", None)))  # why rank 0 could not read them when it ran
 
 
 class RequestError(FieldError):
@@ -62,6 +65,18 @@ class RequestChecker:
         self.layers = layers if is_int(layers) else None      # a step cache's blocks must leave layers to skip
         self.context = context
         self._tokenizer = None
+        self._config = None
+
+    @property
+    def config(self) -> dict:
+        """config.json (which model runs: model_rules.py); {} when it does not read."""
+        if self._config is None:
+            try:
+                config = json.loads((self.model_id / "config.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                config = {}
+            self._config = config if isinstance(config, dict) else {}
+        return self._config
 
     def prompt_tokens(self, prompt: str) -> int:
         if self._tokenizer is None:
@@ -84,6 +99,12 @@ class RequestChecker:
         if task:
             field, what, fix = task
             return FieldError(field.replace('-', '_'), what, fix)
+        from utils.runtime.model_rules import request_problem
+        images = len(request.image_inputs if request.image_inputs is not None else request.image or ())
+        problem = request_problem(self.config, self.generation_config, images=images, bot_task=request.bot_task,
+                                  guidance_scale=request.guidance_scale)
+        if problem:
+            return problem
         if request.step_cache is not None:
             for field, what, fix in request.step_cache.problems(request.diff_infer_steps, self.layers):
                 return FieldError(f"step_cache.{field}", what, fix)
@@ -142,11 +163,25 @@ def read_lines(path: Path) -> list:
     return data.decode("utf-8").splitlines()
 
 
+def line_images(paths: tuple, folder: Path, rule: OutputRule, number: int) -> tuple:
+    """A line's image files, relative to the prompts file's folder: each checked (read whole, then
+    dropped: rank 0 reads it again when the line runs) and an input no output may land on."""
+    from utils.runtime.input_images import read_image
+    resolved = []
+    for given in paths:
+        image = folder / given                  # an absolute `given` stays itself
+        read_image(image)
+        rule.add_input("image", image, f"conditioning image of line {number}")
+        resolved.append(str(image))
+    return tuple(resolved)
+
+
 def read_prompts_file(path, defaults, save_dir, checker: Optional[RequestChecker] = None,
                       rule: Optional[OutputRule] = None) -> list:
     """Every request of a prompts file, checked; the first bad line raises RequestError naming it.
     `rule` (the job's output rule) also receives each line's outputs, so that two lines, or a line
     and an input file, never share one file."""
+    from adaptor_patches.text_phase import TEXT_TASKS
     path, save_dir = Path(path), Path(save_dir)
     lines = read_lines(path)
     rule = rule or OutputRule(None, [("prompts file", path)])
@@ -159,10 +194,12 @@ def read_prompts_file(path, defaults, save_dir, checker: Optional[RequestChecker
         try:
             entry = {name: REQUEST[name].check(value, base=getattr(defaults, name)) for name, value in entry.items()}
             save = prompts_file_save(entry.get("save") or f"{number:04d}_{slug(entry['prompt'])}.png", save_dir)
+            if entry.get("image"):
+                entry["image"] = line_images(entry["image"], path.parent, rule, number)
             fields = {k: v for k, v in entry.items() if k != "save"}
             request = replace(defaults, **fields, save=str(save), label=f"line {number}")
             task = request.bot_task or (checker.generation_config.get("bot_task") if checker else None)
-            if task in ("think", "recaption"):
+            if task in TEXT_TASKS:
                 request = replace(request, save_text=str(save.with_suffix(".txt")))
             rule.add("save", save, owner=f"line {number}")
             if request.save_text:

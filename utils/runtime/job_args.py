@@ -15,6 +15,7 @@ from utils.runtime import request_schema as schema
 
 DESCRIPTION = "Generate images with HunyuanImage-3.0 through the parallel adaptor."
 PATH_FLAGS = ("model_id", "prompts", "save_dir", "save", "metrics_json", "save_latents", "save_text")
+SYSTEM_PROMPTS = ("None", "dynamic", "en_vanilla", "en_recaption", "en_think_recaption", "en_unified", "custom")
 ON_OFF = {True: "on", False: "off"}
 
 
@@ -22,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = schema.OneLineParser("run_image_gen.py", description=DESCRIPTION)
     schema.add_arguments(p, ["prompt"])
     p.add_argument("--prompts", type=str, default=None,
-                   help="a prompts file: one prompt per line, or .jsonl lines with prompt and optionally seed, "
-                        "image_size, diff_infer_steps, bot_task, save, step_cache")
+                   help="a prompts file: one prompt per line, or .jsonl lines with prompt and optionally "
+                        + ", ".join(f.name for f in schema.REQUEST_FIELDS if f.name != "prompt"))
     p.add_argument("--save-dir", type=str, default="outputs/batch", help="where --prompts writes its images")
     p.add_argument("--skip-existing", action="store_true", help="--prompts: skip lines whose image exists")
     p.add_argument("--serve", action="store_true", help="serve POST /v1/images/generations until SIGTERM")
@@ -36,10 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'npu_grouped_matmul' (the cann-recipes name): the fused NPU expert kernels; on CPU / "
                         "CUDA the plain forms")
     schema.add_arguments(p, ["seed", "diff_infer_steps", "image_size"])
-    p.add_argument("--use-system-prompt", type=str, default=None,
-                   choices=["None", "dynamic", "en_vanilla", "en_recaption", "en_think_recaption", "custom"])
+    p.add_argument("--use-system-prompt", type=str, default=None, choices=SYSTEM_PROMPTS,
+                   help="default: the checkpoint's (en_unified: the Instruct model's)")
     p.add_argument("--system-prompt", type=str, default=None)
     schema.add_arguments(p, ["bot_task", "save", "verbose"])
+    schema.add_arguments(p, ["image", "guidance_scale"])             # issue 28: Instruct / Distil
+    p.add_argument("--infer-align-image-size", action="store_true",
+                   help="Instruct: the output takes the size of the (first) conditioning image, as upstream")
     p.add_argument("--reproduce", action="store_true")
     schema.add_arguments(p, ["rewrite"])
     p.add_argument("--sys-deepseek-prompt", default="universal", choices=["universal", "text_rendering"],
@@ -80,6 +84,8 @@ def from_model_args(margs: dict, resolve: Optional[Callable] = None) -> argparse
             continue
         if name == "multi_stream":
             value = ON_OFF.get(value, value)
+        elif name == "image":                   # a list or "a.png,b.png", each path resolved
+            value = tuple(str(resolve(p)) if resolve is not None else p for p in schema.REQUEST["image"].check(value))
         elif name in PATH_FLAGS and resolve is not None and isinstance(value, str):
             value = str(resolve(value))
         setattr(args, name, value)

@@ -5,12 +5,18 @@ field `model_args.<flag>`) or, for the layout, LayoutError. In this order:
 
   mode           exactly one of --prompt, --prompts, --serve, and only the flags that mode uses
   model files    config.json is there (its layer count: the step cache); generation_config.json
+                 (its diff_infer_steps: the steps when --diff-infer-steps is not given)
   step cache     --step-cache* against the steps and the model's layers
   system prompt  `custom` needs --system-prompt
   text task      think / recaption need the instruct template; --save-text needs a text task
+  model          --image, --infer-align-image-size, --bot-task, --guidance-scale against the
+                 checkpoint's model (utils/runtime/model_rules.py); where inputs are read (rank 0,
+                 the launcher) each --image file read and checked (utils/runtime/input_images.py)
   quant-compute  W8A8 off the NPU, where the device is named (`auto`: once the rank has resolved it)
   outputs        where outputs are written (rank 0, the launcher): the output rule over every output
-                 flag and every prompts-file line, each line's request rules, each path writable
+                 flag and every prompts-file line (never onto an input: the checkpoint, the YAML,
+                 the prompts file, an --image or a line's image), each line's request rules, each
+                 path writable
   layout         the flags and CFG_PARALLEL / USE_VAE_PARALLEL over the world size; heads and experts
                  against config.json, a CFG split against the guidance scale (full adaptor only)
 
@@ -58,6 +64,15 @@ class ModelFiles:
         return config.get("num_hidden_layers") if isinstance(config, dict) else None
 
     @property
+    def raw_config(self) -> dict:
+        """config.json as JSON ({} when it does not read: the checkpoint check reports that)."""
+        try:
+            config = json.loads((self.directory / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return config if isinstance(config, dict) else {}
+
+    @property
     def generation_config(self) -> dict:
         if self._generation_config is None:
             path = self.directory / "generation_config.json"
@@ -88,6 +103,7 @@ class CheckedJob:
     step_cache: object               # StepCacheSettings: every request's default
     requests: Optional[list]         # --prompts where outputs are written: every line, checked
     files: Optional[ModelFiles]      # None: the launcher's checkpoint is still to be built
+    images: Optional[tuple] = None   # --image's files (InputImage), read where inputs are read (rank 0)
 
     @property
     def mode(self) -> str:
@@ -104,15 +120,21 @@ def check_job(args, *, world_size: int, env: Mapping, writes_outputs: bool, inpu
     from utils.runtime import api_key
     args.api_key = api_key.from_args(args, env)       # an ApiKey (prints as <hidden>) or None
     files = ModelFiles(args.model_id) if model_ready else None
+    if files is not None and args.diff_infer_steps is None:          # the checkpoint's (Instruct-Distil: 8)
+        from utils.runtime.model_rules import default_steps
+        from utils.runtime.request_schema import REQUEST
+        args.diff_infer_steps = default_steps(files.generation_config, REQUEST["diff_infer_steps"])
     args.step_cache = job_step_cache(args, files.layers if files else None)
     if args.use_system_prompt == "custom" and not args.system_prompt:
         raise FieldError("system-prompt", "required with --use-system-prompt custom", "")
     if files is not None:
         check_text_task(args.bot_task, args.save_text is not None, files.generation_config)
+    images = check_model_request(args, files, read=writes_outputs)
     check_quant_compute(args.device, args.quant_compute)
-    requests = check_outputs(args, files, inputs) if writes_outputs else None
+    image_inputs = [("conditioning image", path) for path in args.image or ()]
+    requests = check_outputs(args, files, [*inputs, *image_inputs]) if writes_outputs else None
     layout = job_layout(args, world_size, env, files)
-    return CheckedJob(args, layout, args.step_cache, requests, files)
+    return CheckedJob(args, layout, args.step_cache, requests, files, images)
 
 
 def check_mode(args, resolve: Callable) -> None:
@@ -130,6 +152,9 @@ def check_mode(args, resolve: Callable) -> None:
                 raise FieldError(flag(name), f"only with --prompts; {mode} has no prompts file", "drop it")
     if mode == "--prompt":
         return
+    if args.image is not None:
+        raise FieldError("image", "only with --prompt", "a prompts-file line names its own images (\"image\": [...])"
+                         if mode == "--prompts" else "send the images to POST /v1/images/edits")
     for name, default in SINGLE_ONLY.items():
         if getattr(args, name) != default:
             writes = "one file per image into --save-dir" if mode == "--prompts" else "nothing"
@@ -154,6 +179,26 @@ def check_text_task(bot_task, save_text: bool, generation_config: dict) -> None:
     problem = text_task_problem(bot_task, save_text, generation_config)
     if problem:
         raise FieldError(*problem)
+
+
+def check_model_request(args, files: Optional[ModelFiles], read: bool) -> Optional[tuple]:
+    """--image, --infer-align-image-size, --bot-task, --guidance-scale against the checkpoint's model
+    (every rank); where `read` (rank 0, the launcher) each --image file read and checked: its
+    InputImage, which run_image_gen.py broadcasts to the other ranks."""
+    if args.infer_align_image_size and args.prompt is not None and not args.image:
+        raise FieldError("infer-align-image-size", "needs --image (upstream aligns the output to the first "
+                         "conditioning image)", "add --image a.png, or drop it")
+    if files is not None:
+        from utils.runtime.model_rules import request_problem
+        problem = request_problem(files.raw_config, files.generation_config, images=len(args.image or ()),
+                                  bot_task=args.bot_task, guidance_scale=args.guidance_scale,
+                                  infer_align=args.infer_align_image_size)
+        if problem:
+            raise problem.renamed(flag(problem.field))
+    if not (read and args.image):
+        return None
+    from utils.runtime.input_images import read_images
+    return read_images(args.image)
 
 
 def check_quant_compute(device: str, quant_compute: str) -> None:

@@ -71,7 +71,8 @@ def run_many(args, requests, model, dist, rank, server, log, generate, is_collec
         loop.run(pull=None, deliver=None)
         return 0
     server.loaded.set()
-    log(f"ready: POST {server.address}/v1/images/generations")
+    edits = " and /v1/images/edits" if server.model_card()["data"][0]["capabilities"]["conditioning_images"] else ""
+    log(f"ready: POST {server.address}/v1/images/generations{edits}")
     try:
         loop.run(server.pull, server.deliver)
     except Exception as exc:             # a rank lost or the ranks disagreeing: the running request hears it

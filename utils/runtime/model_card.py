@@ -3,14 +3,15 @@
 OpenAI's list shape ({"object": "list", "data": [{"id", "object": "model", "created", "owned_by"}]})
 with our `capabilities`: the sizes (auto and the model's resolution buckets, as OpenAI writes them:
 WIDTHxHEIGHT), the steps range, the bot tasks this checkpoint can run, the step-cache modes, the
-seed range, n, and how many conditioning images POST /v1/images/edits takes. The page builds its
-form from it; any client may.
+seed range, n, the guidance scale, and how many conditioning images POST /v1/images/edits takes (0
+for the base model; 3 for Instruct). The page builds its form from it; any client may.
 """
 from __future__ import annotations
 
 import json
 
-from utils.runtime.request_schema import BOT_TASKS, MAX_STEPS, REQUEST, SEED_RANGE
+from utils.runtime.model_rules import is_distilled, request_problem, takes_images
+from utils.runtime.request_schema import BOT_TASKS, MAX_GUIDANCE, MAX_IMAGES, MAX_STEPS, REQUEST, SEED_RANGE
 
 OWNER = "hunyuan-image-adaptor"
 
@@ -23,8 +24,8 @@ def resolution_buckets(image_base_size: int) -> list:
 
 def conditioning_image_limit(config: dict, generation_config: dict) -> int:
     """How many images condition one generation on this checkpoint: 0 for the base model (text to
-    image only). Issue 28 (HunyuanImage-3.0-Instruct) answers from the checkpoint here."""
-    return 0
+    image only), upstream's 3 for HunyuanImage-3.0-Instruct and Instruct-Distil."""
+    return MAX_IMAGES if takes_images(config) else 0
 
 
 def api_size(image_size: str) -> str:
@@ -39,7 +40,8 @@ def model_card(checker, defaults, max_n: int) -> dict:
     from adaptor_patches.text_phase import text_task_problem
     config = json.loads((checker.model_id / "config.json").read_text(encoding="utf-8"))
     generation = checker.generation_config
-    tasks = [task for task in BOT_TASKS if text_task_problem(task, False, generation) is None]
+    tasks = [task for task in BOT_TASKS if text_task_problem(task, False, generation) is None
+             and request_problem(config, generation, bot_task=task) is None]
     step_cache = defaults.step_cache.mode if defaults.step_cache is not None else "none"
     capabilities = {
         "sizes": ["auto", *resolution_buckets(config["image_base_size"])],
@@ -51,6 +53,9 @@ def model_card(checker, defaults, max_n: int) -> dict:
         "step_cache": list(REQUEST["step_cache"].choices),
         "default_step_cache": step_cache,
         "max_n": max_n,
+        "guidance_scale": {"above": 0.0 if is_distilled(config) else 1.0, "max": MAX_GUIDANCE,
+                           "default": defaults.guidance_scale or generation.get("diff_guidance_scale"),
+                           "distilled": is_distilled(config)},
         "conditioning_images": conditioning_image_limit(config, generation),     # most images an edit takes
     }
     card = {"id": checker.model_id.resolve().name, "object": "model",

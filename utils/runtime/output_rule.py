@@ -1,7 +1,8 @@
 """The one output rule, checked before any weight is read in every mode (one image, prompts file, server).
 
 An output never lands inside the model directory or on an input file (checkpoint files, config
-YAML, prompts file), and the outputs of one job are distinct files. Paths are compared as their
+YAML, prompts file, conditioning images: --image and each prompts-file line's), and the outputs of
+one job are distinct files. Paths are compared as their
 resolved real paths, so `..`, symlinks and a symlinked parent are seen through. A prompts-file
 `save` is a relative path that stays under --save-dir.
 """
@@ -48,6 +49,16 @@ class OutputRule:
         if resolved in self.outputs:
             raise FieldError(field, f"{path} is also {self.outputs[resolved]}'s output", "give each output its own file")
         self.outputs[resolved] = owner or field
+        return resolved
+
+    def add_input(self, field: str, path, what: str) -> Path:
+        """One more input found while reading (a prompts-file line's image): refused when an output
+        already named is that file; outputs named later are checked against it by add."""
+        resolved = real(path)
+        if resolved in self.outputs:
+            raise FieldError(field, f"{path} is {self.outputs[resolved]}'s output, and an input here",
+                             "an output never overwrites an input: give that output another path")
+        self.inputs.setdefault(resolved, what)
         return resolved
 
 

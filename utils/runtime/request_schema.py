@@ -31,7 +31,9 @@ SEED_RANGE = (0, 2**32 - 1)
 MAX_STEPS = 1000
 MAX_IMAGE_SIDE = 16384
 MAX_DIST_TIMEOUT_S = 7 * 24 * 3600.0
-BOT_TASKS = ("image", "auto", "think", "recaption")
+BOT_TASKS = ("image", "auto", "think", "recaption", "think_recaption")     # think_recaption: the Instruct model's
+MAX_IMAGES = 3                  # conditioning images upstream's Instruct model takes (utils/runtime/input_images.py)
+MAX_GUIDANCE = 100.0
 IMAGE_SIZE = re.compile(r"([0-9]+)[x:]([0-9]+)\Z")
 
 
@@ -61,7 +63,8 @@ def utf8_problem(text: str) -> Optional[str]:
 @dataclass(frozen=True)
 class Field:
     name: str                       # the attribute / prompts-file key (diff_infer_steps)
-    kind: str                       # "text", "int", "float", "choice", "image_size", "path", "secret", "env_name"
+    kind: str                       # "text", "int", "float", "choice", "image_size", "path", "images", "secret",
+    #                                 "env_name"
     default: Any = None
     help: str = ""
     low: Optional[float] = None
@@ -126,6 +129,8 @@ class Field:
             if too_low or (self.high is not None and value > self.high):
                 self.refuse(what, field=name)
             return value
+        if self.kind == "images":
+            return self.check_images(value, name)
         if not isinstance(value, str):
             self.refuse(f"{value!r} is not text", field=name)
         bad = utf8_problem(value)
@@ -150,6 +155,27 @@ class Field:
             if not value.strip() or value.endswith(("/", "\\")):
                 self.refuse(f"{value!r} is not a file name", field=name)
         return value
+
+    def check_images(self, value, name: str) -> tuple:
+        """Image file names: "a.png,b.png" (upstream's --image) or a list; each stripped, empty ones
+        dropped (as upstream does); 1..MAX_IMAGES of them. The files are input_images.py's to check."""
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            self.refuse(f"{value!r} is not a file name or a list of them", field=name)
+        paths = []
+        for item in items:
+            if not isinstance(item, str):
+                self.refuse(f"{item!r} is not a file name", field=name)
+            if "\0" in item or utf8_problem(item):
+                self.refuse(f"{ascii(item)} is not a file name (a NUL byte or not UTF-8)", field=name)
+            if item.strip():
+                paths.append(item.strip())
+        if not paths:
+            self.refuse(f"{value!r} names no file", field=name)
+        if len(paths) > MAX_IMAGES:
+            self.refuse(f"{len(paths)} images; the Instruct model takes 1 to {MAX_IMAGES}", "give at most "
+                        f"{MAX_IMAGES} (upstream's limit)", field=name)
+        return tuple(paths)
 
     def rename_note(self, value) -> Optional[str]:
         """One `note:` line when `value` is an old name of a choice, else None."""
@@ -188,15 +214,24 @@ REQUEST_FIELDS = (
     Field("seed", "int", None, "random seed (rank 0 picks one when left out)", *SEED_RANGE, optional=True,
           example="42", api_name="seed"),
     Field("image_size", "image_size", "auto", "auto, HxW or H:W", example="1024x1024"),
-    Field("diff_infer_steps", "int", 50, "denoising steps", 1, MAX_STEPS, example="50", api_name="steps"),
-    Field("bot_task", "choice", None, "image, auto, think or recaption", choices=BOT_TASKS, optional=True,
-          api_name="bot_task"),
+    Field("diff_infer_steps", "int", None, "denoising steps (default: the checkpoint's diff_infer_steps; 50, "
+          "Instruct-Distil 8)", 1, MAX_STEPS, optional=True, example="50", api_name="steps"),
+    Field("bot_task", "choice", None, "image, auto, think, recaption or think_recaption (Instruct); default: the "
+          "checkpoint's", choices=BOT_TASKS, optional=True, api_name="bot_task"),
     Field("save", "path", None, "where the image is written (--prompt: default image.png)", optional=True,
           example="fox.png"),
     Field("step_cache", "step_cache", None, "fewer full forwards per image (docs/STEP_CACHE.md): taylor forecasts "
           "the prediction between full steps, adaptive skips the later layers when the first ones barely change; "
           "a line or a body may give an object of settings", choices=STEP_CACHE_MODES, optional=True,
           api_name="step_cache"),
+)
+REQUEST_FIELDS += (       # issue 28: the Instruct model's conditioning images and guidance
+    Field("image", "images", None, "Instruct: the image(s) to edit or condition on, a.png[,b.png,c.png] (1 to "
+          f"{MAX_IMAGES}; a prompts-file line: a list, relative to the prompts file's folder)", optional=True,
+          example="a.png or a.png,b.png"),
+    Field("guidance_scale", "float", None, "classifier-free guidance scale (Instruct-Distil: the guidance token's "
+          "value); default: the checkpoint's diff_guidance_scale", 0, MAX_GUIDANCE, optional=True, example="5.0",
+          api_name="guidance_scale"),
 )
 REQUEST = {f.name: f for f in REQUEST_FIELDS}
 
@@ -283,6 +318,8 @@ def add_arguments(parser: argparse.ArgumentParser, names, **defaults) -> None:
         kwargs = dict(default=default, help=spec.help or None, type=_Checked(spec))
         if spec.kind in ("choice", "step_cache"):
             kwargs["metavar"] = "{" + ",".join(spec.choices) + "}"
+        if spec.kind == "images":
+            kwargs["metavar"] = "A.png[,B.png,C.png]"
         parser.add_argument(f"--{spec.flag}", **kwargs)
 
 

@@ -151,6 +151,7 @@ class Layout:
     moe: str = "replicated"           # replicated | tp | ep, over the tp ranks of a branch
     vae_parallel: bool = False
     ulysses: int = 1                  # Ulysses degree within a branch (1: none)
+    sequence_shares: bool = True      # False: rows replicated between layers under MoE EP (the design before issue 29)
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -168,14 +169,17 @@ class Layout:
         if self.tp % self.ulysses:
             raise LayoutError(f"ulysses: degree {self.ulysses} does not divide the {self.tp} ranks of a CFG branch; "
                               f"use one of {divisors(self.tp)}")
+        if self.ulysses > 1 and not self.sequence_shares:
+            raise LayoutError("sequence-shares: off, but Ulysses attention starts and ends on sequence shares; "
+                              "turn sequence shares on or drop --ulysses")
 
     @classmethod
     def from_flags(cls, world_size: int, cfg_parallel=False, moe_tp=False, moe_ep=False, vae_parallel=False,
-                   ulysses: int = 1):
+                   ulysses: int = 1, sequence_shares: bool = True):
         if moe_tp and moe_ep:
             raise LayoutError("moe-tp/moe-ep: both set; they are exclusive, keep one")
         moe = "tp" if moe_tp else "ep" if moe_ep else "replicated"
-        return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel), ulysses)
+        return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel), ulysses, bool(sequence_shares))
 
     @classmethod
     def from_degrees(cls, tp_attn: int, tp_moe: int = 1, ep: int = 1, ulysses: int = 1) -> "Layout":
@@ -266,8 +270,9 @@ class Layout:
         end on sequence shares). Not under MoE TP or a replicated MoE: a ring all-reduce is a
         reduce-scatter plus an all-gather, so the gather / scatter pair around attention (and
         around the TP experts) moves exactly today's all-reduce bytes; the issue's rule shards
-        under MoE TP only where it saves bytes, and there it saves none."""
-        return self.tp > 1 and (self.moe_mode == "ep" or self.ulysses > 1)
+        under MoE TP only where it saves bytes, and there it saves none. `sequence_shares` False
+        keeps the rows replicated under MoE EP (the design before; --sequence-shares off)."""
+        return self.tp > 1 and self.sequence_shares and (self.moe_mode == "ep" or self.ulysses > 1)
 
     def shards_forward(self, query_len: int) -> bool:
         """Does a forward of `query_len` positions per batch row hold sequence shares between its
@@ -420,4 +425,5 @@ class Layout:
     def describe(self) -> dict:
         return {"world_size": self.world_size, "cfg_degree": self.cfg, "tp_degree": self.tp,
                 "moe_mode": self.moe_mode, "moe_degree": self.moe_degree, "vae_parallel": self.vae_parallel,
-                "ulysses": self.ulysses, "sequence_sharded": self.sequence_sharded}
+                "ulysses": self.ulysses, "sequence_shares": self.sequence_shares,
+                "sequence_sharded": self.sequence_sharded}

@@ -1,5 +1,5 @@
 """Sequence shares and Ulysses attention, layer by layer (issue 29: hunyuan.py, parallel/sequence.py,
-parallel/ulysses.py, moe/dispatch.py).
+parallel/ulysses.py).
 
 Attention: upstream's HunyuanImage3SDPAAttention (compat shims only) and the patched layer on every
 rank of 4 real gloo ranks load the same full state_dict (each rank's share cut by the one weight
@@ -15,17 +15,14 @@ the KV cache per head shard. The collectives each step hands torch.distributed a
 shares a gather and a reduce-scatter (attention TP) or the head all-to-alls (Ulysses), never an
 all-reduce.
 
-MoE: the patched layer's outputs on sequence shares (2 ranks: EP, and TP as under Ulysses) are today's
-layer outputs (tests/data/moe_outputs_5136610.safetensors) restricted to the rank's rows, bit for bit
-on the build that wrote them (2 ranks: the shares are today's EP chunks, and a 2-rank reduce-scatter
-adds the same two partial sums as the all-reduce).
+The MoE layer on sequence shares: tests/test_moe_outputs_unchanged.py.
 
 Mutations checked against these tests (each put in by hand, the test failing, then restored):
 o_proj's reduce-scatter replaced by an all-reduce and the rank's rows sliced out of it (the right
 values: the kinds check fails); layout.token_share off by one row on one rank (errors 0.5-0.6); the
 q / k / v all-to-all's destination blocks reversed, and the returned blocks reversed (the Ulysses
-layouts fail); the MoE TP reduce-scatter replaced by an all-reduce (the MoE test fails). Relabelling
-which heads each Ulysses rank gets, consistently on every rank, is no bug and passes.
+layouts fail). Relabelling which heads each Ulysses rank gets, consistently on every rank, is no bug
+and passes.
 """
 import pytest
 import torch
@@ -137,46 +134,3 @@ def test_attention_on_shares_and_ulysses_returns_upstreams_rows():
                              (["all_gather", "reduce_scatter"] if attention_tp > 1 else []))
             assert kinds[:2] == [sharded, sharded], (what, kinds)
             assert kinds[2] == ["all_reduce"], (what, kinds)              # the decode: every row, one all-reduce
-
-
-# ---------------------------------------------------------------- the MoE layer on shares
-
-def moe_on_shares(rank, world_size, moe_mode):
-    """{case name: this rank's output rows} of the patched layer handed its share of the sequence."""
-    from adaptor_patches.parallel.sequence import SequenceShards, SequenceSlot, shard_rows
-    from test_moe_layer import _kernels, moe_config, patched_layer, upstream_case
-    from test_moe_outputs_unchanged import CASES, FORMS
-    torch.set_num_threads(1)
-    model_adaptor.apply("cpu", shims_only=True)
-    references = [upstream_case(i, case) for i, case in enumerate(CASES)]
-    device = model_adaptor.apply("cpu")
-    layout = Layout(world_size, 1, moe_mode, ulysses=1 if moe_mode == "ep" else world_size)     # both on shares
-    outputs = {}
-    try:
-        for form in FORMS:
-            context = RankContext(layout, rank, device, kernels=_kernels(form))
-            for case, (state, x, _) in zip(CASES, references):
-                dtype, experts, topk, _ = case
-                layer = patched_layer(moe_config(experts, topk), context, state, getattr(torch, dtype))
-                layer.sequence_slot = SequenceSlot()
-                layer.sequence_slot.shards = SequenceShards(layout, rank, x.shape[0], x.shape[1])
-                with torch.no_grad():
-                    outputs[f"{moe_mode}/{form}/" + "/".join(map(str, case))] = \
-                        (layer(shard_rows(x, layer.sequence_slot.shards)), layer.sequence_slot.shards.local)
-    finally:
-        model_adaptor.remove()
-    return outputs
-
-
-@pytest.mark.slow
-def test_moe_layer_on_shares_gives_todays_outputs_for_its_rows():
-    from safetensors.torch import load_file
-    from test_moe_outputs_unchanged import GOLDEN, _close, same_build_as_golden
-    golden = load_file(str(GOLDEN))
-    exact = same_build_as_golden()
-    for mode in ("ep", "tp"):
-        for rank, outputs in enumerate(run_ranks(2, moe_on_shares, mode)):
-            for name, (out, rows) in outputs.items():
-                expected = golden[name].reshape(-1, golden[name].shape[-1])[rows].unsqueeze(0)
-                same = torch.equal(out, expected) if exact or not out.numel() else _close(out, expected)
-                assert out.shape == expected.shape and same, (rank, name)

@@ -2,9 +2,12 @@
 
 Reading PATCHES tells a newcomer the whole story: each row rebinds one upstream attribute to a
 replacement built from `adaptor_patches/`, whose files are named after the upstream files they
-patch (hunyuan.py, autoencoder_kl_3d.py) plus the shims (compat.py) and the text phase
-(text_phase.py). `apply(device)` installs them (idempotent; nothing happens at import time),
-`remove()` restores every original. Which split a model is built for is not decided here: the
+patch (hunyuan.py, autoencoder_kl_3d.py) plus the shims (compat.py; compat_base.py: the base model on
+1ea1526's pipeline; compat_instruct.py: the Instruct model on transformers 5) and the text phase
+(text_phase.py). Upstream 1ea1526 has two model files, the base model's `hunyuan.py` and the Instruct
+model's `modeling_hunyuan_image_3.py` (adaptor_patches/model_family.py picks one per checkpoint): the
+same replacement functions are rebound on the same classes of both (`_model_rows`).
+`apply(device)` installs them (idempotent; nothing happens at import time), `remove()` restores every original. Which split a model is built for is not decided here: the
 loader builds each model for one RankContext (adaptor_patches/parallel/context.py).
 
 `apply(device, shims_only=True)` installs only the compat shims: that is the "upstream eager"
@@ -12,6 +15,7 @@ reference the equivalence tests and benchmarks compare against.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import os
@@ -19,16 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from adaptor_patches import autoencoder_kl_3d, compat, hunyuan, text_phase
+from adaptor_patches import autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, text_phase
 from adaptor_patches.kernels import device as device_mod
 from adaptor_patches.kernels.device import Device
 
-UPSTREAM_COMMIT = "62da220178f4b0b7d83e91665a46a20a3ee4f7cd"
+UPSTREAM_COMMIT = "1ea1526fe6d953ef44712b31014b60137bab0894"
 ALLOW_MISMATCH_ENV = "HUNYUAN_ADAPTOR_ALLOW_UPSTREAM_MISMATCH"
-PINNED_UPSTREAM_SHA256 = {
+PINNED_UPSTREAM_SHA256 = {      # every upstream file a row of PATCHES patches (utils/stage_upstream.sh checks three)
+    "hunyuan_image_3": "a0ee7fc23ed4818570a3c91b12a5396e9a2fdb12737120aa0c5fcd2cf249309d",
     "hunyuan_image_3.hunyuan": "89ba90331b5d8ef4a76d65585328ed6ad96197c4505b8fa1d3de670d2964d636",
-    "hunyuan_image_3.hunyuan_image_3_pipeline": "fc67624b8ca97f7cf1428b0c86cefa531086388004f14405d01df798bde95aa5",
-    "hunyuan_image_3.autoencoder_kl_3d": "38a506340cff50139c3942b07d72e7ec3ba62958f30bc72da65bcc9e8d50a9c0",
+    "hunyuan_image_3.modeling_hunyuan_image_3": "8bef90aa2166525ee719fcc33b515cb1f6566c852b4578722a69853bc88c4cc5",
+    "hunyuan_image_3.hunyuan_image_3_pipeline": "d2c440805d40958d0f339438421b57051a7d448f16ee7592bb4fab8c5c5c8a6b",
+    "hunyuan_image_3.autoencoder_kl_3d": "35a05d27e133125f048037252e8fb22acdb67a7ae4b1d7eb946430ae543997d3",
+    "hunyuan_image_3.image_processor": "3ecfa426ca7796d89bed94acff96e0b0ca732b8fb9d033abca8e7a4302169e51",
+    "hunyuan_image_3.tokenization_hunyuan_image_3": "c808ac9995668ed2d94ed50a2c5c6dab91406fd518ea523447b651ee27a36753",
+    "hunyuan_image_3.siglip2": "e8956a331d45ab31bb169489548c983178dd0914b94b9bfe89d9553421b8d6f4",
 }
 
 
@@ -41,68 +50,112 @@ class Patch:
     shim: bool = False              # part of the minimal set upstream needs to run off CUDA
 
 
-H = "hunyuan_image_3.hunyuan"
+H = "hunyuan_image_3.hunyuan"                       # the base model (unchanged since 62da220)
+I = "hunyuan_image_3.modeling_hunyuan_image_3"      # the Instruct and Instruct-Distil model (1ea1526)
 PIPE = "hunyuan_image_3.hunyuan_image_3_pipeline"
 VAE = "hunyuan_image_3.autoencoder_kl_3d"
+IMAGES = "hunyuan_image_3.image_processor"          # 1ea1526's: the Instruct model's only
+SIGLIP = "hunyuan_image_3.siglip2"
+
+
+def _model_rows(M: str, text_call: str) -> tuple:
+    """The rows each model file gets: the same replacement for its class of the same name.
+    `text_call` is the method that runs one generation (base: `_generate`; Instruct: `generate`)."""
+    mm = f"{M}:HunyuanImage3ForCausalMM"
+    return (
+        Patch(M, "torch", compat.device_neutral_torch,
+              "torch.cuda.set_device / autocast('cuda') / the noise generator follow the device we run on", shim=True),
+        Patch(M, "nvtx", compat.nvtx_for, "nvtx ranges are no-ops off CUDA", shim=True),
+        Patch(f"{M}:HunyuanStaticCache", "update", compat.static_cache_update,
+              "transformers 5 StaticLayer.lazy_initialization(keys, values) signature", shim=True),
+        Patch(f"{M}:HunyuanImage3PreTrainedModel", "_init_weights", compat.init_weights_skip_loaded,
+              "transformers 5.3-5.12 re-run upstream's in-place init on loaded weights of a directly imported class",
+              shim=True),
+        Patch(mm, "_update_model_kwargs_for_generation", compat.generation_kwargs_keep_use_cache,
+              "transformers 5's _sample reads model_kwargs['use_cache'], which upstream's update drops", shim=True),
+        # The text phase (think / recaption / ratio token): in the shims-only reference too, since
+        # transformers 5 ignores upstream's seeded generator and every process would sample its own text.
+        Patch(mm, "_get_logits_processor", text_phase.logits_processor_with_shared_sampler,
+              "text tokens chosen on global rank 0 from the job's seed, broadcast to every rank", shim=True),
+        Patch(mm, text_call, text_phase.generate_recording_text,
+              "text calls fitted to the context and recorded (tokens, time)", shim=True),
+        Patch(mm, "generate_image", text_phase.generate_image_in_text_phase,
+              "one TextPhase per image; its text, ratio and timing left on model.last_text_phase", shim=True),
+        Patch(mm, "__init__", hunyuan.causal_mm_init,
+              "the whole model (text model, layers, VAE) built for one RankContext, kept as model.rank_context"),
+        Patch(mm, "from_pretrained", hunyuan.causal_mm_from_pretrained,
+              "the one weight path: this rank's slices of an original or converted checkpoint, read lazily"),
+        Patch(mm, "forward", hunyuan.causal_mm_forward,
+              "CFG parallel: gen_image steps run this rank's half (cond | uncond) of the batch; "
+              "diffusion_prediction all-gathered over the cfg pair; under a taylor step cache the "
+              "steps off its schedule are forecast, not computed (adaptor_patches/step_cache.py); under a denoise "
+              "watch (--serve) each step reports progress and stops on a cancel all ranks agree on "
+              "(adaptor_patches/denoise_watch.py)"),
+        Patch(f"{M}:HunyuanImage3Model", "__init__", hunyuan.model_init,
+              "one shared-MLP side stream, injected into every layer's MoE; the step-cache and sequence slots "
+              "its layers share"),
+        Patch(f"{M}:HunyuanImage3Model", "forward", hunyuan.model_forward,
+              "sequence shares (MoE EP, Ulysses): each rank holds its share of the rows between decoder layers, "
+              "cut before the first layer, one all-gather after the last; the one-token decode keeps every row"),
+        Patch(f"{M}:HunyuanImage3DecoderLayer", "forward", hunyuan.decoder_layer_forward,
+              "adaptive step cache: on a step all ranks agreed to skip, the layers after the first `blocks` "
+              "add the last full step's residual delta instead of running (otherwise upstream's layer)"),
+        Patch(f"{M}:HunyuanImage3SDPAAttention", "__init__", hunyuan.attention_init,
+              "attention TP: this rank's KV groups (or its query heads of a replicated KV head) of the "
+              "interleaved qkv_proj, row-parallel o_proj (whole for a Ulysses group); the device's attention "
+              "kernel; under Ulysses the head exchange"),
+        Patch(f"{M}:HunyuanImage3SDPAAttention", "forward", hunyuan.attention_forward,
+              "upstream's attention on the local heads through the kernel set; rows replicated: one all-reduce "
+              "after o_proj; on sequence shares: the shares gathered into qkv_proj, o_proj reduce-scattered "
+              "(kernels' all_gather_matmul / matmul_reduce_scatter), Ulysses' head all-to-alls between"),
+        Patch(f"{M}:HunyuanMoE", "__init__", hunyuan.moe_init,
+              "experts stacked for grouped matmul (this rank's EP/TP share), shared MLP split under TP, "
+              "a token dispatcher (replicated / TP all-reduce / EP all-to-all), the shared-MLP piece (its stream "
+              "and two events) and the kernel set chosen once"),
+        Patch(f"{M}:HunyuanMoE", "forward", hunyuan.moe_forward,
+              "shared MLP started (side stream), gate, dispatch, experts, combine, the one add of the shared "
+              "output; on sequence shares the local rows (EP: no chunking, no all-gather)"),
+    )
+
 
 PATCHES = (
-    Patch(H, "torch", compat.device_neutral_torch,
-          "torch.cuda.set_device / autocast('cuda') follow the device we run on", shim=True),
+    *_model_rows(H, text_call="_generate"),
+    # The base model on 1ea1526's pipeline and image processor, which no longer serve it (compat_base.py).
+    Patch(H, "HunyuanImage3ImageProcessor", compat_base.base_image_processor,
+          "62da220's image processor semantics (base sizes below 256, build_image_info, reso_group)", shim=True),
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "prepare_inputs_for_generation", compat_base.prepare_inputs_for_new_pipeline,
+          "1ea1526's denoising loop passes timesteps= and input_ids=None after the first step", shim=True),
+    Patch(f"{H}:HunyuanImage3ForCausalMM", "use_taylor_cache", compat_base.no_taylor_cache,
+          "1ea1526's pipeline reads model.use_taylor_cache (upstream's own Taylor cache, Instruct only)", shim=True),
+    *_model_rows(I, text_call="generate"),
+    Patch(f"{I}:HunyuanImage3ForCausalMM", "load_tokenizer", compat_instruct.load_tokenizer_with_merges,
+          "the tokenizer built around tokenizer.json's own BPE (transformers 5 drops its merges: byte-level ids)",
+          shim=True),
+    Patch(f"{I}:HunyuanImage3ForCausalMM", "dtype", compat.dtype_of_transformer,
+          "the model's dtype is its transformer's, not the VAE's (fp32 on CPU, compat.vae_in_own_dtype)", shim=True),
+    Patch(f"{IMAGES}:HunyuanImage3ImageProcessor", "__init__", compat_instruct.vit_processor_returns_tensors,
+          "its SigLIP2 processor asked for tensors (transformers 5.3+ returns lists unless asked)", shim=True),
+    Patch(SIGLIP, "_prepare_4d_attention_mask", compat_instruct.padding_mask_4d,
+          "the SigLIP2 padding mask without transformers 5.2.0's broken deprecation log (a logging error)",
+          shim=True),
+    Patch(f"{I}:HunyuanImage3ForCausalMM", "prepare_model_inputs", text_phase.prepare_model_inputs_seeded,
+          "the text calls' conditioning latents drawn from the job's seed (upstream: Python's global random)",
+          shim=True),
+    # The files both models share.
     Patch(PIPE, "torch", compat.device_neutral_torch,
           "autocast('cuda') in the denoise loop and VAE decode follows our device", shim=True),
-    Patch(H, "nvtx", compat.nvtx_for, "nvtx ranges are no-ops off CUDA", shim=True),
-    Patch(f"{VAE}:AutoencoderKLConv3D", "decode", compat.vae_decode_in_own_dtype,
+    Patch(PIPE, "print", compat.quiet_pipeline_print,
+          "the denoising loop's per-image print of its Taylor-cache settings is dropped", shim=True),
+    Patch(f"{PIPE}:HunyuanImage3Text2ImagePipeline", "__call__", compat_instruct.pipeline_call_honours_steps,
+          "generate_image(diff_infer_steps=, diff_guidance_scale=) decide (the Instruct model passed only its "
+          "generation config's)", shim=True),
+    Patch(VAE, "torch", compat.vae_module_torch,
+          "torch.empty(device='cuda') in the VAE's __init__ follows our device; decode keeps its image on every "
+          "rank (upstream returns an empty tensor on ranks other than 0)", shim=True),
+    Patch(f"{VAE}:AutoencoderKLConv3D", "decode", compat.vae_in_own_dtype,
           "latents enter the VAE in its own dtype", shim=True),
-    Patch(f"{H}:HunyuanStaticCache", "update", compat.static_cache_update,
-          "transformers 5 StaticLayer.lazy_initialization(keys, values) signature", shim=True),
-    Patch(f"{H}:HunyuanImage3PreTrainedModel", "_init_weights", compat.init_weights_skip_loaded,
-          "transformers 5.3-5.12 re-run upstream's in-place init on loaded weights of a directly imported class",
-          shim=True),
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "_update_model_kwargs_for_generation",
-          compat.generation_kwargs_keep_use_cache,
-          "transformers 5's _sample reads model_kwargs['use_cache'], which upstream's update drops", shim=True),
-    # The text phase (think / recaption / ratio token): in the shims-only reference too, since
-    # transformers 5 ignores upstream's seeded generator and every process would sample its own text.
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "_get_logits_processor", text_phase.logits_processor_with_shared_sampler,
-          "text tokens chosen on global rank 0 from the job's seed, broadcast to every rank", shim=True),
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "_generate", text_phase.generate_recording_text,
-          "text calls fitted to the context and recorded (tokens, time)", shim=True),
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "generate_image", text_phase.generate_image_in_text_phase,
-          "one TextPhase per image; its text, ratio and timing left on model.last_text_phase", shim=True),
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "__init__", hunyuan.causal_mm_init,
-          "the whole model (text model, layers, VAE) built for one RankContext, kept as model.rank_context"),
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "from_pretrained", hunyuan.causal_mm_from_pretrained,
-          "the one weight path: this rank's slices of an original or converted checkpoint, read lazily"),
-    Patch(f"{H}:HunyuanImage3ForCausalMM", "forward", hunyuan.causal_mm_forward,
-          "CFG parallel: gen_image steps run this rank's half (cond | uncond) of the batch; "
-          "diffusion_prediction all-gathered over the cfg pair; under a taylor step cache the "
-          "steps off its schedule are forecast, not computed (adaptor_patches/step_cache.py); under a denoise "
-          "watch (--serve) each step reports progress and stops on a cancel all ranks agree on "
-          "(adaptor_patches/denoise_watch.py)"),
-    Patch(f"{H}:HunyuanImage3Model", "__init__", hunyuan.model_init,
-          "one shared-MLP side stream, injected into every layer's MoE; the step-cache and sequence slots "
-          "its layers share"),
-    Patch(f"{H}:HunyuanImage3Model", "forward", hunyuan.model_forward,
-          "sequence shares (MoE EP, Ulysses): each rank holds its share of the rows between decoder layers, "
-          "cut before the first layer, one all-gather after the last; the one-token decode keeps every row"),
-    Patch(f"{H}:HunyuanImage3DecoderLayer", "forward", hunyuan.decoder_layer_forward,
-          "adaptive step cache: on a step all ranks agreed to skip, the layers after the first `blocks` "
-          "add the last full step's residual delta instead of running (otherwise upstream's layer)"),
-    Patch(f"{H}:HunyuanImage3SDPAAttention", "__init__", hunyuan.attention_init,
-          "attention TP: this rank's KV groups (or its query heads of a replicated KV head) of the "
-          "interleaved qkv_proj, row-parallel o_proj (whole for a Ulysses group); the device's attention "
-          "kernel; under Ulysses the head exchange"),
-    Patch(f"{H}:HunyuanImage3SDPAAttention", "forward", hunyuan.attention_forward,
-          "upstream's attention on the local heads through the kernel set; rows replicated: one all-reduce "
-          "after o_proj; on sequence shares: the shares gathered into qkv_proj, o_proj reduce-scattered "
-          "(kernels' all_gather_matmul / matmul_reduce_scatter), Ulysses' head all-to-alls between"),
-    Patch(f"{H}:HunyuanMoE", "__init__", hunyuan.moe_init,
-          "experts stacked for grouped matmul (this rank's EP/TP share), shared MLP split under TP, "
-          "a token dispatcher (replicated / TP all-reduce / EP all-to-all), the shared-MLP piece (its stream "
-          "and two events) and the kernel set chosen once"),
-    Patch(f"{H}:HunyuanMoE", "forward", hunyuan.moe_forward,
-          "shared MLP started (side stream), gate, dispatch, experts, combine, the one add of the shared output; "
-          "on sequence shares the local rows (EP: no chunking, no all-gather)"),
+    Patch(f"{VAE}:AutoencoderKLConv3D", "encode", compat.vae_in_own_dtype,
+          "conditioning images enter the VAE encoder in its own dtype", shim=True),
     Patch(f"{VAE}:Decoder", "__init__", autoencoder_kl_3d.decoder_init,
           "the VAE decoder remembers the RankContext it is built for (its split)"),
     Patch(f"{VAE}:Decoder", "forward", autoencoder_kl_3d.decoder_forward,
@@ -161,10 +214,24 @@ def apply(device="auto", shims_only: bool = False, local_rank: int = 0) -> Devic
         owner = _resolve_owner(patch.target)
         original = vars(owner).get(patch.attr, _MISSING)
         _originals[(patch.target, patch.attr)] = original
-        base = getattr(owner, patch.attr) if original is _MISSING else original
+        base = getattr(owner, patch.attr, None) if original is _MISSING else original     # None: a new attribute
         setattr(owner, patch.attr, patch.make(base, device))
     _active = (key, device)
     return device
+
+
+@contextlib.contextmanager
+def applied(device="auto", shims_only: bool = False):
+    """apply(device, shims_only) for the block; whatever was applied before (or nothing) after it."""
+    before = _active[0] if _active is not None else None
+    resolved = apply(device, shims_only)
+    try:
+        yield resolved
+    finally:
+        if before is None:
+            remove()
+        else:
+            apply(*before)
 
 
 def remove() -> None:

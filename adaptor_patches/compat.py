@@ -5,8 +5,13 @@ The minimal shims (the reference run for equivalence tests applies exactly these
      model and pipeline: upstream modules see a device-neutral `torch` whose `cuda.set_device`
      only acts on CUDA and whose `autocast("cuda")` means "autocast on the device we run on".
   2. `torch.cuda.nvtx` ranges become no-ops off CUDA.
-  3. `AutoencoderKLConv3D.decode` off CUDA runs without autocast, in the VAE's own dtype (latents
-     cast to it); on CPU the VAE is first moved to fp32 (a bf16 decode is ~25x slower there).
+  3. `AutoencoderKLConv3D.decode` (and `encode`, which the Instruct model calls for conditioning
+     images) off CUDA runs without autocast, in the VAE's own dtype (input cast to it); on CPU the
+     VAE is first moved to fp32 (a bf16 decode is ~25x slower there). The VAE module (1ea1526) also
+     allocates `torch.empty(0, device="cuda")` in its `__init__` and returns that empty tensor from
+     `decode` on every rank but 0 once a process group exists (its own pipeline then indexes it):
+     its `torch` is the device-neutral one, and reports no process group to that check, so every
+     rank decodes as 62da220 did (VAE parallel needs them all).
   4. transformers 5 changed `StaticLayer.lazy_initialization(key_states)` to take
      `(key_states, value_states)`: layers are initialised before upstream's `update` looks.
   5. transformers 5's `_sample` reads `model_kwargs["use_cache"]` after every step; upstream's
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 
 import torch
@@ -62,8 +68,32 @@ class DeviceNeutralTorch(types.ModuleType):
     def Generator(self, device="cpu"):      # noqa: N802 (upstream's only call: the initial noise's generator)
         return self._device.noise_generator(device)
 
+    def empty(self, *size, device=None, **kwargs):
+        if device is not None and str(device).startswith("cuda"):
+            device = self._device.torch_device
+        return torch.empty(*size, device=device, **kwargs)
+
     def __getattr__(self, name):
         return getattr(torch, name)
+
+
+class _NoProcessGroupSeen:
+    """`torch.distributed` as the VAE module's rank-0-only return in `decode` sees it: no group."""
+
+    @staticmethod
+    def is_initialized():
+        return False
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+
+class VaeModuleTorch(DeviceNeutralTorch):
+    """The VAE module's `torch`: device-neutral, and every rank keeps its decoded image."""
+
+    def __init__(self, device: Device):
+        super().__init__(device)
+        self.distributed = _NoProcessGroupSeen()
 
 
 class _NoNvtx:
@@ -84,11 +114,19 @@ def device_neutral_torch(_original, device: Device):
     return DeviceNeutralTorch(device)
 
 
+def vae_module_torch(_original, device: Device):
+    return VaeModuleTorch(device)
+
+
 def nvtx_for(_original, device: Device):
     return device.nvtx() or _NoNvtx()
 
 
 def static_cache_update(original, _device: Device):
+    from transformers.cache_utils import StaticLayer
+    if len(inspect.signature(StaticLayer.lazy_initialization).parameters) < 3:
+        return original         # transformers 4 (upstream's pin, 4.57.1): upstream's own call fits
+
     @functools.wraps(original)
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         layers = getattr(self, "layers", None)
@@ -98,20 +136,40 @@ def static_cache_update(original, _device: Device):
     return update
 
 
-def vae_decode_in_own_dtype(original, device: Device):
-    """Off CUDA, autocast's fp16 policy leaves GroupNorm with fp32 input and bf16 weights (CPU
-    raises "mixed dtype"): decode there runs without autocast, in the VAE's own dtype."""
+def vae_in_own_dtype(original, device: Device):
+    """For AutoencoderKLConv3D.decode and .encode. Off CUDA, autocast's fp16 policy leaves GroupNorm
+    with fp32 input and bf16 weights (CPU raises "mixed dtype"): the VAE runs there without
+    autocast, in its own dtype."""
     if device.runs_upstream_vae_autocast:
         return original
-    decode_dtype = device.vae_decode_dtype
+    vae_dtype = device.vae_decode_dtype
 
     @functools.wraps(original)
-    def decode(self, z, *args, **kwargs):
-        if decode_dtype is not None and self.dtype != decode_dtype:
-            self.to(decode_dtype)       # once, at the first decode (CPU: fp32, see Device.vae_decode_dtype)
+    def run(self, x, *args, **kwargs):
+        if vae_dtype is not None and self.dtype != vae_dtype:
+            self.to(vae_dtype)          # once, at the first call (CPU: fp32, see Device.vae_decode_dtype)
         with torch.autocast(device_type=device.autocast_type, enabled=False):
-            return original(self, z.to(self.dtype), *args, **kwargs)
-    return decode
+            return original(self, x.to(self.dtype), *args, **kwargs)
+    return run
+
+
+def dtype_of_transformer(_original, _device: Device):
+    """HunyuanImage3ForCausalMM.dtype (the Instruct model reads it for its KV cache, its text
+    autocast and its ViT inputs). transformers takes the first floating parameter's, the VAE's,
+    which vae_in_own_dtype runs in fp32 on CPU: the model's dtype is its transformer's."""
+    return property(lambda self: self.model.wte.weight.dtype)
+
+
+def quiet_pipeline_print(_original, _device: Device):
+    """The pipeline module's `print`: 1ea1526's denoising loop prints its Taylor-cache settings
+    (`***use_taylor_cache: ...`) on every image and rank; that line goes nowhere, the rest as before."""
+    import builtins
+
+    def print_(*args, **kwargs):
+        if args and str(args[0]).startswith("***use_taylor_cache"):
+            return None
+        return builtins.print(*args, **kwargs)
+    return print_
 
 
 def generation_kwargs_keep_use_cache(original, _device: Device):

@@ -39,7 +39,7 @@ from .moe.experts import GroupedExperts
 from .moe.gate import route
 from .moe.shared_mlp import SharedMlp
 from .parallel import cfg_split
-from .parallel.context import building, context_being_built
+from .parallel.context import building, components_left_out, context_being_built
 from .parallel.layout import per_layer
 from .parallel.sequence import SequenceShards, SequenceSlot, gather_rows, shard_rows
 from .parallel.ulysses import HeadExchange
@@ -55,7 +55,7 @@ def causal_mm_init(original, device):
         with building(context):         # its text model, layers and VAE all built for one context
             original(self, config, *args, **kwargs)
         self.rank_context = context
-        for path in context.skipped_components:        # never called by text-to-image: not kept, not loaded
+        for path in components_left_out(context, type(self)):    # never called by text-to-image: not kept, not loaded
             owner, _, name = path.rpartition(".")
             setattr(self.get_submodule(owner) if owner else self, name, None)
 

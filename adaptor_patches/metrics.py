@@ -1,7 +1,7 @@
 """Phase timings and peak memory of one generation, read from hooks on a model instance.
 
-This instruments an instance (forward hooks, and a wrapper on that instance's `vae.decode` and
-`_generate`); it rebinds nothing on upstream classes, so it is not in model_adaptor's table.
+This instruments an instance (forward hooks, and a wrapper on that instance's `vae.decode` and its
+generation call: the base model's `_generate`, the Instruct model's `generate`); it rebinds nothing on upstream classes, so it is not in model_adaptor's table.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from contextlib import contextmanager
 
 from .kernels.device import Device
+from .model_family import takes_conditioning_images
 
 
 class PhaseTimer:
@@ -50,7 +51,8 @@ class PhaseTimer:
         model.register_forward_pre_hook(pre_hook, with_kwargs=True)
         model.register_forward_hook(post_hook, with_kwargs=True)
         self._wrap(model.vae, "decode", self._on_decode)
-        generate = model._generate
+        call = "generate" if takes_conditioning_images(model) else "_generate"
+        generate = getattr(model, call)
 
         @functools.wraps(generate)
         def timed_generate(*args, **kwargs):
@@ -61,7 +63,7 @@ class PhaseTimer:
             finally:
                 self.generate_s[mode] += self._now() - start
 
-        model._generate = timed_generate
+        setattr(model, call, timed_generate)
         return self
 
     def _on_decode(self, z, *_args, **_kwargs):

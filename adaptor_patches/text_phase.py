@@ -42,7 +42,8 @@ import torch.distributed as dist
 _SEED_STRIDE = 1_000_003            # call i of a job draws from seed + (i + 1) * stride
 
 
-TEXT_TASKS = ("think", "recaption")
+TEXT_TASKS = ("think", "recaption", "think_recaption")
+BASE_TEXT_TASKS = ("think", "recaption")        # the base model's generate_image knows no think_recaption
 
 
 def text_task_problem(bot_task: Optional[str], save_text: bool, generation_config: dict) -> Optional[tuple]:
@@ -120,6 +121,7 @@ class TextPhase:
     """What one `generate_image` call's text phase did. Tokens are chosen from `seed` on rank 0."""
     seed: Optional[int]
     calls: list = field(default_factory=list)
+    job_seed: Optional[int] = None      # the seed generate_image was given (seed may be drawn later)
     text: Optional[str] = None
     ratio: Optional[dict] = None
     _samplers: int = 0
@@ -184,26 +186,43 @@ def _fit_context(model, kwargs) -> int:
 
 
 def generate_recording_text(original, _device):
-    """Patch for HunyuanImage3ForCausalMM._generate: gen_text calls are fitted and recorded."""
+    """Patch for the base model's HunyuanImage3ForCausalMM._generate and the Instruct model's
+    generate (the same step in each): gen_text calls are fitted and recorded."""
 
     @functools.wraps(original)
-    def _generate(self, *args, **kwargs):
+    def generate(self, *args, **kwargs):
         if kwargs.get("mode", "gen_text") != "gen_text" or "input_ids" not in kwargs:
             return original(self, *args, **kwargs)
         prompt_tokens = _fit_context(self, kwargs)
         start = time.perf_counter()
         output = original(self, *args, **kwargs)
-        # The ratio call stops only at ratio tokens; the cot call (think / recaption) also at eos.
-        kind = "text" if self._tkwrapper.eos_token_id in (kwargs.get("eos_token_id") or ()) else "ratio"
-        _phase_of(self).calls.append(TextCall(kind, prompt_tokens, output[0, prompt_tokens:].tolist(),
-                                    time.perf_counter() - start))
+        _phase_of(self).calls.append(TextCall("text", prompt_tokens, output[0, prompt_tokens:].tolist(),
+                                              time.perf_counter() - start))
         return output
 
-    return _generate
+    return generate
+
+
+def prepare_model_inputs_seeded(original, _device):
+    """Patch for the Instruct model's prepare_model_inputs. Its text calls (think / recaption / the
+    ratio) encode the conditioning images too, with latents sampled from a generator seeded by
+    Python's global `random` (upstream passes no seed there): each rank, each run its own. Under
+    attention TP every rank must feed the same tokens, so they are drawn from the job's seed, as
+    upstream's image call draws them."""
+
+    @functools.wraps(original)
+    def prepare_model_inputs(self, *args, **kwargs):
+        phase = self.__dict__.get("_active_text_phase")
+        if kwargs.get("seed") is None and phase is not None and phase.job_seed is not None:
+            kwargs["seed"] = phase.job_seed
+        return original(self, *args, **kwargs)
+
+    return prepare_model_inputs
 
 
 def generate_image_in_text_phase(original, _device):
-    """Patch for HunyuanImage3ForCausalMM.generate_image: one TextPhase per call, kept on the model."""
+    """Patch for HunyuanImage3ForCausalMM.generate_image: one TextPhase per call, kept on the model.
+    Returns what upstream returns (base: the image; Instruct: (cot_text, images))."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -212,31 +231,60 @@ def generate_image_in_text_phase(original, _device):
         bound.apply_defaults()
         arguments = bound.arguments
         bot_task = arguments.get("bot_task") or self.generation_config.bot_task
-        phase = TextPhase(seed=arguments.get("seed"))
+        image_size = arguments.get("image_size", "auto")
+        phase = TextPhase(seed=arguments.get("seed"), job_seed=arguments.get("seed"))
         self._active_text_phase = phase
         try:
-            image = original(*bound.args, **bound.kwargs)
+            result = original(*bound.args, **bound.kwargs)
         finally:
             self._active_text_phase = None
-        _describe(self, phase, bot_task)
+        if hasattr(self, "_tkwrapper"):
+            _describe_base(self, phase, bot_task, image_size == "auto")
+        else:
+            _describe_instruct(self, phase, bot_task, image_size == "auto" or bot_task == "img_ratio", result)
         self.last_text_phase = phase
-        return image
+        return result
 
     return generate_image
 
 
-def _describe(model, phase: TextPhase, bot_task: str) -> None:
-    """Fill in the text and the ratio from the recorded calls, as upstream reads them."""
+def _ratio(index, groups, token) -> dict:
+    valid = index is not None and 0 <= index < len(groups)
+    reso = groups[index if valid else 16]     # upstream's fallback for an out-of-range ratio: 1:1
+    return {"token_id": token, "index": index, "valid": valid, "requested_size": [reso.height, reso.width]}
+
+
+def _kinds(phase: TextPhase, has_text: bool) -> None:
+    """The base model: a cot call (think / recaption), then a ratio call (image size auto)."""
+    for i, call in enumerate(phase.calls):
+        call.kind = "text" if has_text and i == 0 else "ratio"
+
+
+def _describe_base(model, phase: TextPhase, bot_task: str, need_ratio: bool) -> None:
+    """Fill in the text and the ratio from the recorded calls, as the base model reads them."""
     tkw = model._tkwrapper
+    _kinds(phase, bot_task in BASE_TEXT_TASKS)
     for call in phase.calls:
-        if call.kind == "ratio":
+        if call.kind == "ratio" and need_ratio:
             token = call.new_token_ids[-1] if call.new_token_ids else None
             index = None if token is None else token - tkw.ratio_token_offset
-            groups = model.image_processor.reso_group
-            valid = index is not None and 0 <= index < len(groups)
-            reso = groups[index if valid else 16]     # upstream's fallback for an out-of-range ratio: 1:1
-            phase.ratio = {"token_id": token, "index": index, "valid": valid,
-                           "requested_size": [reso.height, reso.width]}
-        elif bot_task in ("think", "recaption"):
+            phase.ratio = _ratio(index, model.image_processor.reso_group, token)
+        elif call.kind == "text":
             ids = [t for t in call.new_token_ids if t != tkw.eos_token_id]
             phase.text = tkw.decode(ids)
+
+
+def _describe_instruct(model, phase: TextPhase, bot_task: str, need_ratio: bool, result) -> None:
+    """The Instruct model: one cot call (think / recaption / think_recaption) which, with image size
+    auto, ends with the ratio token; or, for bot task image with size auto, one ratio call over the
+    ratio slice of the vocabulary (its "token" is the ratio index itself). The text is upstream's
+    own (generate_image returns it)."""
+    has_text = bot_task in TEXT_TASKS
+    _kinds(phase, has_text)
+    if has_text:
+        cot_text, _ = result
+        phase.text = cot_text[0] if cot_text else None
+    if need_ratio and phase.calls and phase.calls[-1].new_token_ids:
+        token = phase.calls[-1].new_token_ids[-1]
+        index = model._get_ratio_index_from_token(token, model._tokenizer) if has_text else token
+        phase.ratio = _ratio(index, model.image_processor.vae_reso_group, token)

@@ -29,6 +29,20 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_instruct(tmp_path_factory):
+    """A tiny HunyuanImage-3.0-Instruct checkpoint (utils/make_tiny_model.py --instruct)."""
+    from utils.make_tiny_model import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("ckpt_instruct") / "tiny_instruct", variant="instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_distil(tmp_path_factory):
+    """A tiny HunyuanImage-3.0-Instruct-Distil checkpoint (utils/make_tiny_model.py --distil)."""
+    from utils.make_tiny_model import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("ckpt_distil") / "tiny_distil", variant="distil")
+
+
+@pytest.fixture(scope="session")
 def text_model(tiny_model, tmp_path_factory):
     """The tiny checkpoint made for the text phase (tests/text_checkpoint.py)."""
     from text_checkpoint import make_text_checkpoint

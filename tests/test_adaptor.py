@@ -69,6 +69,9 @@ def _staged_copy_with_edit(tmp_path):
     shutil.copytree(ROOT / "hunyuan_image_3", dst / "hunyuan_image_3")
     shutil.copytree(ROOT / "adaptor_patches", dst / "adaptor_patches")
     shutil.copy(ROOT / "model_adaptor.py", dst)
+    (dst / "utils").mkdir()                 # upstream's package imports `utils` (ours, serving its import_utils)
+    for name in ("__init__.py", "import_utils.py"):
+        shutil.copy(ROOT / "utils" / name, dst / "utils" / name)
     hunyuan = dst / "hunyuan_image_3" / "hunyuan.py"
     hunyuan.write_text(hunyuan.read_text() + "\n# locally edited\n")
     return dst

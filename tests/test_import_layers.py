@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "adaptor_patches"
 
 # Bottom first. A tuple is one layer; its members may import each other (but not in a circle).
 LAYERS = (
-    ("kernels.device",),
+    ("kernels.device", "model_family"),     # model_family: which upstream model file runs a checkpoint (a leaf)
     ("kernels.quant", "kernels.collective_matmul", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
      "kernels.__init__"),
     ("parallel.shards", "parallel.layout"),  # what one rank holds of a layer; the one Layout
@@ -26,7 +26,8 @@ LAYERS = (
     ("weights.checkpoint",),                # the one checkpoint object
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
-    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "compat", "metrics"),
+    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "compat", "compat_base",
+     "compat_instruct", "metrics"),
 )
 EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__")
 

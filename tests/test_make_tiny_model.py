@@ -41,9 +41,12 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(ckpt):
+    """Upstream's own from_pretrained, under the shims upstream 1ea1526 needs to build off CUDA."""
+    import model_adaptor
     _, model_cls = mtm.import_upstream()
-    model, info = model_cls.from_pretrained(
-        ckpt, torch_dtype="auto", attn_implementation="sdpa", moe_impl="eager", output_loading_info=True)
+    with model_adaptor.applied("cpu", shims_only=True):
+        model, info = model_cls.from_pretrained(
+            ckpt, torch_dtype="auto", attn_implementation="sdpa", moe_impl="eager", output_loading_info=True)
     return model, info
 
 
@@ -148,6 +151,8 @@ def test_overwrite_is_deterministic(ckpt, tmp_path):
     (["--topk", "5"], "topk"),
     (["--layers", "0"], "layers"),
     (["--image-base-size", "40"], "image_base_size"),
+    (["--instruct", "--image-base-size", "128"], "image_base_size"),     # the Instruct image processor's floor
+    (["--distil", "--image-base-size", "64"], "image_base_size"),
     (["--num-shards", "100000"], "num_shards"),
     (["--hidden", "x"], "hidden"),
 ])

@@ -106,7 +106,8 @@ def _rank_job(rank, world_size):
 
 @pytest.fixture(scope="module")
 def vae():
-    return build_vae()
+    with model_adaptor.applied("cpu", shims_only=True):     # upstream's VAE allocates on CUDA in its __init__
+        return build_vae()
 
 
 @pytest.fixture(scope="module")

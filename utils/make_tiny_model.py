@@ -1,12 +1,16 @@
 """Write a small random HunyuanImage-3.0 checkpoint that upstream's own loader accepts.
 
-    python utils/make_tiny_model.py --out DIR [--layers 2 --hidden 128 ...] [--overwrite]
+    python utils/make_tiny_model.py --out DIR [--instruct | --distil] [--layers 2 --hidden 128 ...] [--overwrite]
 
 The weights are the state_dict of upstream's own module tree (random init, every all-zero tensor
 re-randomised), saved as bf16 safetensors shards with an index. The tokenizer is a byte-level BPE
-trained here on upstream's system prompts, carrying the special tokens TokenizerWrapper looks up.
+trained here on upstream's system prompts, carrying the special tokens upstream looks up.
 config.json has no `auto_map`: with one, transformers 5's AutoTokenizer asks on stdin whether to
 trust remote code that this directory does not contain.
+
+--instruct / --distil write HunyuanImage-3.0-Instruct / -Instruct-Distil checkpoints with upstream's
+Instruct classes (modeling_hunyuan_image_3.py): utils/tiny_instruct.py says what their config files
+hold, where each value comes from, and how the conditioning paths are scaled.
 """
 import argparse
 import json
@@ -24,6 +28,7 @@ DEFAULTS = dict(
     moe_intermediate=None, patch_embed_dim=64, image_base_size=64, vocab_extra=16,
     seed=0, num_shards=3,
 )
+VARIANTS = ("base", "instruct", "distil")
 POSITIVE = ("layers", "hidden", "heads", "kv_heads", "head_dim", "experts", "topk", "moe_intermediate",
             "patch_embed_dim", "image_base_size", "num_shards")
 BPE_VOCAB = 512
@@ -50,12 +55,16 @@ class SizeError(ValueError):
         self.field = field
 
 
-def resolve_sizes(**sizes):
+def resolve_sizes(variant="base", **sizes):
     """Defaults filled in, derived sizes resolved, every constraint upstream has checked."""
+    from utils import tiny_instruct
     unknown = sorted(set(sizes) - set(DEFAULTS))
     if unknown:
         raise SizeError(unknown[0], f"unknown size; known: {', '.join(DEFAULTS)}")
-    s = {**DEFAULTS, **{k: v for k, v in sizes.items() if v is not None}}
+    if variant not in VARIANTS:
+        raise SizeError("variant", f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    defaults = DEFAULTS if variant == "base" else {**DEFAULTS, **tiny_instruct.DEFAULTS}
+    s = {**defaults, **{k: v for k, v in sizes.items() if v is not None}}
     for field, value in s.items():
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise SizeError(field, f"must be an integer, got {value!r}")
@@ -85,17 +94,26 @@ def resolve_sizes(**sizes):
     if s["image_base_size"] % 16 or s["image_base_size"] < 32:
         raise SizeError("image_base_size", f"{s['image_base_size']} must be a multiple of 16 (the VAE "
                                            f"downsamples by 16) and >= 32; use 64")
-    return s
+    if variant != "base" and s["image_base_size"] < tiny_instruct.MIN_BASE_SIZE:
+        raise SizeError("image_base_size", f"{s['image_base_size']} is below {tiny_instruct.MIN_BASE_SIZE}, the "
+                                           f"smallest base size upstream's Instruct image processor builds (its "
+                                           f"resolution step, base/16, must reach its 16-pixel alignment); use "
+                                           f"{tiny_instruct.MIN_BASE_SIZE}")
+    return {**s, "variant": variant}
 
 
-def import_upstream():
+def import_upstream(variant="base"):
     """Upstream's config and model classes (staged by utils/stage_upstream.sh)."""
+    if variant != "base":
+        from hunyuan_image_3.configuration_hunyuan_image_3 import HunyuanImage3Config
+        from hunyuan_image_3.modeling_hunyuan_image_3 import HunyuanImage3ForCausalMM
+        return HunyuanImage3Config, HunyuanImage3ForCausalMM
     from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
     return HunyuanImage3Config, HunyuanImage3ForCausalMM
 
 
-def build_tokenizer(image_base_size):
+def build_tokenizer(image_base_size, extra_special_tokens=()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -110,7 +128,8 @@ def build_tokenizer(image_base_size):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    added = [*SPECIAL_TOKENS, f"<img_size_{image_base_size}>", *(f"<img_ratio_{i}>" for i in range(NUM_RATIOS))]
+    added = [*SPECIAL_TOKENS, f"<img_size_{image_base_size}>", *(f"<img_ratio_{i}>" for i in range(NUM_RATIOS)),
+             *extra_special_tokens]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
         additional_special_tokens=added, model_max_length=12800,
@@ -176,11 +195,14 @@ def generation_config(tokenizer):
 
 
 def build_state_dict(model_cls, config, seed):
-    """Upstream's module tree at random init, all-zero tensors re-randomised, in bf16."""
+    """Upstream's module tree at random init, all-zero tensors re-randomised, in bf16. Built under the adaptor's shims only (upstream's VAE allocates on CUDA
+    in its __init__; 1ea1526's image processor no longer serves the base model)."""
     import torch
 
-    torch.manual_seed(seed)
-    model = model_cls(config)
+    import model_adaptor
+    with model_adaptor.applied("cpu", shims_only=True):
+        torch.manual_seed(seed)
+        model = model_cls(config)
     generator = torch.Generator().manual_seed(seed + 1)
     state = {}
     for name, tensor in model.state_dict().items():
@@ -236,29 +258,44 @@ def verify_shards(out):
 
 
 def write_checkpoint(out, s):
-    config_cls, model_cls = import_upstream()
-    tokenizer = build_tokenizer(s["image_base_size"])
-    config = build_config(config_cls, s, tokenizer)
+    from utils import tiny_instruct
+    variant = s["variant"]
+    config_cls, model_cls = import_upstream(variant)
+    if variant == "base":
+        tokenizer = build_tokenizer(s["image_base_size"])
+        config = build_config(config_cls, s, tokenizer)
+        gen_config = generation_config(tokenizer)
+    else:
+        tokenizer = build_tokenizer(s["image_base_size"], tiny_instruct.EXTRA_SPECIAL_TOKENS)
+        config = build_config(config_cls, s, tokenizer)
+        tiny_instruct.configure(config, distil=variant == "distil")
+        gen_config = tiny_instruct.generation_config(tokenizer, variant == "distil")
     state = build_state_dict(model_cls, config, s["seed"])
+    if variant != "base":
+        tiny_instruct.shape_attention(state, config)
+        tiny_instruct.scale_lm_head(state, tokenizer)
     out.mkdir(parents=True)
     tokenizer.save_pretrained(str(out))
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if variant != "base":
+        tokenizer_config = tiny_instruct.tokenizer_config(tokenizer_config)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config_json(config), indent=2, sort_keys=True) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(tokenizer), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
     total = write_shards(state, out, s["num_shards"])
     verify_shards(out)
     return sum(t.numel() for t in state.values()), total
 
 
-def make_tiny_model(out_dir, overwrite=False, **sizes):
-    """Write the checkpoint to `out_dir` atomically; return its path. Raises SizeError on bad input."""
-    return _make(out_dir, overwrite, **sizes)[0]
+def make_tiny_model(out_dir, overwrite=False, variant="base", **sizes):
+    """Write the checkpoint to `out_dir` atomically; return its path. Raises SizeError on bad input.
+    variant: "base", "instruct" or "distil" (VARIANTS)."""
+    return _make(out_dir, overwrite, variant, **sizes)[0]
 
 
-def _make(out_dir, overwrite=False, **sizes):
-    s = resolve_sizes(**sizes)
+def _make(out_dir, overwrite=False, variant="base", **sizes):
+    s = resolve_sizes(variant, **sizes)
     out = Path(out_dir).absolute()
     if out.exists() and not (overwrite and out.is_dir()):
         raise SizeError("out", f"{out} already exists; pass --overwrite (directories only) or pick a new path")
@@ -300,6 +337,11 @@ def parse_args(argv):
     p = _Parser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="checkpoint directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--instruct", dest="variant", action="store_const", const="instruct", default="base",
+                      help="a HunyuanImage-3.0-Instruct checkpoint (image base size 256)")
+    kind.add_argument("--distil", dest="variant", action="store_const", const="distil",
+                      help="a HunyuanImage-3.0-Instruct-Distil checkpoint (guidance and meanflow tokens)")
     for name, default in DEFAULTS.items():
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None,
                        help=f"default {default if default is not None else 'derived'}")
@@ -308,13 +350,13 @@ def parse_args(argv):
 
 def main(argv=None):
     args = vars(parse_args(argv))
-    out, overwrite = args.pop("out"), args.pop("overwrite")
+    out, overwrite, variant = args.pop("out"), args.pop("overwrite"), args.pop("variant")
     try:
-        path, params, total, s = _make(out, overwrite, **args)
+        path, params, total, s = _make(out, overwrite, variant, **args)
     except SizeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {path}: {params:,} params, {total:,} bytes in {s['num_shards']} bf16 shards "
+    print(f"wrote {path} ({variant}): {params:,} params, {total:,} bytes in {s['num_shards']} bf16 shards "
           f"(layers {s['layers']}, hidden {s['hidden']}, experts {s['experts']} top-{s['topk']})")
     return 0
 

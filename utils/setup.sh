@@ -27,7 +27,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q -r "$requirements"
   echo "$want" > "$stamp"
 fi
-if [ ! -f hunyuan_image_3/hunyuan.py ]; then
-  bash utils/stage_upstream.sh
-fi
+bash utils/stage_upstream.sh      # a no-op when the pinned commit is staged; replaces an older pin's files
 echo "setup: ready ($venv, upstream staged)" >&2

@@ -25,6 +25,7 @@ from typing import Optional
 
 from ..kernels import kernels_for
 from ..kernels.device import Device
+from ..model_family import takes_conditioning_images
 from .layout import GROUP_DIMS, Layout, LayoutError, group_dims
 
 _building: contextvars.ContextVar = contextvars.ContextVar("adaptor_rank_context", default=None)
@@ -137,6 +138,13 @@ class ProcessGroups:
         if len(dims) == 1:
             return self.mesh.get_group(dims[0])
         return self.world if set(dims) == set(self.spanned(self.dims)) else self.flattened[dims]
+
+
+def components_left_out(context: RankContext, model_cls) -> tuple:
+    """What a `model_cls` built for `context` leaves out (not built, its tensors not read): the
+    context's skipped_components, except on a model that takes conditioning images (Instruct),
+    which keeps its vision tower, aligner and VAE encoder."""
+    return () if takes_conditioning_images(model_cls) else context.skipped_components
 
 
 @contextlib.contextmanager

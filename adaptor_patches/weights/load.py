@@ -34,7 +34,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..parallel.context import RankContext, building
+from ..model_family import model_class, takes_conditioning_images
+from ..parallel.context import RankContext, building, components_left_out
 from ..parallel.layout import Layout
 from .checkpoint import Checkpoint, open_checkpoint
 from .rank_slices import RankTensor
@@ -73,11 +74,13 @@ class _LazyTensor:
         return self.tensor.read(self.files)[item]
 
 
-def lazy_state_dict(checkpoint: Checkpoint, context: RankContext) -> tuple:
+def lazy_state_dict(checkpoint: Checkpoint, context: RankContext, left_out=None) -> tuple:
     """(the state dict transformers' from_pretrained is handed: {name: a tensor read when indexed},
-    CheckpointFiles, the plan). Components the context leaves out are neither built nor read."""
+    CheckpointFiles, the plan). Components left out (default: the context's skipped_components; the
+    model class decides, parallel/context.components_left_out) are neither built nor read."""
     files, tensors = checkpoint.plan(context.layout, context.tp_rank, context.expert_format)
-    skipped = tuple(f"{path}." for path in context.skipped_components)
+    left_out = context.skipped_components if left_out is None else left_out
+    skipped = tuple(f"{path}." for path in left_out)
     return {t.name: _LazyTensor(t, files) for t in tensors if not t.name.startswith(skipped)}, files, tensors
 
 
@@ -88,7 +91,8 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
     from transformers import GenerationConfig
     checkpoint = checkpoint or open_checkpoint(model_dir)
     context = checked_context(checkpoint, context)
-    lazy, files, tensors = lazy_state_dict(checkpoint, context)
+    left_out = components_left_out(context, cls)          # the Instruct model keeps its conditioning modules
+    lazy, files, tensors = lazy_state_dict(checkpoint, context, left_out)
     weights_dir = files.directory
     config = kwargs.pop("config", None)
     if config is None:
@@ -101,7 +105,7 @@ def from_pretrained_by_slices(cls, from_pretrained, model_dir, context: RankCont
         _check_loaded(weights_dir, result[1])
     spot_check_values(model, files, tensors)
     model.skipped_bytes = {path: sum(t.nbytes for t in tensors if t.name.startswith(f"{path}."))
-                           for path in context.skipped_components}
+                           for path in left_out}
     if (weights_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(weights_dir))
     return result
@@ -113,8 +117,8 @@ def load_model(checkpoint, context: RankContext, attn_impl: str = "sdpa", moe_im
     `checkpoint` (a Checkpoint, or its directory). The context's expert_format is the format the
     routed experts run in (None: bf16, or an 8-bit folder's own: checked_context).
     per_rank=False, for the shims-only reference: upstream's own from_pretrained, every tensor whole."""
-    from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM as cls
     checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    cls = model_class(checkpoint.config)          # the base model's file or the Instruct one (model_family.py)
     model_dir = str(checkpoint.directory)
     kwargs = dict(attn_implementation=attn_impl, dtype="auto", moe_impl=moe_impl, output_loading_info=True)
     if context.device.is_accelerator:
@@ -128,7 +132,8 @@ def load_model(checkpoint, context: RankContext, attn_impl: str = "sdpa", moe_im
         weights_dir = checkpoint.directory
         _check_loaded(weights_dir, info)
         spot_check_values(model, *checkpoint.plan(Layout(), 0))       # upstream's layout: every tensor whole
-    model.load_tokenizer(load_tokenizer(weights_dir))
+    # The Instruct model reads tokenizer.json itself (compat_instruct.load_tokenizer_with_merges)
+    model.load_tokenizer(str(weights_dir) if takes_conditioning_images(cls) else load_tokenizer(weights_dir))
     adopt_kernel_storage(model)
     return model.eval()
 

@@ -247,8 +247,9 @@ def _project(self, hidden_states, shards):
         if self.head_shard.degree == 1:
             qkv = self.qkv_proj(rows)
         else:
-            qkv = _with_bias(self.kernels.all_gather_matmul(rows, self.qkv_proj.weight, self.rank_context.group("attention_tp"),
-                                                            shards.attention_shares), self.qkv_proj)
+            group = self.rank_context.group("attention_tp")
+            qkv = self.kernels.all_gather_matmul(rows, self.qkv_proj.weight, group, shards.attention_shares)
+            qkv = _with_bias(qkv, self.qkv_proj)
     if exchange is None:
         qkv = qkv.reshape(bsz, q_len, self.num_key_value_heads, self.num_key_value_groups + 2, dim)
         query, key, value = torch.split(qkv, [self.num_key_value_groups, 1, 1], dim=3)
@@ -258,7 +259,8 @@ def _project(self, hidden_states, shards):
         if shards is None:                                      # one-token decode: every rank has the rows
             query, key, value = exchange.own_heads(*exchange.split_shard(qkv))
         else:
-            query, key, value = exchange.send(*exchange.split_shard(qkv), shards.ulysses_chunks, self.rank_context.group("ulysses"))
+            query, key, value = exchange.send(*exchange.split_shard(qkv), shards.ulysses_chunks,
+                                              self.rank_context.group("ulysses"))
     query = query.reshape(bsz, q_len, heads, dim).transpose(1, 2)
     key = key.reshape(bsz, q_len, kv_heads, dim).transpose(1, 2)
     value = value.reshape(bsz, q_len, kv_heads, dim).transpose(1, 2)

@@ -152,7 +152,8 @@ def real_model_table(model_dir, size: tuple, device_kind: str = "npu") -> tuple:
     for row in data["rows"]:
         parts = ", ".join(f"{k} {v / MiB:.1f}" for k, v in row["lines"].items() if v >= MiB / 10)
         memory = "" if row["memory"] is None else f"{row['memory'] / 2**30:.2f}"
-        md.append(f"| {row['design']} | {row['status']} | {sum(row['lines'].values()) / MiB:.1f} | {parts} | {memory} |")
+        sent = sum(row["lines"].values()) / MiB
+        md.append(f"| {row['design']} | {row['status']} | {sent:.1f} | {parts} | {memory} |")
     return "\n".join(md), data
 
 

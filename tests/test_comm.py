@@ -195,7 +195,8 @@ def test_the_planner_prints_traffic_lines_and_the_planned_layouts(tiny_model):
                             "--vae-parallel", "--image-size", "64x64", "--device", "cpu")
     assert code == 0, out
     for line in ("sent per first step: ", "sent per denoising step: ", "sent in the VAE decode: ",
-                 "attention all-gather before qkv_proj", "MoE EP dispatch all-to-all (bf16 rows)", "GroupNorm statistics",
+                 "attention all-gather before qkv_proj", "MoE EP dispatch all-to-all (bf16 rows)",
+                 "GroupNorm statistics",
                  "the designs of issue 29", "sequence-sharded EP (the recipe's): ", "MiB, ", "built",
                  "Ulysses + int8 dispatch + dedup: ", "planned, not built"):
         assert line in out, (line, out)

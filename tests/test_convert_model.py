@@ -2,8 +2,9 @@
 
 Layouts: TP2 (attention + MoE TP), EP2 (attention TP + MoE EP), TP4 (each KV head replicated on
 2 ranks that split its query heads), EP4 with Ulysses 2 (the attention weights of attention-TP2
-shards, whole for each Ulysses pair: ranks u*2 + t hold shard t). An inverse written here from the layout's definition (not
-from the converter's code) reassembles every original tensor from the rank shards, bit for bit.
+shards, whole for each Ulysses pair: ranks u*2 + t hold shard t). An inverse written here from the
+layout's definition (not from the converter's code) reassembles every original tensor from the rank
+shards, bit for bit.
 Also: bad input refused (exit 2, one `error:` line, nothing written), a SIGKILLed conversion
 leaves no OUT and a rerun finishes, and --verify catches a flipped byte.
 """

@@ -48,7 +48,8 @@ def decode_inputs(prefill):
     last = SEQ - 1
     cos, sin = prefill["custom_pos_emb"]
     return dict(hidden_states=torch.randn(BATCH, 1, prefill["hidden_states"].shape[-1], generator=g),
-                attention_mask=prefill["attention_mask"][:, :, last:last + 1], position_ids=prefill["position_ids"][:, last:],
+                attention_mask=prefill["attention_mask"][:, :, last:last + 1],
+                position_ids=prefill["position_ids"][:, last:],
                 custom_pos_emb=(cos[:, last:], sin[:, last:]))
 
 

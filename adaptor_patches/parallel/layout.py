@@ -95,7 +95,7 @@ GROUP_DIMS = {
     "step_cache": MESH_DIMS,             # the adaptive step cache's skip decision: every rank
     "denoise_cancel": MESH_DIMS,         # rank 0's cancel of a served image: every rank (denoise_watch.py)
     "ulysses": ("ulysses",),             # q / k / v and the attention output by all-to-all over heads (ulysses.py)
-    "sequence": BRANCH,                  # a forward's sequence shares: the all-gather after the last layer (sequence.py)
+    "sequence": BRANCH,                  # a forward's sequence shares: the gather after the last layer (sequence.py)
     "attention_decode": BRANCH,          # the one-token decode under Ulysses: o_proj's all-reduce over every head
 }
 
@@ -394,8 +394,9 @@ class Layout:
                         f"over {self.tp} ranks{per}; use a degree in {good} ({world})")
             if self.attention_tp not in good:
                 fits = [n for n in divisors(self.tp) if self.tp // n in good]
-                return (f"ulysses: degree {self.ulysses} leaves attention TP {self.attention_tp}, over which {heads.heads} "
-                        f"attention heads with {heads.kv_heads} KV heads do not split; use a Ulysses degree in {fits}")
+                return (f"ulysses: degree {self.ulysses} leaves attention TP {self.attention_tp}, over which "
+                        f"{heads.heads} attention heads with {heads.kv_heads} KV heads do not split; use a Ulysses "
+                        f"degree in {fits}")
         return None
 
     def check(self, config) -> None:

@@ -92,21 +92,29 @@ def _model_rows(M: str, text_call: str) -> tuple:
               "watch (--serve) each step reports progress and stops on a cancel all ranks agree on "
               "(adaptor_patches/denoise_watch.py)"),
         Patch(f"{M}:HunyuanImage3Model", "__init__", hunyuan.model_init,
-              "one shared-MLP side stream, injected into every layer's MoE"),
+              "one shared-MLP side stream, injected into every layer's MoE; the step-cache and sequence slots "
+              "its layers share"),
+        Patch(f"{M}:HunyuanImage3Model", "forward", hunyuan.model_forward,
+              "sequence shares (MoE EP, Ulysses): each rank holds its share of the rows between decoder layers, "
+              "cut before the first layer, one all-gather after the last; the one-token decode keeps every row"),
         Patch(f"{M}:HunyuanImage3DecoderLayer", "forward", hunyuan.decoder_layer_forward,
               "adaptive step cache: on a step all ranks agreed to skip, the layers after the first `blocks` "
               "add the last full step's residual delta instead of running (otherwise upstream's layer)"),
         Patch(f"{M}:HunyuanImage3SDPAAttention", "__init__", hunyuan.attention_init,
               "attention TP: this rank's KV groups (or its query heads of a replicated KV head) of the "
-              "interleaved qkv_proj, row-parallel o_proj; the device's attention kernel"),
+              "interleaved qkv_proj, row-parallel o_proj (whole for a Ulysses group); the device's attention "
+              "kernel; under Ulysses the head exchange"),
         Patch(f"{M}:HunyuanImage3SDPAAttention", "forward", hunyuan.attention_forward,
-              "upstream's attention on the local heads through the kernel set; one all-reduce after o_proj"),
+              "upstream's attention on the local heads through the kernel set; rows replicated: one all-reduce "
+              "after o_proj; on sequence shares: the shares gathered into qkv_proj, o_proj reduce-scattered "
+              "(kernels' all_gather_matmul / matmul_reduce_scatter), Ulysses' head all-to-alls between"),
         Patch(f"{M}:HunyuanMoE", "__init__", hunyuan.moe_init,
               "experts stacked for grouped matmul (this rank's EP/TP share), shared MLP split under TP, "
               "a token dispatcher (replicated / TP all-reduce / EP all-to-all), the shared-MLP piece (its stream "
               "and two events) and the kernel set chosen once"),
         Patch(f"{M}:HunyuanMoE", "forward", hunyuan.moe_forward,
-              "shared MLP started (side stream), gate, dispatch, experts, combine, the one add of the shared output"),
+              "shared MLP started (side stream), gate, dispatch, experts, combine, the one add of the shared "
+              "output; on sequence shares the local rows (EP: no chunking, no all-gather)"),
     )
 
 

@@ -9,9 +9,13 @@ parallel/ (layout, groups, CFG split), moe/ (experts, dispatchers, shared-MLP st
   HunyuanImage3ForCausalMM.from_pretrained reads this rank's slices (weights/load.py)
   HunyuanImage3ForCausalMM.forward         CFG parallel: this rank's branch, prediction gathered
   HunyuanImage3Model.__init__              one shared-MLP side stream for every MoE layer; the
-                                           step-cache slot its layers share (step_cache.py)
+                                           step-cache and sequence slots its layers share
+  HunyuanImage3Model.forward               sequence shares: the rows cut before the first layer and
+                                           gathered after the last (parallel/sequence.py)
   HunyuanImage3DecoderLayer.forward        adaptive step cache: layers past the probe skipped when agreed
-  HunyuanImage3SDPAAttention.__init__/forward  attention TP: local heads, row-parallel o_proj
+  HunyuanImage3SDPAAttention.__init__/forward  attention TP: local heads, row-parallel o_proj; on
+                                           sequence shares the rows gathered into qkv_proj and
+                                           o_proj reduce-scattered back; Ulysses: heads by all-to-all
   HunyuanMoE.__init__/forward              stacked experts, token dispatcher, shared MLP piece
 
 Every `make(original, device)` gets the device the adaptor was applied for: a model built outside
@@ -37,6 +41,8 @@ from .moe.shared_mlp import SharedMlp
 from .parallel import cfg_split
 from .parallel.context import building, components_left_out, context_being_built
 from .parallel.layout import per_layer
+from .parallel.sequence import SequenceShards, SequenceSlot, gather_rows, shard_rows
+from .parallel.ulysses import HeadExchange
 from .weights.load import from_pretrained_by_slices
 
 
@@ -129,13 +135,55 @@ def model_init(original, device):
         with building(context):
             original(self, config, *args, **kwargs)
         stream = context.shared_mlp_stream()
+        self.rank_context = context
         self.step_cache_slot = step_cache.StepCacheSlot()       # the image's step-cache run, if any
+        self.sequence_slot = SequenceSlot()                     # the forward's sequence shares, if any
         for layer in self.layers:
             layer.step_cache_slot = self.step_cache_slot
+            for module in (layer, layer.self_attn, layer.mlp):
+                module.sequence_slot = self.sequence_slot
             if isinstance(getattr(layer.mlp, "shared", None), SharedMlp):
                 layer.mlp.shared.use_stream(stream)
 
     return __init__
+
+
+def model_forward(original, _device):
+    """Under a sequence-sharded layout, a forward of more than one position per row holds only this
+    rank's share of the rows between its decoder layers (parallel/sequence.py): cut from the input
+    embeddings here (no collective), gathered once after the last layer. Otherwise upstream's."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        context, slot = getattr(self, "rank_context", None), getattr(self, "sequence_slot", None)
+        if context is None or slot is None or not context.layout.sequence_sharded:
+            return original(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        embeds = arguments.get("inputs_embeds")
+        if embeds is None:
+            embeds = self.wte(arguments["input_ids"])
+        batch, seq, _ = embeds.shape
+        if not context.layout.shards_forward(seq):
+            return original(self, *args, **kwargs)
+        wants_hidden = arguments.get("output_hidden_states")
+        if wants_hidden or (wants_hidden is None and self.config.output_hidden_states):
+            raise NotImplementedError("sequence shares: output_hidden_states is not supported under a sequence-"
+                                      "sharded layout (MoE EP or Ulysses); each layer holds a share of the rows")
+        shards = SequenceShards(context.layout, context.tp_rank, batch, seq)
+        arguments["inputs_embeds"] = shard_rows(embeds, shards)
+        slot.shards = shards
+        try:
+            output = original(**arguments)
+        finally:
+            slot.shards = None
+        whole = gather_rows(output[0], shards, context.kernels, context.group("sequence"))
+        if isinstance(output, tuple):
+            return (whole,) + output[1:]
+        output["last_hidden_state"] = whole
+        return output
+
+    return forward
 
 
 def decoder_layer_forward(original, _device):
@@ -150,20 +198,26 @@ def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Line
 
 
 def attention_init(original, device):
-    """Upstream's layer, then shrunk to this rank's heads (layout.HeadShard)."""
+    """Upstream's layer, then shrunk to this rank's heads (layout.HeadShard: its attention-TP shard,
+    whole for the Ulysses group); under Ulysses the head exchange it runs (parallel/ulysses.py)."""
 
     @functools.wraps(original)
     def __init__(self, config, layer_idx):
         original(self, config, layer_idx)
         context = context_being_built(device)
+        layout = context.layout
         self.rank_context, self.kernels = context, context.kernels
-        self.head_shard = context.layout.heads(config, context.tp_rank)
+        self.head_shard = layout.heads(config, context.tp_rank)
+        self.exchange = HeadExchange(layout, config, context.tp_rank, context.device.torch_device) \
+            if layout.ulysses > 1 else None
+        if layout.tp == 1:
+            return
+        context.require_process_group("attention-tp" if layout.ulysses == 1 else "ulysses")
+        if config._attn_implementation == "flash_attention_2":     # its forward has no collective
+            raise NotImplementedError("attention-tp: flash_attention_2 is not supported with attention split over "
+                                      "ranks; use --attn-impl sdpa")
         if self.head_shard.degree == 1:
             return
-        context.require_process_group("attention-tp")
-        if config._attn_implementation == "flash_attention_2":     # its forward has no all-reduce
-            raise NotImplementedError("attention-tp: flash_attention_2 is not supported under tensor parallel; "
-                                      "use --attn-impl sdpa")
         shard = self.head_shard
         self.num_heads, self.num_key_value_heads = shard.heads, shard.kv_heads
         self.num_key_value_groups = shard.groups_local
@@ -175,21 +229,80 @@ def attention_init(original, device):
     return __init__
 
 
+def _with_bias(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    return x if linear.bias is None else x + linear.bias
+
+
+def _project(self, hidden_states, shards):
+    """(q [B, heads, S, D], k, v [B, KV heads, S, D] of the heads this rank attends to, B, S).
+    On sequence shares the attention-TP group's rows are gathered into qkv_proj; under Ulysses its
+    shard's heads are exchanged so this rank holds every row of its own (parallel/ulysses.py)."""
+    exchange, dim = self.exchange, self.head_dim
+    if shards is None:
+        bsz, q_len, _ = hidden_states.size()
+        qkv = self.qkv_proj(hidden_states).reshape(bsz * q_len, -1)
+    else:
+        bsz, q_len = shards.batch, shards.seq
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self.head_shard.degree == 1:
+            qkv = self.qkv_proj(rows)
+        else:
+            group = self.rank_context.group("attention_tp")
+            qkv = self.kernels.all_gather_matmul(rows, self.qkv_proj.weight, group, shards.attention_shares)
+            qkv = _with_bias(qkv, self.qkv_proj)
+    if exchange is None:
+        qkv = qkv.reshape(bsz, q_len, self.num_key_value_heads, self.num_key_value_groups + 2, dim)
+        query, key, value = torch.split(qkv, [self.num_key_value_groups, 1, 1], dim=3)
+        heads, kv_heads = self.num_heads, self.num_key_value_heads
+    else:
+        heads, kv_heads = exchange.heads.heads, exchange.heads.kv_heads
+        if shards is None:                                      # one-token decode: every rank has the rows
+            query, key, value = exchange.own_heads(*exchange.split_shard(qkv))
+        else:
+            query, key, value = exchange.send(*exchange.split_shard(qkv), shards.ulysses_chunks,
+                                              self.rank_context.group("ulysses"))
+    query = query.reshape(bsz, q_len, heads, dim).transpose(1, 2)
+    key = key.reshape(bsz, q_len, kv_heads, dim).transpose(1, 2)
+    value = value.reshape(bsz, q_len, kv_heads, dim).transpose(1, 2)
+    return query, key, value, bsz, q_len
+
+
+def _o_proj(self, attn_output, shards, bsz, q_len):
+    """This rank's heads' output rows [B*S, heads*D] -> the layer's output: [B, S, H] for every row
+    (today: one all-reduce), or [1, share, H] on sequence shares (one reduce-scatter)."""
+    exchange, weight = self.exchange, self.o_proj.weight
+    if shards is None and exchange is not None:                 # Ulysses, one-token decode
+        partial = F.linear(attn_output, weight.index_select(1, exchange.o_columns))
+        dist.all_reduce(partial, group=self.rank_context.group("attention_decode"))
+        return _with_bias(partial, self.o_proj).view(bsz, q_len, -1)
+    if shards is None:
+        attn_output = attn_output.view(bsz, q_len, -1)
+        if self.head_shard.degree == 1:
+            return self.o_proj(attn_output)
+        partial = F.linear(attn_output, weight)
+        dist.all_reduce(partial, group=self.rank_context.group("attention_tp"))
+        return _with_bias(partial, self.o_proj)
+    if exchange is not None:
+        attn_output = exchange.back(attn_output, shards.ulysses_chunks, self.rank_context.group("ulysses"))
+    if self.head_shard.degree == 1:
+        out = F.linear(attn_output, weight)
+    else:
+        out = self.kernels.matmul_reduce_scatter(attn_output, weight, self.rank_context.group("attention_tp"),
+                                                 shards.attention_shares)
+    return _with_bias(out, self.o_proj).unsqueeze(0)
+
+
 def attention_forward(_original, _device):
-    """Upstream's steps on the local heads; one all-reduce after the row-parallel o_proj."""
+    """Upstream's steps on this rank's heads; how rows and heads move around them: _project, _o_proj."""
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
                 output_attentions=False, use_cache=False, custom_pos_emb=None, **kwargs):
         if output_attentions:
             raise NotImplementedError("attention: output_attentions=True is not supported (as upstream's SDPA path)")
         upstream = sys.modules[type(self).__module__]
-        bsz, q_len, _ = hidden_states.size()
-        qkv = self.qkv_proj(hidden_states).reshape(bsz, q_len, self.num_key_value_heads,
-                                                   self.num_key_value_groups + 2, self.head_dim)
-        query, key, value = torch.split(qkv, [self.num_key_value_groups, 1, 1], dim=3)
-        query = query.reshape(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key = key.reshape(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value = value.reshape(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        slot = getattr(self, "sequence_slot", None)
+        shards = slot.shards if slot is not None else None
+        query, key, value, bsz, q_len = _project(self, hidden_states, shards)
         if self.use_rotary_pos_emb:
             cos, sin = custom_pos_emb
             query, key = upstream.apply_rotary_pos_emb(query, key, cos, sin)
@@ -200,13 +313,8 @@ def attention_forward(_original, _device):
             key, value = past_key_value.update(key, value, self.layer_idx, {"cache_position": position_ids})
             query = query.to(key.dtype)
         attn_output = self.kernels.attention(query, key, value, attention_mask)
-        attn_output = attn_output.transpose(1, 2).reshape(bsz, q_len, -1)
-        if self.head_shard.degree == 1:
-            return self.o_proj(attn_output), None, past_key_value
-        partial = F.linear(attn_output, self.o_proj.weight)
-        dist.all_reduce(partial, group=self.rank_context.group("attention_tp"))
-        output = partial if self.o_proj.bias is None else partial + self.o_proj.bias
-        return output, None, past_key_value
+        attn_output = attn_output.transpose(1, 2).reshape(bsz * q_len, -1)
+        return _o_proj(self, attn_output, shards, bsz, q_len), None, past_key_value
 
     return forward
 
@@ -269,11 +377,13 @@ def moe_forward(_original, _device):
     def forward(self, hidden_states):
         bsz, seq_len, hidden_size = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden_size)
-        rows = self.dispatcher.local_rows(tokens)                   # EP: this rank's chunk
+        slot = getattr(self, "sequence_slot", None)
+        shards = slot.shards if slot is not None else None         # the input is this rank's share
+        rows = self.dispatcher.local_rows(tokens, shards)           # EP replicated rows: this rank's chunk
         shared = self.shared.start(rows)                            # on the side stream, if any
         topk_weight, topk_idx = route(self, rows)
         routed = self.dispatcher.routed(self.experts, rows, topk_weight, topk_idx, add_to=shared.inline_output)
         output = shared.join(routed)                                # after the side stream: the one add
-        return self.dispatcher.combine(output, tokens).view(bsz, seq_len, hidden_size)
+        return self.dispatcher.combine(output, tokens, shards).view(bsz, seq_len, hidden_size)
 
     return forward

@@ -13,13 +13,16 @@ Two modes, both opt-in (`none` is the default and leaves every forward as it was
             other layers are skipped and their contribution at the last full step (the residual
             delta: hidden state after the last layer minus after layer `blocks`) is added instead;
             at most `max_skip` steps in a row. The measure depends on data, so the ranks agree on
-            it: one all-reduce MAX over the "step_cache" group (every rank of the job) per candidate
+            it: one all-reduce SUM over the "step_cache" group (every rank of the job) per candidate
             step. Every rank, because the tp ranks of a branch meet in the skipped layers'
             collectives (ranks that disagreed would leave the others waiting in an all-reduce), and
-            both CFG branches, because each measures only its own rows: the MAX over them is the
-            measure a single process takes over both branches' rows, so single process and every
-            layout decide alike. The agreed value is a float32 tensor on the rank's device (NCCL and
-            HCCL take device tensors only), rounded to float32 on one rank as on many.
+            both CFG branches, because each holds only its own rows. What is summed: for each batch
+            row of the job (both branches), the squared norms of the change and of the last full
+            step's output over the positions a rank holds; every row's positions are held once
+            (all of them by the branch's first tp rank, or under sequence shares
+            (parallel/sequence.py) each rank's share), so the sums are those one process takes over
+            the whole rows, and every layout decides as the single process does. The agreed sums
+            are a float32 tensor on the rank's device (NCCL and HCCL take device tensors only).
 
 Why forecast both branches rather than the combined guidance: the cache sits at the model's
 forward (the patched HunyuanImage3ForCausalMM.forward), above the CFG split and its gather, so
@@ -155,8 +158,9 @@ class StepCacheRun:
     `group`: the ranks that agree on adaptive skips (None: one process); `device`: the rank's device
     (torch.device, None: the CPU), where the agreement's tensor lives."""
 
-    def __init__(self, settings: StepCacheSettings, steps: int, layers: int, group=None, device=None):
+    def __init__(self, settings: StepCacheSettings, steps: int, layers: int, group=None, device=None, context=None):
         self.settings, self.steps, self.layers, self.group, self.device = settings, steps, layers, group, device
+        self.context = context                   # the model's RankContext: which rows this rank holds
         self.forced = set(full_steps(settings, steps))
         self.step = -1
         self.computed, self.cached, self.measures = [], [], {}
@@ -186,29 +190,41 @@ class StepCacheRun:
             self.history = (self.history + [(self.step, prediction.detach().float())])[-(self.settings.order + 1):]
 
     # ------------------------------------------------ adaptive, from the decoder layers
-    def after_probe_layers(self, hidden: torch.Tensor) -> None:
-        """Layer `blocks - 1` ran: decide, with every rank, whether the other layers run this step."""
+    def after_probe_layers(self, hidden: torch.Tensor, rows: "RowsHeld" = None) -> None:
+        """Layer `blocks - 1` ran: decide, with every rank, whether the other layers run this step.
+        `rows`: which of the job's batch rows (and positions) `hidden` holds (None: one process)."""
         self._probe_output = hidden
         if self.step in self.forced or self.skipped_in_a_row >= self.settings.max_skip:
             self._decide(False)
             return
-        import torch
-        agreed = torch.tensor([self.local_measure(hidden)], dtype=torch.float32, device=self.device)
+        rows = rows or RowsHeld(hidden.shape[0], 0, hidden.shape[0])
+        sums = self.local_sums(hidden, rows)
         if self.group is not None:
             import torch.distributed as dist
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        self.measures[self.step] = float(agreed)
-        self._decide(float(agreed) < self.settings.threshold)
+            dist.all_reduce(sums, group=self.group)
+        change, reference = sums[0], sums[1]
+        measure = float((change.sqrt() / reference.sqrt().clamp_min(1e-12)).max())
+        self.measures[self.step] = measure
+        self._decide(measure < self.settings.threshold)
 
-    def local_measure(self, hidden: torch.Tensor) -> float:
-        """This rank's relative change of the probe layers' output since the last full step (the
-        largest over its rows); the ranks skip when the largest of theirs is under the threshold."""
+    def local_sums(self, hidden: torch.Tensor, rows: "RowsHeld") -> torch.Tensor:
+        """float32 [2, the job's batch rows]: this rank's squared norms of the probe output's change
+        since the last full step, and of that step's output, over the positions it holds of each row
+        (0 where it holds none of a row; inf for the change when no full step is comparable: step 0
+        held the whole sequence). Summed over the ranks, sqrt(change) / sqrt(reference) per row is
+        the relative change one process measures."""
+        import torch
+        sums = torch.zeros(2, rows.total, dtype=torch.float32, device=hidden.device)
+        if not rows.counts:
+            return sums
         reference = self.reference
         if reference is None or reference.shape != hidden.shape:
-            return math.inf                # no comparable full step yet (step 0 held the whole sequence)
-        now, ref = hidden.float().flatten(1), reference.flatten(1)
-        change = (now - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-12)
-        return float(change.max())
+            sums[0, rows.first:rows.first + rows.batch] = math.inf
+            return sums
+        now, ref = hidden.float().reshape(-1, hidden.shape[-1]), reference.reshape(-1, hidden.shape[-1])
+        per_position = torch.stack([(now - ref).pow(2).sum(-1), ref.pow(2).sum(-1)])
+        batch_row = rows.batch_row_of(per_position.shape[1], hidden.device)
+        return sums.index_add_(1, batch_row + rows.first, per_position)
 
     def _decide(self, skip: bool) -> None:
         self.skipping = skip
@@ -229,6 +245,34 @@ class StepCacheRun:
                 "forwards_saved": round(len(self.cached) / total, 4) if total else 0.0,
                 **({"measures": {str(k): round(v, 6) for k, v in self.measures.items()}}
                    if self.settings.mode == "adaptive" else {})}
+
+
+@dataclass(frozen=True)
+class RowsHeld:
+    """Which of the job's `total` batch rows a rank's probe output holds: `batch` rows from `first`
+    (its CFG branch's), all of their positions, or under sequence shares its share of the branch's
+    rows flattened (`shards`, parallel/sequence.py); `counts` False where another rank of the branch
+    counts these rows (every rank of a branch holds them whole)."""
+    total: int
+    first: int
+    batch: int
+    counts: bool = True
+    shards: object = None
+
+    def batch_row_of(self, positions: int, device) -> "torch.Tensor":
+        import torch
+        if self.shards is not None:
+            return self.shards.batch_row_of_local(device)
+        return torch.arange(positions, device=device) // max(positions // self.batch, 1)
+
+
+def rows_held(context, batch: int, shards=None) -> Optional[RowsHeld]:
+    """RowsHeld of a rank of `context` whose probe output has `batch` rows (its CFG branch's)."""
+    if context is None or not context.layout.is_distributed:
+        return None
+    layout = context.layout
+    counts = shards is not None or context.tp_rank == 0
+    return RowsHeld(batch * layout.cfg, context.cfg_rank * batch, batch, counts, shards)
 
 
 def round_record(summary: Optional[dict], dist=None) -> dict:
@@ -269,7 +313,7 @@ def running(model, settings: StepCacheSettings, steps: int):
         raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
     context = model.rank_context
     slot.run = StepCacheRun(settings, steps, layers, group=context.group("step_cache"),
-                            device=context.device.torch_device)
+                            device=context.device.torch_device, context=context)
     try:
         yield slot.run
     finally:
@@ -305,7 +349,10 @@ def layer_forward(original):
             return _layer_outputs(hidden, args, kwargs)
         outputs = original(self, hidden_states, *args, **kwargs)
         if index == blocks - 1:
-            run.after_probe_layers(outputs[0])
+            sequence = getattr(self, "sequence_slot", None)
+            shards = sequence.shards if sequence is not None else None
+            batch = shards.batch if shards is not None else outputs[0].shape[0]
+            run.after_probe_layers(outputs[0], rows_held(run.context, batch, shards))
         if index == run.layers - 1:
             run.after_last_layer(outputs[0])
         return outputs

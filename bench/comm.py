@@ -8,11 +8,14 @@
    wraps torch.distributed's collectives and counts what each rank sends per phase and kind. Each
    count is set against the planner's traffic lines (utils/planner/traffic.py) for the same
    layout, config and sequence: within 2 %, rank by rank (all-to-all: the payload over all ranks;
-   its leaving share depends on the routing and is shown, not judged). Exit 1 on a miss.
-2. The real model (config/real_model) at 1024x1024 on config/ep8_cfg.yaml's layout (CFG2 x
-   attention TP8, MoE EP8, VAE parallel, 16 ranks): per rank and denoising step, today's lines
-   (first as the issue counts them, image tokens only) and the planned layouts (not built yet),
-   with the per-rank memory of each.
+   its leaving share depends on the routing and is shown, not judged). Exit 1 on a miss. The
+   int8-dispatch layout runs the NPU kernel set through its CPU double (tests/npu_double.py: the
+   NPU's op semantics in torch) with int8 experts computing W8A8, as on an NPU.
+2. The real model (config/real_model) at 1024x1024 on config/ep8_cfg.yaml's shape (CFG2 x 8 ranks
+   per branch, MoE EP8, VAE parallel, 16 ranks): per rank and denoising step, today's design (the
+   rows replicated between layers; first as the issue counts them, image tokens only) and the
+   designs of issue 29: sequence shares (what ep8_cfg.yaml runs now), Ulysses, Ulysses with int8
+   dispatch (built), and one copy per destination rank (not built), with the per-rank memory of each.
 Markdown on stdout (docs/BENCHMARKS.md, docs/MULTI_STREAM.md); --json keeps everything.
 """
 from __future__ import annotations
@@ -26,24 +29,46 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PROMPT = "a red fox standing in fresh snow"
-# name -> (world size, cfg, moe, vae_parallel)
-LAYOUTS = {"tp2": (2, 1, "replicated", False), "ep2": (2, 1, "ep", False),
-           "tp2_cfg2_moe_tp": (4, 2, "tp", True), "ep2_cfg2_moe_ep": (4, 2, "ep", True)}
+# name -> (world size, Layout's (cfg, moe, vae_parallel[, ulysses]), experts: None | "int8-w8a8" (NPU double))
+LAYOUTS = {"tp2": (2, (1, "replicated", False), None), "ep2": (2, (1, "ep", False), None),
+           "tp2_cfg2_moe_tp": (4, (2, "tp", True), None), "ep2_cfg2_moe_ep": (4, (2, "ep", True), None),
+           "u2_cfg2_moe_ep": (4, (2, "ep", True, 2), None), "u2_tp2_moe_tp": (4, (1, "tp", False, 2), None),
+           "u2_cfg2_moe_ep_int8": (4, (2, "ep", True, 2), "int8-w8a8")}
 EP8_CFG = (16, 2, "ep", True)
 MiB = 2 ** 20
 
 
 # ---------------------------------------------------------------- counted (on each rank)
 
-def load_rank_model(rank: int, world_size: int, model_dir, layout_args: tuple, device=None):
-    """(model, context) of this rank, loaded as run_image_gen loads it."""
+def expert_kernels(experts):
+    """(kernel set, expert format) of an `experts` spec: None -> the device's, bf16; "int8-w8a8" ->
+    the NPU set through its CPU double computing W8A8, int8 experts (EP rows sent as int8)."""
+    if experts is None:
+        return None, None
+    if experts != "int8-w8a8":
+        raise ValueError(f"experts: {experts!r} is not None or int8-w8a8")
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    import npu_double
+    from adaptor_patches.kernels.npu import NpuKernels
+    return NpuKernels(npu=npu_double, quant_compute="w8a8", comm_name=npu_double.hccl_comm_name), "int8"
+
+
+def dispatch_of(experts) -> str:
+    return "int8" if experts == "int8-w8a8" else "bf16"
+
+
+def load_rank_model(rank: int, world_size: int, model_dir, layout_args: tuple, device=None, experts=None):
+    """(model, context) of this rank, loaded as run_image_gen loads it (`experts`: expert_kernels)."""
     import model_adaptor
     from adaptor_patches.kernels.device import Device
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
     device = model_adaptor.apply(device or Device("cpu"))
-    context = RankContext(Layout(world_size, *layout_args), rank, device, text_to_image_only=True)
+    kernels, expert_format = expert_kernels(experts)
+    context = RankContext(Layout(world_size, *layout_args), rank, device, text_to_image_only=True, kernels=kernels,
+                          expert_format=expert_format)
     model = load_model(model_dir, context)
     model.pipeline.set_progress_bar_config(disable=True)
     return model, context
@@ -57,19 +82,20 @@ def generate(model, size: int, steps: int, step_cache=None):
                                     verbose=0)
 
 
-def count_on_rank(rank: int, world_size: int, model_dir, layout_args: tuple, size: int, steps: int) -> dict:
+def count_on_rank(rank: int, world_size: int, model_dir, layout_args: tuple, size: int, steps: int,
+                  experts=None) -> dict:
     """This rank's recorder summary of one image (multirank.run_ranks calls it on every rank)."""
     import torch
     from utils.planner.comm_recorder import CollectiveRecorder
     with torch.no_grad():
-        model, context = load_rank_model(rank, world_size, model_dir, layout_args)
+        model, context = load_rank_model(rank, world_size, model_dir, layout_args, experts=experts)
         with CollectiveRecorder(context.device.torch_device) as recorder:
             recorder.attach(model)
             generate(model, size, steps)
     return recorder.summary()
 
 
-def planned_for(model_dir, layout_args: tuple, world_size: int, size: int, counted: list) -> list:
+def planned_for(model_dir, layout_args: tuple, world_size: int, size: int, counted: list, experts=None) -> list:
     """Every rank's planned lines for the run `counted` describes (its first step's sequence length)."""
     from adaptor_patches.parallel.layout import Layout
     from utils.planner.memory_plan import read_config
@@ -78,7 +104,8 @@ def planned_for(model_dir, layout_args: tuple, world_size: int, size: int, count
     layout = Layout(world_size, *layout_args)
     first = counted[0]["forward_rows"][FIRST_STEP][0]
     return [image_lines(config, raw, layout, (size, size), layout.tp_rank(r), layout.cfg_rank(r),
-                        first_step_rows=first, device_kind="cpu") for r in range(world_size)]
+                        first_step_rows=first, device_kind="cpu", dispatch=dispatch_of(experts))
+            for r in range(world_size)]
 
 
 def counted_table(results: dict) -> str:
@@ -95,36 +122,38 @@ def counted_table(results: dict) -> str:
 # ---------------------------------------------------------------- the real model
 
 def real_model_table(model_dir, size: tuple, device_kind: str = "npu") -> tuple:
-    """(markdown, data): per rank and denoising step on ep8_cfg's layout, today and planned."""
+    """(markdown, data): per rank and denoising step on ep8_cfg's shape, today's design and issue 29's."""
     from adaptor_patches.parallel.layout import Layout
-    from utils.planner.memory_plan import plan, planned_role_bytes, read_config
-    from utils.planner.traffic import (DENOISING_STEP, PLANNED, Sizes, built_design, for_layout, forward_lines,
-                                       image_lines, image_tokens, per_step)
+    from utils.planner.memory_plan import activation_bytes, plan, read_config
+    from utils.planner.plan import design_rows
+    from utils.planner.traffic import DENOISING_STEP, TODAY, Sizes, forward_lines, image_lines, image_tokens, per_step
     config, raw = read_config(model_dir)
     layout = Layout(*EP8_CFG)
-    roles = plan(model_dir, layout, size, device_kind)
     sizes = Sizes.of(config, raw)
     tokens = image_tokens(config, size)
-    issue = per_step(forward_lines(sizes, layout, DENOISING_STEP, tokens, 0))      # image tokens only
-    data = {"layout": "CFG2 x attention TP8, MoE EP8, VAE parallel (config/ep8_cfg.yaml)",
+    data = {"layout": "CFG2 x 8 ranks per branch, MoE EP8, VAE parallel (config/ep8_cfg.yaml's shape)",
             "image_size": list(size), "rows": []}
-    data["rows"].append({"design": "today, image tokens only (the issue's count)", "built": True,
-                         "lines": issue, "memory": max(r.total() for r in roles)})
-    for design in (built_design(layout),) + PLANNED:
-        design = for_layout(design, layout)
-        lines = per_step(image_lines(config, raw, layout, size, 0, design=design, device_kind=device_kind))
-        memory = max(r.total() for r in roles) if design.built else max(
-            planned_role_bytes(config, raw, layout, size, r, device_kind, design) for r in roles)
-        name = "today: the code as built (the timestep token too)" if design.built else design.name
-        data["rows"].append({"design": name, "built": design.built, "lines": lines, "memory": memory})
+    issue = per_step(forward_lines(sizes, layout, DENOISING_STEP, tokens, 0, TODAY))     # image tokens only
+    replicated = per_step(image_lines(config, raw, layout, size, 0, design=TODAY, device_kind=device_kind))
+    roles = plan(model_dir, layout, size, device_kind)
+    acts = activation_bytes(config, raw, layout, size, device_kind, design=TODAY)
+    memory = max(r.param_bytes for r in roles) + max(acts["denoise step"], acts["VAE decode"]) + acts["KV cache"] \
+        + roles[0].workspace
+    data["rows"].append({"design": "today (rows replicated between layers), image tokens only: the issue's count",
+                         "status": "before issue 29", "lines": issue, "memory": memory})
+    data["rows"].append({"design": "today (rows replicated between layers), as the code ran it: + the timestep token",
+                         "status": "before issue 29", "lines": replicated, "memory": memory})
+    for name, status, sent, row_memory, lines in design_rows(model_dir, layout, size, device_kind):
+        data["rows"].append({"design": name, "status": status, "lines": lines, "memory": row_memory})
     md = [f"Real model, {size[0]}x{size[1]}, {data['layout']}, rank 0, one denoising step after the first "
           f"({tokens} image tokens + the timestep token per branch):", "",
-          "| layout | status | sent per rank per step (MiB) | of which | per-rank memory (GiB) |",
+          "| design | status | sent per rank per step (MiB) | of which | per-rank memory (GiB) |",
           "|---|---|---|---|---|"]
     for row in data["rows"]:
         parts = ", ".join(f"{k} {v / MiB:.1f}" for k, v in row["lines"].items() if v >= MiB / 10)
-        md.append(f"| {row['design']} | {'built' if row['built'] else 'planned, not yet built'} | "
-                  f"{sum(row['lines'].values()) / MiB:.1f} | {parts} | {row['memory'] / 2**30:.2f} |")
+        memory = "" if row["memory"] is None else f"{row['memory'] / 2**30:.2f}"
+        sent = sum(row["lines"].values()) / MiB
+        md.append(f"| {row['design']} | {row['status']} | {sent:.1f} | {parts} | {memory} |")
     return "\n".join(md), data
 
 
@@ -151,16 +180,16 @@ def main(argv=None) -> int:
     results, raw_counts = {}, {}
     try:
         for name in args.layouts:
-            world_size, *layout_args = LAYOUTS[name]
+            world_size, layout_args, experts = LAYOUTS[name]
             print(f"counting {name} on {world_size} gloo ranks ...", file=sys.stderr, flush=True)
-            counted = run_ranks(world_size, count_on_rank, str(args.model), tuple(layout_args), args.size, args.steps,
-                                timeout_s=900)
+            counted = run_ranks(world_size, count_on_rank, str(args.model), layout_args, args.size, args.steps,
+                                experts, timeout_s=900)
             misplaced = [m for c in counted for m in c["misplaced"]]
             if misplaced:
                 print(f"error: {name}: collectives handed tensors off the rank's device: {misplaced[:3]}",
                       file=sys.stderr)
                 return 1
-            planned = planned_for(args.model, tuple(layout_args), world_size, args.size, counted)
+            planned = planned_for(args.model, layout_args, world_size, args.size, counted, experts)
             results[name], raw_counts[name] = compare(counted, planned), counted
     finally:
         close_pools()

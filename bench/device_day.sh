@@ -8,6 +8,8 @@
 #                 in the device's fused form vs the plain collectives (skipped with one device)
 #   3 moe_layer   bench/device_layer.py: upstream eager vs patched vs the dense-GEMM floor, bf16 vs 8-bit
 #   4 e2e         bench/e2e.py: the mid-size model end to end, upstream eager vs the adaptor
+#   5 layouts     bench/layouts.py over every device of the node: the step time with the rows replicated
+#                 vs sequence shares vs Ulysses (issue 29; skipped with one device)
 # Each step runs under `timeout` (STEP_LIMITS; DEVICE_DAY_LIMIT_S overrides them all): a stuck or
 # failing step is recorded (status, exit code, seconds, log) and the next one runs. Writes
 # OUT_DIR/device_day.json and OUT_DIR/device_day.md (default OUT_DIR: outputs/device_day/<UTC time>).
@@ -21,7 +23,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=${2:-}; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     --*) echo "error: $1: unknown option; use [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]" >&2; exit 2 ;;
     *) out=$1; shift ;;
   esac
@@ -55,12 +57,14 @@ if [ "$quick" = 1 ]; then
   step moe_layer 480 "$py" bench/device_layer.py --device "$device" --shapes small --tokens 64 --repeat 2 \
        --json "$out/moe_layer.json"
   step e2e 300 "$py" bench/e2e.py --device "$device" --model "$tiny" --size 64 --steps 2 --rounds 1 --warmup 0
+  step layouts 240 "$py" bench/layouts.py --device "$device" --quick --model "$tiny"
 else
   step selfcheck 240 "$py" -m utils.selfcheck --device "$device" --nproc 1 --out "$out/selfcheck"
   step collectives 180 "$py" -m utils.selfcheck --device "$device" --skip env,kernels,moe-stream,generation \
        --out "$out/collectives"
   step moe_layer 180 "$py" bench/device_layer.py --device "$device" --json "$out/moe_layer.json"
   step e2e 150 "$py" bench/e2e.py --device "$device" --steps 8 --rounds 2 --warmup 1
+  step layouts 240 "$py" bench/layouts.py --device "$device" --steps 4 --rounds 1
 fi
 
 "$py" - "$out" "$device" "$quick" <<'PY'

@@ -166,11 +166,18 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     expanded_x[i] = x[sorted_slot[i] // K]; expanded_row_idx[slot] = i (row_idx_type 0, read as the
     token-major slot -> expanded-row map that finalize_routing's drop_pad_mode 2 consumes);
     counts per expert (type 1) or their cumsum (type 0).
+    quant_mode -1: unquantised, the 4th output empty. quant_mode 1 (dynamic quant, no smooth
+    `scale`): each expanded row quantized to int8 on its own, expanded_scale[i] = max|row| / 127
+    (float32, [NUM_ROWS * K]) and expanded_x[i] = round(row / expanded_scale[i]) (the docs' formula
+    and op-plugin's golden for the routing ops' dynamic quant; a zero row: 0 here, undocumented there).
     """
     _require(expert_idx.dtype == torch.int32 and expert_idx.dim() == 2, "expert_idx must be 2-D int32")
     _require(x.dim() == 2 and x.shape[0] == expert_idx.shape[0], "x must be [NUM_ROWS, H]")
     _require_rows(x, "x")
-    _require(drop_pad_mode == 0 and quant_mode == -1 and scale is None, "only dropless, unquantised is modelled")
+    _require(drop_pad_mode == 0 and quant_mode in (-1, 1) and scale is None and offset is None,
+             "only dropless, unquantised or dynamically quantised without smooth scales is modelled")
+    _require(quant_mode == -1 or x.dtype in (torch.float16, torch.bfloat16, torch.float32),
+             "dynamic quant takes fp16 / bf16 / fp32 x")
     _require(active_num == expert_idx.numel(), "active_num must equal NUM_ROWS * K")
     # expert_tokens_num_type: 0 (cumsum) is documented as unsupported; 1 (counts) is what we use, 2
     # (key-value pairs) is not modelled.
@@ -184,6 +191,12 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     expanded_row_idx = torch.zeros_like(sorted_slot, dtype=torch.int32)
     expanded_row_idx[sorted_slot] = torch.arange(flat.numel(), dtype=torch.int32)
     counts = torch.bincount(flat, minlength=expert_num).to(torch.int64)
+    if quant_mode == 1:
+        rows = expanded_x.float()
+        expanded_scale = rows.abs().amax(dim=-1) / 127.0
+        safe = torch.where(expanded_scale > 0, expanded_scale, torch.ones_like(expanded_scale))
+        expanded_x = (rows / safe.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        return expanded_x, expanded_row_idx, counts, expanded_scale
     return expanded_x, expanded_row_idx, counts, torch.empty(0, dtype=torch.float32)
 
 

@@ -1,6 +1,12 @@
 """Bytes on the wire: the recorder counts by the written definitions, counted runs equal the planner's
 traffic lines, every collective's tensors are on the rank's device, and the layout's token shares.
 
+Counted layouts (4 gloo ranks, bench/comm.py's): CFG2 x MoE EP2 on sequence shares (the recipe's
+design, what every EP layout runs now), CFG2 x MoE TP2 (rows replicated), Ulysses 2 x attention TP2
+with MoE TP on shares, and CFG2 x Ulysses 2 + EP2 sending int8 rows (the NPU set through its
+double, int8 experts computing W8A8). Mutation checked: the attention's reduce-scatter replaced by
+an all-reduce of the whole rows (the kinds and the bytes differ from the planner's).
+
 The device check runs the tiny model under tests/placement_double.py (a double of an accelerator's
 host / device placement on the CPU) with the model built for Device("cpu", 0): a collective handed
 a tensor that would be in host memory on a GPU or NPU is recorded. Today's step cache did that
@@ -62,34 +68,39 @@ def test_the_recorder_counts_each_kind_by_its_definition_and_flags_host_tensors(
 
 # ---------------------------------------------------------------- counted runs == the planner's lines
 
-COUNTED_LAYOUTS = {"ep2_cfg2_moe_ep": (4, (2, "ep", True)), "tp2_cfg2_moe_tp": (4, (2, "tp", True))}
+COUNTED = ("ep2_cfg2_moe_ep", "tp2_cfg2_moe_tp", "u2_tp2_moe_tp", "u2_cfg2_moe_ep_int8")
+DENOISING_KINDS = {"ep2_cfg2_moe_ep": {"all_gather", "reduce_scatter", "all_to_all"},
+                   "tp2_cfg2_moe_tp": {"all_reduce", "all_gather"},
+                   "u2_tp2_moe_tp": {"all_gather", "reduce_scatter", "all_to_all"},
+                   "u2_cfg2_moe_ep_int8": {"all_gather", "all_to_all"}}
 
 
 @pytest.fixture(scope="module")
 def counted(tiny_model):
-    from bench.comm import count_on_rank
-    return {name: run_ranks(n, count_on_rank, str(tiny_model), layout_args, 64, 3, timeout_s=600)
-            for name, (n, layout_args) in COUNTED_LAYOUTS.items()}
+    from bench.comm import LAYOUTS, count_on_rank
+    return {name: run_ranks(LAYOUTS[name][0], count_on_rank, str(tiny_model), LAYOUTS[name][1], 64, 3,
+                            LAYOUTS[name][2], timeout_s=600) for name in COUNTED}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(COUNTED_LAYOUTS))
+@pytest.mark.parametrize("name", COUNTED)
 def test_counted_bytes_equal_the_planners_lines(tiny_model, counted, name):
     """Per rank and phase, bytes sent by every kind within 2 % of the planner's lines (the
     all-to-all: its payload over all ranks; how much of it leaves a rank depends on the routing)."""
-    from bench.comm import planned_for
+    from bench.comm import LAYOUTS, planned_for
     from utils.planner.comm_recorder import compare
-    world_size, layout_args = COUNTED_LAYOUTS[name]
+    world_size, layout_args, experts = LAYOUTS[name]
     runs = counted[name]
     assert all(run["misplaced"] == [] for run in runs)
     assert all(run["forward_rows"][DENOISING_STEP] == [16 + 1] * 2 for run in runs)    # 4x4 latent + timestep
-    rows = compare(runs, planned_for(tiny_model, layout_args, world_size, 64, runs))
+    rows = compare(runs, planned_for(tiny_model, layout_args, world_size, 64, runs, experts))
     judged = [r for r in rows if r["ok"] is not None]
     for r in rows:
         print(f"{name} {r['phase']:14} {r['kind']:14} {r['quantity']:28} {r['counted']:10.0f} {r['planned']:10.0f}")
-    assert {r["phase"] for r in judged} == {FIRST_STEP, DENOISING_STEP, VAE_DECODE}
+    phases = {FIRST_STEP, DENOISING_STEP} | ({VAE_DECODE} if layout_args[2] else set())
+    assert {r["phase"] for r in judged} == phases
     kinds = {r["kind"] for r in judged if r["phase"] == DENOISING_STEP}
-    assert kinds == ({"all_reduce", "all_gather", "all_to_all"} if "ep" in name else {"all_reduce", "all_gather"})
+    assert kinds == DENOISING_KINDS[name], kinds
     assert all(r["ok"] for r in judged), [r for r in judged if not r["ok"]]
 
 
@@ -114,13 +125,15 @@ def _generate_under_the_placement_double(rank, world_size, model_dir, layout_arg
 
 
 @pytest.mark.slow
-def test_every_collective_of_a_generation_gets_device_tensors(tiny_model):
-    """CFG2 x (attention TP2, MoE EP2), VAE parallel, adaptive step cache: attention all-reduce, EP
-    all-to-alls and gathers, the CFG gather, the step cache's agreement, the VAE's gathers and halo
-    sends all run, and none is handed a tensor that would be in host memory on an accelerator."""
-    results = run_ranks(4, _generate_under_the_placement_double, str(tiny_model), (2, "ep", True))
+@pytest.mark.parametrize("layout_args", [(2, "ep", True), (1, "tp", True, 2)], ids=["cfg2_ep2_shares", "ulysses2_tp2"])
+def test_every_collective_of_a_generation_gets_device_tensors(tiny_model, layout_args):
+    """CFG2 x (attention TP2, MoE EP2) on sequence shares, and Ulysses 2 x attention TP2 with MoE TP
+    on shares, VAE parallel, adaptive step cache: the shares' gathers and reduce-scatters, the
+    Ulysses and EP all-to-alls, the CFG gather, the step cache's agreement, the VAE's gathers and
+    halo sends all run, and none is handed a tensor that would be in host memory on an accelerator."""
+    results = run_ranks(4, _generate_under_the_placement_double, str(tiny_model), layout_args)
     for misplaced, kinds, agreements in results:
-        assert {"all_reduce", "all_gather", "all_to_all", "send"} <= kinds and agreements >= 1
+        assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"} <= kinds and agreements >= 1
         assert misplaced == [], misplaced
 
 
@@ -182,8 +195,10 @@ def test_the_planner_prints_traffic_lines_and_the_planned_layouts(tiny_model):
                             "--vae-parallel", "--image-size", "64x64", "--device", "cpu")
     assert code == 0, out
     for line in ("sent per first step: ", "sent per denoising step: ", "sent in the VAE decode: ",
-                 "attention TP all-reduce", "MoE EP dispatch all-to-all (bf16 rows)", "GroupNorm statistics",
-                 "planned, not yet built", "sequence-sharded EP (the recipe's): ", "Ulysses + int8 dispatch + dedup: "):
+                 "attention all-gather before qkv_proj", "MoE EP dispatch all-to-all (bf16 rows)",
+                 "GroupNorm statistics",
+                 "the designs of issue 29", "sequence-sharded EP (the recipe's): ", "MiB, ", "built",
+                 "Ulysses + int8 dispatch + dedup: ", "planned, not built"):
         assert line in out, (line, out)
 
 

@@ -1,8 +1,10 @@
 """utils/convert_model.py on the tiny checkpoint (4 heads, 2 KV heads, 4 experts).
 
 Layouts: TP2 (attention + MoE TP), EP2 (attention TP + MoE EP), TP4 (each KV head replicated on
-2 ranks that split its query heads). An inverse written here from the layout's definition (not
-from the converter's code) reassembles every original tensor from the rank shards, bit for bit.
+2 ranks that split its query heads), EP4 with Ulysses 2 (the attention weights of attention-TP2
+shards, whole for each Ulysses pair: ranks u*2 + t hold shard t). An inverse written here from the
+layout's definition (not from the converter's code) reassembles every original tensor from the rank
+shards, bit for bit.
 Also: bad input refused (exit 2, one `error:` line, nothing written), a SIGKILLed conversion
 leaves no OUT and a rerun finishes, and --verify catches a flipped byte.
 """
@@ -24,7 +26,8 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 # tp2_moe_whole: attention TP2 with the MoE kept whole on every rank (the runtime's tp2 / tp4 layouts)
-LAYOUTS = {"tp2": (2, 2, 1), "ep2": (2, 1, 2), "tp4": (4, 4, 1), "tp2_moe_whole": (2, 1, 1)}
+LAYOUTS = {"tp2": (2, 2, 1), "ep2": (2, 1, 2), "tp4": (4, 4, 1), "tp2_moe_whole": (2, 1, 1),
+           "ep4_ulysses2": (4, 1, 4, 2)}       # (tp-attn, tp-moe, ep[, ulysses])
 SMALL_SHARDS_GB = "0.002"       # a few MB: several shards per rank on the tiny model
 
 
@@ -43,9 +46,10 @@ def run_convert_cli(*args, timeout=120):
 
 
 def convert(model, out, layout, *extra):
-    tp_attn, tp_moe, ep = LAYOUTS[layout]
+    tp_attn, tp_moe, ep, *ulysses = LAYOUTS[layout]
     proc = run_convert("--model-path", model, "--output-path", out, "--tp-attn", tp_attn, "--tp-moe", tp_moe,
-                       "--ep", ep, "--max-shard-size", SMALL_SHARDS_GB, *extra)
+                       "--ep", ep, *(["--ulysses", ulysses[0]] if ulysses else []), "--max-shard-size", SMALL_SHARDS_GB,
+                       *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -94,10 +98,14 @@ def join_gate_and_up(parts):
 
 
 def reassemble(ranks: list, config: dict, layout) -> dict:
-    tp_attn, tp_moe, ep = layout
+    tp_attn, tp_moe, ep, *ulysses = layout
+    shards = tp_attn // (ulysses[0] if ulysses else 1)           # attention-TP degree: rank r holds shard r % shards
     full = {}
     for key in ranks[0]:
         parts = [r[key] for r in ranks]
+        if ".self_attn." in key and shards < tp_attn:
+            assert all(torch.equal(p, parts[r % shards]) for r, p in enumerate(parts)), key
+            parts = parts[:shards]
         base = key.rsplit(".", 1)[0]
         if key.endswith("experts.w13") or key.endswith("experts.w2"):
             is_w13 = key.endswith("w13")
@@ -112,9 +120,9 @@ def reassemble(ranks: list, config: dict, layout) -> dict:
             name = "gate_and_up_proj" if is_w13 else "down_proj"
             for e, w in enumerate(experts):
                 full[f"{base}.{e}.{name}.weight"] = w
-        elif tp_attn > 1 and ".self_attn.qkv_proj." in key:
-            full[key] = join_qkv(parts, config, tp_attn)
-        elif tp_attn > 1 and key.endswith("self_attn.o_proj.weight"):
+        elif shards > 1 and ".self_attn.qkv_proj." in key:
+            full[key] = join_qkv(parts, config, shards)
+        elif shards > 1 and key.endswith("self_attn.o_proj.weight"):
             full[key] = torch.cat(parts, 1)
         elif tp_moe > 1 and key.endswith("shared_mlp.gate_and_up_proj.weight"):
             full[key] = join_gate_and_up(parts)

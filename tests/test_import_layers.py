@@ -16,8 +16,9 @@ LAYERS = (
     ("kernels.device", "model_family"),     # model_family: which upstream model file runs a checkpoint (a leaf)
     ("kernels.quant", "kernels.collective_matmul", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
      "kernels.__init__"),
-    ("parallel.layout",),
-    ("parallel.collectives", "parallel.context", "parallel.cfg_split", "parallel.vae_bands"),
+    ("parallel.shards", "parallel.layout"),  # what one rank holds of a layer; the one Layout
+    ("parallel.collectives", "parallel.context", "parallel.cfg_split", "parallel.vae_bands", "parallel.sequence",
+     "parallel.ulysses"),
     ("weights.safetensors_io",),            # bytes and headers
     ("weights.rank_slices",),               # the per-rank slice plan
     ("weights.recipe_format",),             # the recipe's folders, as the same plan

@@ -31,10 +31,19 @@ Layouts (tiny model: 4 attention heads, 2 KV heads, 4 experts):
   tp2                  attention TP2 (one KV group per rank), MoE replicated
   cfg2                 CFG parallel: cond rows on rank 0, uncond on rank 1
   tp2_cfg2_moe_tp      CFG2 x (attention TP2 + MoE TP2)
-  ep2_cfg2_moe_ep      CFG2 x (attention TP2 + MoE EP2), VAE decode over 4 ranks
+  ep2_cfg2_moe_ep      CFG2 x (attention TP2 + MoE EP2), VAE decode over 4 ranks: sequence shares
+                       between layers (the recipe's design: rows gathered into qkv_proj, o_proj
+                       reduce-scattered, the MoE on the local rows, one gather after the last layer)
   tp4                  attention TP4: 1 query head per rank, KV heads replicated on 2 ranks each
+  u2_cfg2_moe_ep       CFG2 x (Ulysses 2, attention weights whole + MoE EP2): heads by all-to-all
+  u2_tp2_moe_tp        Ulysses 2 x attention TP2 + MoE TP4 on sequence shares (gathered, reduce-
+                       scattered), both CFG rows on every rank: a share spans the cond / uncond rows
   ep4_cfg2_moe_ep      (text) CFG2 x (attention TP4 + MoE EP4: one expert per rank) + VAE, 8 ranks
   tp4_cfg2_moe_tp      (text) CFG2 x (attention TP4 + MoE TP4), 8 ranks
+  u4_cfg2_moe_ep       (text) CFG2 x (Ulysses 4 > 2 KV heads: each KV head sent to the 2 ranks of its
+                       query heads + MoE EP4) + VAE, 8 ranks
+Measured with the sequence shares and Ulysses (issue 29; seed 7, gained checkpoint): ep2 51.9 dB,
+Ulysses 2 51.7-52.0 dB (replicated / EP / TP MoE, CFG2), Ulysses 2 x TP2 52.0 dB, Ulysses 4 52.1 dB.
 """
 import json
 
@@ -53,6 +62,8 @@ LAYOUTS = {
     "tp2_cfg2_moe_tp": (4, ["--cfg-parallel", "--moe-tp"]),
     "ep2_cfg2_moe_ep": (4, ["--cfg-parallel", "--moe-ep", "--vae-parallel"]),
     "tp4": (4, []),
+    "u2_cfg2_moe_ep": (4, ["--cfg-parallel", "--moe-ep", "--ulysses", "2"]),
+    "u2_tp2_moe_tp": (4, ["--moe-tp", "--ulysses", "2"]),
 }
 REAL_MODEL_CONFIG = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
                      "attention_head_dim": 128, "num_experts": 64, "moe_intermediate_size": 3072}
@@ -87,7 +98,8 @@ TEXT_SEED = 1
 # replicated KV heads; tp8_cfg.yaml is CFG2 x (attention TP + MoE TP).
 TEXT_LAYOUTS = {**LAYOUTS,
                 "ep4_cfg2_moe_ep": (8, ["--cfg-parallel", "--moe-ep", "--vae-parallel"]),
-                "tp4_cfg2_moe_tp": (8, ["--cfg-parallel", "--moe-tp"])}
+                "tp4_cfg2_moe_tp": (8, ["--cfg-parallel", "--moe-tp"]),
+                "u4_cfg2_moe_ep": (8, ["--cfg-parallel", "--moe-ep", "--vae-parallel", "--ulysses", "4"])}
 IMAGE_LAYOUT = "ep2_cfg2_moe_ep"
 REPEATED = "ep2_cfg2_moe_ep"
 

@@ -22,31 +22,33 @@ from multirank import run_ranks
 # test_generation's bounds, on the same gained checkpoint (where a broken attention split fails them)
 PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 2e-2
-LAYOUTS = {"tp2": ((2, 2, 1), "tp"), "ep2": ((2, 1, 2), "ep"), "tp4": ((4, 4, 1), "tp")}
+LAYOUTS = {"tp2": ((2, 2, 1), "tp"), "ep2": ((2, 1, 2), "ep"), "tp4": ((4, 4, 1), "tp"),
+           "ep4_ulysses2": ((4, 1, 4, 2), "ep")}       # Ulysses 2: attention-TP2 shards, whole for each pair
 
 
 @pytest.fixture(scope="module")
 def converted(gained_model, tmp_path_factory):
     from utils import convert_model
     root = tmp_path_factory.mktemp("converted")
-    for name, ((tp_attn, tp_moe, ep), _) in LAYOUTS.items():
+    for name, ((tp_attn, tp_moe, ep, *ulysses), _) in LAYOUTS.items():
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             code = convert_model.main(["--model-path", str(gained_model), "--output-path", str(root / name),
-                                       "--tp-attn", str(tp_attn), "--tp-moe", str(tp_moe), "--ep", str(ep)])
+                                       "--tp-attn", str(tp_attn), "--tp-moe", str(tp_moe), "--ep", str(ep),
+                                       *(["--ulysses", str(ulysses[0])] if ulysses else [])])
         assert code == 0
     return {name: root / name for name in LAYOUTS}
 
 
 # ---------------------------------------------------------------- identical weights
 
-def load_and_compare(rank, world_size, original, converted_dir, moe_mode):
+def load_and_compare(rank, world_size, original, converted_dir, moe_mode, ulysses=1):
     import glob
     import model_adaptor
     from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
     from rank_state import rank_state_dict
-    context = RankContext(Layout(world_size, 1, moe_mode), rank, model_adaptor.apply("cpu"))
+    context = RankContext(Layout(world_size, 1, moe_mode, ulysses=ulysses), rank, model_adaptor.apply("cpu"))
     states = [load_model(original, context).state_dict(), load_model(converted_dir, context).state_dict()]
     assert set(states[1]) == set(states[0])
     full = {}
@@ -61,10 +63,10 @@ def load_and_compare(rank, world_size, original, converted_dir, moe_mode):
 
 # tp2's split is covered by test_convert_model.
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep2", "tp4"])
+@pytest.mark.parametrize("layout", ["ep2", "tp4", "ep4_ulysses2"])
 def test_sliced_converted_and_in_memory_slicing_give_identical_weights(gained_model, converted, layout):
-    (ranks, _, _), moe_mode = LAYOUTS[layout]
-    differing = run_ranks(ranks, load_and_compare, str(gained_model), str(converted[layout]), moe_mode)
+    (ranks, _, _, *ulysses), moe_mode = LAYOUTS[layout]
+    differing = run_ranks(ranks, load_and_compare, str(gained_model), str(converted[layout]), moe_mode, *ulysses)
     assert differing == [[]] * ranks
 
 

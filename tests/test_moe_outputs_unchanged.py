@@ -10,7 +10,12 @@ loop kernel sets; 64 tokens (prefill), 7 tokens (uneven EP chunks) and one token
 one EP rank has no rows). The path is the one CPU runs: no side stream, the routed sum added into
 the shared output. Inputs and weights come from seeded upstream layers (tests/test_moe_layer.py's
 upstream_case), so they are the same on any commit. One thread per process: the file was written
-with one, and a BLAS may split a GEMM's sums differently with more. The file names the torch version
+with one, and a BLAS may split a GEMM's sums differently with more.
+
+On sequence shares (issue 29: the layer handed its rank's share of the rows, EP and TP on 2 ranks as
+under Ulysses) each rank's outputs are the stored outputs of its rows: 2 ranks' shares are today's
+EP chunks, and a 2-rank reduce-scatter adds the same two partial sums as the all-reduce. Mutation
+checked: the MoE TP reduce-scatter replaced by an all-reduce of every row (fails). The file names the torch version
 and CPU capability that wrote it (torch 2.14.1, AVX2): with those the check is bit for bit, on
 another build within fp32 1e-5 / bf16 1e-2 (its GEMM kernels may round differently).
 """
@@ -109,6 +114,45 @@ def test_replicated_layer_outputs_are_bit_identical_to_before():
 @pytest.mark.slow
 def test_tp2_and_ep2_layer_outputs_are_bit_identical_to_before():
     _assert_same(all_outputs(["tp", "ep"]))
+
+
+def moe_on_shares(rank, world_size, moe_mode):
+    """{case name: this rank's output rows} of the patched layer handed its share of the sequence."""
+    from adaptor_patches.parallel.sequence import SequenceShards, SequenceSlot, shard_rows
+    from test_moe_layer import moe_config, patched_layer
+    torch.set_num_threads(1)
+    model_adaptor.apply("cpu", shims_only=True)
+    references = [upstream_case(i, case) for i, case in enumerate(CASES)]
+    device = model_adaptor.apply("cpu")
+    layout = Layout(world_size, 1, moe_mode, ulysses=1 if moe_mode == "ep" else world_size)     # both on shares
+    outputs = {}
+    try:
+        for form in FORMS:
+            context = RankContext(layout, rank, device, kernels=_kernels(form))
+            for case, (state, x, _) in zip(CASES, references):
+                dtype, experts, topk, _ = case
+                layer = patched_layer(moe_config(experts, topk), context, state, getattr(torch, dtype))
+                layer.sequence_slot = SequenceSlot()
+                layer.sequence_slot.shards = SequenceShards(layout, rank, x.shape[0], x.shape[1])
+                with torch.no_grad():
+                    outputs[f"{moe_mode}/{form}/" + "/".join(map(str, case))] = \
+                        (layer(shard_rows(x, layer.sequence_slot.shards)), layer.sequence_slot.shards.local)
+    finally:
+        model_adaptor.remove()
+    return outputs
+
+
+@pytest.mark.slow
+def test_moe_layer_on_shares_gives_todays_outputs_for_its_rows():
+    from safetensors.torch import load_file
+    golden = load_file(str(GOLDEN))
+    exact = same_build_as_golden()
+    for mode in ("ep", "tp"):
+        for rank, outputs in enumerate(run_ranks(2, moe_on_shares, mode)):
+            for name, (out, rows) in outputs.items():
+                expected = golden[name].reshape(-1, golden[name].shape[-1])[rows].unsqueeze(0)
+                same = torch.equal(out, expected) if exact or not out.numel() else _close(out, expected)
+                assert out.shape == expected.shape and same, (rank, name)
 
 
 def main(argv):

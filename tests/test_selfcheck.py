@@ -16,7 +16,7 @@ from adaptor_patches.kernels import make_kernels
 from adaptor_patches.kernels.device import Device, kernels_by_stream
 from utils.selfcheck import selfcheck
 from utils.selfcheck.checks import SHAPES
-from utils.selfcheck.checks.generation import layout_flags
+from utils.selfcheck.checks.generation import layout_flags, ulysses_flags
 from utils.selfcheck.checks.kernels import kernel_checks
 from utils.selfcheck.checks.moe_stream import moe_stream_checks, overlap_share
 
@@ -110,6 +110,10 @@ def test_generation_layout_is_the_widest_the_tiny_model_splits_into():
     assert layout_flags(2, config) == ("--cfg-parallel", "--moe-ep", "--vae-parallel")
     assert layout_flags(4, config) == ("--cfg-parallel", "--moe-ep", "--vae-parallel")
     assert layout_flags(3, config) is None          # 3 does not divide 4 heads; CFG needs an even count
+    # and again with Ulysses over each CFG branch (issue 29), where a branch has 2 ranks or more
+    assert ulysses_flags(4, layout_flags(4, config), config) == ("--cfg-parallel", "--moe-ep", "--vae-parallel",
+                                                                  "--ulysses", "2")
+    assert ulysses_flags(2, layout_flags(2, config), config) is None
 
 
 @pytest.mark.parametrize("argv, field", [(["--device", "cpu", "--nproc", "0"], "nproc"),

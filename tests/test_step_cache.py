@@ -269,19 +269,27 @@ def test_cached_image_on_every_layout_matches_the_single_process_cached_image(si
 
 
 def cli_jobs_with_rank_1_measuring_1000x(rank, world_size, jobs):
-    """cli_jobs_on_rank, with rank 1's adaptive measure (StepCacheRun.local_measure) multiplied by 1000
-    in that rank's process only: the perturbation comes from the test, not from the code under test."""
+    """cli_jobs_on_rank, with rank 1's adaptive measure multiplied by 1000 (its squared change,
+    StepCacheRun.local_sums' first row, by 1000 ** 2) in that rank's process only: the perturbation
+    comes from the test, not from the code under test."""
     if rank != 1:
         return cli_jobs_on_rank(rank, world_size, jobs)
-    measure = step_cache.StepCacheRun.local_measure
-    with mock.patch.object(step_cache.StepCacheRun, "local_measure", lambda run, hidden: 1000 * measure(run, hidden)):
+    local_sums = step_cache.StepCacheRun.local_sums
+
+    def perturbed(run, hidden, rows):
+        sums = local_sums(run, hidden, rows)
+        sums[0] *= 1000.0 ** 2
+        return sums
+
+    with mock.patch.object(step_cache.StepCacheRun, "local_sums", perturbed):
         return cli_jobs_on_rank(rank, world_size, jobs)
 
 
 @pytest.mark.slow
 def test_a_rank_whose_measure_differs_does_not_split_the_job(checkpoint, out_dir, singles):
-    """Rank 1's measure x1000 (its branch under cfg2 would compute every step): the all-reduce MAX makes
-    rank 0 compute them too; without the agreement rank 0 would skip (as the unperturbed run does)."""
+    """Rank 1's measure x1000 (its branch under cfg2 would compute every step): the agreement (the
+    sums all-reduced, the largest row's measure) makes rank 0 compute them too; without it rank 0
+    would skip (as the unperturbed run does)."""
     from multirank import run_ranks
     assert singles["adaptive"][2]["cached_steps"]
     metrics = out_dir / "perturbed.json"

@@ -1,11 +1,12 @@
 """Split an original HunyuanImage-3 checkpoint into one ready-to-load checkpoint per TP/EP rank.
 
     python utils/convert_model.py --model-path IN --output-path OUT --tp-attn N --tp-moe N --ep N \
-        [--int8 | --fp8] [--max-shard-size GB (5; 0.001..1000)] [--max-workers N (1)] [--overwrite]
+        [--ulysses N] [--int8 | --fp8] [--max-shard-size GB (5; 0.001..1000)] [--max-workers N (1)] [--overwrite]
     python utils/convert_model.py --verify OUT [--max-workers N]
 
 OUT/rank-XX/ (XX = rank in the "tp" group) is an ordinary checkpoint in the runtime layout of the
-patched model: qkv_proj / o_proj cut to the rank's heads, experts stacked as `experts.w13` /
+patched model: qkv_proj / o_proj cut to the rank's heads (under --ulysses N the heads of its attention-TP
+shard: whole for its Ulysses group, tp-attn / N shards), experts stacked as `experts.w13` /
 `experts.w2` (this rank's experts under EP, its intermediate slice of every expert under TP), the
 shared MLP cut under MoE TP; everything else whole. Each holds size-capped shards, an index, the
 tokenizer and generation files, and a config.json with a `parallel_layout` block; OUT holds the
@@ -329,7 +330,7 @@ def validate(args) -> tuple:
                            f"(the converter replaces OUT by renaming, which would not follow the link)")
     source, out = Path(args.model_path).resolve(), Path(args.output_path).resolve()
     try:
-        layout = Layout.from_degrees(args.tp_attn, args.tp_moe, args.ep)
+        layout = Layout.from_degrees(args.tp_attn, args.tp_moe, args.ep, args.ulysses)
     except LayoutError as exc:
         raise ConvertError(str(exc)) from None
     _check_numbers(args)
@@ -445,6 +446,8 @@ def parse_args(argv):
     p.add_argument("--tp-attn", type=int, default=1, help="attention tensor-parallel degree")
     p.add_argument("--tp-moe", type=int, default=1, help="MoE tensor-parallel degree")
     p.add_argument("--ep", type=int, default=1, help="MoE expert-parallel degree")
+    p.add_argument("--ulysses", type=int, default=1, help="Ulysses degree: groups of N of the tp-attn ranks hold "
+                   "the same (whole) attention weights of their attention-TP shard (1: none)")
     p.add_argument("--int8", action="store_true", help="routed experts int8, per-output-channel float32 scales")
     p.add_argument("--fp8", action="store_true", help="routed experts float8_e4m3fn, per-output-channel scales")
     p.add_argument("--max-shard-size", type=float, default=5.0, help="GB (10^9 bytes) per output shard, "

@@ -7,12 +7,17 @@
         x [sum(shares), K] on every rank, weight [N, K]: sum over the group of x @ weight.T, of which
         this rank keeps its rows (o_proj's partial sums, each rank back on its share)
 
+    kernels.all_gather_shares(x_local, group, shares)            -> [sum(shares), K]
+    kernels.reduce_scatter_shares(x, group, shares)              -> [shares[r], K]
+        the same collectives without a matmul (the last layer's gather, the MoE TP rows)
+
 `shares` are the rows each rank of `group` holds, in group-rank order, as the layout gives them
 (parallel/layout.py padded_shares: ceil(rows / n) each, the trailing ones short, as the cann-recipes
-recipe pads the last rank). Padded to that common size they make one equal-split collective, and
-the first `rows` rows of a gather are the real ones: no reordering, and the fused forms (which need
-equal splits) take them as they are. Any other split is refused (ValueError). No bias: the fused
-ops take none (their docs: "bias unsupported"); a caller with one adds it after, on its rows.
+recipe pads the last rank; a Ulysses rank's attention-TP group holds a run of those, whose common
+size may exceed ceil(its rows / n)). Padded to that common size they make one equal-split
+collective, and the first `rows` rows of a gather are the real ones: no reordering, and the fused
+forms (which need equal splits) take them as they are. Any other split is refused (ValueError). No
+bias: the fused ops take none (their docs: "bias unsupported"); a caller with one adds it after.
 
 Every rank must take the same form (fused or plain), or the collectives inside would not match:
 each kernel set decides from what every rank shares (dtype, shapes, group size, the device model)
@@ -29,13 +34,14 @@ import torch.nn.functional as F
 
 
 def share_size(shares: list) -> int:
-    """The common (padded) size of padded shares; ValueError for any other split."""
+    """The common (padded) size of padded shares (every share that size, then one shorter, then
+    empty ones); ValueError for any other split."""
     size = max(shares) if shares else 0
     rows = sum(shares)
     expected = [min(size, max(0, rows - i * size)) for i in range(len(shares))]
-    if shares != expected or (size and -(-rows // len(shares)) != size):
+    if shares != expected:
         raise ValueError(f"shares: {shares} are not the padded shares of {rows} rows over {len(shares)} ranks "
-                         f"({expected if size else []}); take them from the layout (token_shares)")
+                         f"(with {size} each: {expected}); take them from the layout (token_shares)")
     return size
 
 
@@ -88,6 +94,21 @@ class CollectiveMatmuls:
         partial = pad_rows(F.linear(x, weight), len(shares) * size)
         out = partial.new_empty(size, partial.shape[1])
         _reduce_scatter_single(out, partial, group)
+        return out[:shares[dist.get_rank(group)]]
+
+    def all_gather_shares(self, x_local: torch.Tensor, group, shares: list) -> torch.Tensor:
+        size = _check(x_local, shares, group, shares[dist.get_rank(group)])
+        gathered = x_local.new_empty(len(shares) * size, *x_local.shape[1:])
+        if size:
+            _all_gather_single(gathered, pad_rows(x_local, size), group)
+        return gathered[:sum(shares)]
+
+    def reduce_scatter_shares(self, x: torch.Tensor, group, shares: list) -> torch.Tensor:
+        size = _check(x, shares, group, sum(shares))
+        if size == 0:
+            return x
+        out = x.new_empty(size, *x.shape[1:])
+        _reduce_scatter_single(out, pad_rows(x, len(shares) * size), group)
         return out[:shares[dist.get_rank(group)]]
 
     def collective_matmul_forms(self, x: torch.Tensor, weight: torch.Tensor, group) -> dict:

@@ -12,6 +12,11 @@
                      w8a16: npu_grouped_matmul, int8 `weight` + bf16 `antiquant_scale` [E, N]
                      w8a8: npu_dynamic_quant per token, then npu_grouped_matmul int8 x int8
                      with bf16 `scale` [E, N], fp32 `per_token_scale` [M], output_dtype bf16
+    int8 dispatch    (w8a8 with int8 experts: quant.DISPATCH_FORMATS) the EP rows cross ranks as int8:
+                     permute_quantized = npu_moe_init_routing_v2 quant_mode=1 (dynamic per-row int8,
+                     its 4th output the float32 scales), regroup_quantized = npu_moe_re_routing with
+                     per_token_scales, quantized_rows_matmul = the w8a8 grouped matmul on the int8
+                     rows and their scales as they arrive (no npu_dynamic_quant: the same numbers)
     all_gather_matmul      npu_all_gather_base_mm (A2 and A3), as the recipe calls it before qkv_proj
     matmul_reduce_scatter  A3: npu_mm_reduce_scatter_base; A2 ("Ascend910B" in the device name): a
                      plain matmul + reduce-scatter, the recipe's own split (its o_proj path)
@@ -47,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .collective_matmul import pad_rows, process_group, share_size
-from .quant import format_of
+from .quant import dispatch_format, format_of, pack_rows
 from .torch_kernels import LoopKernels
 
 
@@ -136,7 +141,7 @@ class NpuKernels(LoopKernels):
         return self.npu.npu_grouped_matmul([x], [w], group_list=counts.to(torch.int64), group_type=0,
                                            group_list_type=1, split_item=2)[0]
 
-    def quantized_grouped_matmul(self, x, q, scale, counts):
+    def quantized_grouped_matmul(self, x, q, scale, counts, x_scale=None):
         """x [M, K] bf16 grouped by expert (counts [E]) @ dequantize(q [E, K, N] int8, scale [E, N] fp32).
 
         Docs (npu_grouped_matmul, group_list a Tensor, Atlas A2/A3): the weight-only form ("伪量化")
@@ -145,7 +150,8 @@ class NpuKernels(LoopKernels):
         scale bf16 [g, n] with per_token_scale fp32 [m] and output_dtype bf16, y = (x @ weight) *
         scale * per_token_scale. The scales go to bf16 (the op's dtype rule): a relative change of at
         most 2^-9 per channel. group_list_type=1 rejects a length-1 list, so one local expert passes
-        its cumsum (type 0, which has no length rule)."""
+        its cumsum (type 0, which has no length rule). `x_scale`: x is already int8 per token with
+        these float32 scales (int8 dispatch), multiplied as it is."""
         if x.shape[0] == 0:
             return x.new_empty(0, q.shape[-1])
         fmt = format_of(q.dtype)
@@ -155,10 +161,37 @@ class NpuKernels(LoopKernels):
         group_list, list_type = (counts.to(torch.int64), 1) if q.shape[0] > 1 else (counts.to(torch.int64).cumsum(0), 0)
         common = dict(group_list=group_list, group_type=0, group_list_type=list_type, split_item=2)
         if self.quant_compute == "w8a8":
-            x_q, x_scale = self.npu.npu_dynamic_quant(x.contiguous())
+            x_q, x_scale = (x, x_scale) if x_scale is not None else self.npu.npu_dynamic_quant(x.contiguous())
             return self.npu.npu_grouped_matmul([x_q], [q], scale=[scale.to(torch.bfloat16)],
                                                per_token_scale=[x_scale], output_dtype=torch.bfloat16, **common)[0]
         return self.npu.npu_grouped_matmul([x], [q], antiquant_scale=[scale.to(x.dtype)], **common)[0]
+
+    def dispatch_format(self, expert_format):
+        return dispatch_format("npu", expert_format, self.quant_compute)
+
+    def quantized_rows_matmul(self, x_q, x_scale, q, scale, counts):
+        """int8 rows (per-token scales, as npu_dynamic_quant gives them) x int8 experts: the w8a8 op."""
+        if self.quant_compute != "w8a8" or format_of(q.dtype) != "int8":
+            return super().quantized_rows_matmul(x_q, x_scale, q, scale, counts)
+        return self.quantized_grouped_matmul(x_q, q, scale, counts, x_scale=x_scale)
+
+    def permute_quantized(self, x, topk_idx, num_experts):
+        if x.shape[0] == 0:
+            return super().permute_quantized(x, topk_idx, num_experts)
+        # quant_mode 1: each expanded row quantized dynamically (scale = max|row| / 127, as
+        # npu_dynamic_quant per token), the scales [T*K] float32 as the 4th output.
+        q, row_idx, counts, scale = self.npu.npu_moe_init_routing_v2(
+            x, topk_idx.to(torch.int32), active_num=topk_idx.numel(), expert_num=num_experts,
+            expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, num_experts],
+            quant_mode=1, row_idx_type=0)
+        return pack_rows(q, scale), row_idx, counts.to(torch.int64)
+
+    def regroup_quantized(self, q, scale, counts_per_rank):
+        if q.shape[0] == 0:
+            return super().regroup_quantized(q, scale, counts_per_rank)
+        grouped, grouped_scale, order, local_counts = self.npu.npu_moe_re_routing(
+            q, counts_per_rank, per_token_scales=scale, expert_token_num_type=1, idx_type=0)
+        return grouped, grouped_scale, order, local_counts.to(torch.int64)
 
     def permute(self, x, topk_idx, num_experts):
         if x.shape[0] == 0:

@@ -26,6 +26,12 @@ How 8-bit experts compute (`--quant-compute`), named for what is 8-bit:
            (npu_dynamic_quant + int8 x int8 grouped matmul), CUDA with fp8 experts (torch's fp8
            grouped GEMM, rowwise scales on both sides).
 QUANT_SUPPORT is the one statement of which computes run where; every check asks it (quant_problem).
+
+Rows in 8 bit on the wire (EP dispatch): where the expert compute is W8A8 (DISPATCH_FORMATS: NPU
+with int8 experts) the MoE's rows leave their rank quantized per token, as the experts would
+quantize them on arrival: `pack_rows(q, scale)` makes one int8 row of q's K bytes and the scale's
+4 (float32 bytes, bit for bit), `unpack_rows` takes them apart again; the experts then take the
+int8 rows with their scales directly (kernels: quantized_rows_matmul).
 """
 from __future__ import annotations
 
@@ -157,3 +163,36 @@ def quant_problem(kind: str, fmt: Optional[str], compute: str) -> Optional[str]:
     if compute not in allowed:
         return _runs_only_on(compute, f"{kind} with {fmt} experts")
     return None
+
+
+# ---------------------------------------------------------------- rows in 8 bit on the wire
+
+# (device kind, expert format, compute) -> the format a MoE layer's rows cross ranks in (EP);
+# everything else sends bf16 rows. The experts quantize their input per token under W8A8 anyway,
+# so quantizing before the all-to-all computes the same and sends (K + 4) bytes a row instead of 2K.
+DISPATCH_FORMATS = {("npu", "int8", "w8a8"): "int8"}
+SCALE_BYTES = 4
+
+
+def dispatch_format(kind: str, fmt: Optional[str], compute: str) -> str:
+    """"int8" where a MoE's EP rows leave their rank as int8 + a float32 scale, else "bf16"."""
+    return DISPATCH_FORMATS.get((kind, fmt, canonical_compute(compute)), "bf16")
+
+
+def pack_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 rows q [M, K] and their float32 scales [M] -> one int8 tensor [M, K + 4]."""
+    scale_bytes = scale.to(torch.float32).contiguous().view(torch.int8).view(q.shape[0], SCALE_BYTES)
+    return torch.cat([q, scale_bytes], dim=1)
+
+
+def unpack_rows(packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """pack_rows' output -> (q [M, K] int8, contiguous; scale [M] float32)."""
+    rows = packed.shape[0]
+    q = packed[:, :-SCALE_BYTES].contiguous()
+    scale = packed[:, -SCALE_BYTES:].contiguous().view(torch.float32).view(rows)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Per-token int8 rows q [M, K] with float32 scales [M] -> `dtype` (q * scale in float32, rounded once)."""
+    return (q.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)

@@ -11,6 +11,11 @@
     unpermute(y, row_idx, topk_weight)     weighted sum of each token's K expert rows
     regroup(x, counts_per_rank)            EP: rows grouped (source rank, expert) -> by expert
     ungroup(y, order)                      inverse of regroup
+    dispatch_format(expert_format)         "bf16", or "int8" where EP rows cross ranks quantized (quant.py)
+    permute_quantized(x, topk_idx, E)      permute of the rows quantized per token, packed with their
+                                           scales (quant.pack_rows): what int8 dispatch sends
+    regroup_quantized(q, scale, counts)    regroup of int8 rows with their scales
+    quantized_rows_matmul(q, q_scale, w, scale, counts)   int8 rows x 8-bit experts (the W8A8 input)
     swiglu(x)                              silu(first half) * second half
     attention(q, k, v, mask, scale)        GQA attention, upstream's bool mask (True = attend)
     all_gather_matmul / matmul_reduce_scatter   sequence shares gathered into / scattered out of a
@@ -80,13 +85,18 @@ class LoopKernels(CollectiveMatmuls):
         return routed if add_to is None else add_to.add_(routed)
 
     def expert_mlp(self, sorted_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   counts: torch.Tensor, scales: Optional[tuple] = None) -> torch.Tensor:
-        """Rows grouped by expert (counts [E]) -> down(swiglu(rows @ w13[e])) per group, same row order."""
+                   counts: torch.Tensor, scales: Optional[tuple] = None,
+                   x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows grouped by expert (counts [E]) -> down(swiglu(rows @ w13[e])) per group, same row order.
+        `x_scale`: the rows are int8 with these float32 per-row scales (int8 dispatch, 8-bit experts)."""
         if sorted_x.shape[0] == 0:
             return sorted_x.new_empty(0, w2.shape[-1])
         w13_scale, w2_scale = scales if scales is not None else (None, None)
-        hidden = self.swiglu(self.expert_matmul(sorted_x, w13, w13_scale, counts))
-        return self.expert_matmul(hidden, w2, w2_scale, counts)
+        if x_scale is not None:
+            first = self.quantized_rows_matmul(sorted_x, x_scale, w13, w13_scale, counts)
+        else:
+            first = self.expert_matmul(sorted_x, w13, w13_scale, counts)
+        return self.expert_matmul(self.swiglu(first), w2, w2_scale, counts)
 
     def expert_matmul(self, x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor],
                       counts: torch.Tensor) -> torch.Tensor:
@@ -115,6 +125,31 @@ class LoopKernels(CollectiveMatmuls):
                 out[start:start + rows] = self.grouped_matmul(x[start:start + rows], weights, counts[first:stop])
             start += rows
         return out
+
+    def quantized_rows_matmul(self, x_q: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor,
+                              scale: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """int8 rows x_q [N, in] with float32 per-row scales x_scale [N], grouped by expert, times the
+        8-bit weights (q, scale) -> [N, out] bf16. Reference: the rows dequantized (quant.dequantize_rows)
+        into quantized_grouped_matmul; a W8A8 set multiplies the int8 rows as they are."""
+        return self.quantized_grouped_matmul(quant.dequantize_rows(x_q, x_scale), q, scale, counts)
+
+    # ------------------------------------------------------------ rows in 8 bit on the wire (EP)
+
+    def dispatch_format(self, expert_format: Optional[str]) -> str:
+        """How this set's EP rows cross ranks for `expert_format` experts (quant.DISPATCH_FORMATS):
+        the torch sets compute W8A16, so their rows stay bf16."""
+        return "bf16"
+
+    def permute_quantized(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
+        """permute() of x quantized per token (int8), each row packed with its scale (quant.pack_rows):
+        (packed [T*K, H + 4] int8, row_idx, counts)."""
+        q, scale = quant.quantize_per_token(x, "int8")
+        return self.permute(quant.pack_rows(q, scale), topk_idx, num_experts)
+
+    def regroup_quantized(self, q: torch.Tensor, scale: torch.Tensor, counts_per_rank: torch.Tensor):
+        """regroup() of int8 rows and their scales: (grouped q, grouped scale, order, local counts)."""
+        grouped, order, local_counts = self.regroup(q, counts_per_rank)
+        return grouped, scale.index_select(0, order) if q.shape[0] else scale, order, local_counts
 
     def shared_mlp(self, x: torch.Tensor, gate_and_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """down(x1 * silu(x2)) with [x1 | x2] = x @ gate_and_up^T: upstream HunyuanMLP (silu), x [T, H].

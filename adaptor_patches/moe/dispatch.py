@@ -2,23 +2,32 @@
 
 A dispatcher moves tokens only; the layer (hunyuan.py's HunyuanMoE.forward) runs the steps:
 
-    rows    = dispatcher.local_rows(tokens)                 EP: this rank's chunk
+    rows    = dispatcher.local_rows(tokens, shards)         EP: this rank's chunk; sharded TP: every share
     shared  = layer.shared.start(rows)                      side stream (moe/shared_mlp.py)
     weights = route(layer, rows)                            the gate (moe/gate.py)
     routed  = dispatcher.routed(experts, rows, weights)     EP: all-to-alls around the local experts
     output  = shared.join(routed)                           the one add
-    return dispatcher.combine(output, tokens)               TP all-reduce, EP all-gather
+    return dispatcher.combine(output, tokens, shards)       TP all-reduce (or reduce-scatter), EP all-gather
 
-  Replicated      every expert whole on every rank; nothing moves.
+`shards`: the forward's sequence shares (parallel/sequence.py) when the layer's input is this rank's
+share of the sequence (layout.sequence_sharded), None when every rank holds every row (today's
+layouts, and the one-token text decode of any layout).
+
+  Replicated      every expert whole on every rank; nothing moves (its share or every row).
   TensorParallel  every expert's intermediate split over the "moe_tp" group, the shared MLP too; the
                   routed and shared partial sums are added first and leave through ONE all-reduce
-                  (as the recipe's non-EP path adds before its all_reduce).
-  ExpertParallel  experts split contiguously over the "moe_ep" group. The (replicated) token rows are
-                  cut into contiguous per-rank chunks (layout.token_chunks: uneven and empty
-                  allowed); each rank routes its chunk: all_to_all of per-expert counts,
-                  all_to_all_single of the rows, local grouped matmul, all_to_all_single back,
-                  weighted combine; one all-gather (rows padded to the largest chunk) replicates the
-                  output again.
+                  (as the recipe's non-EP path adds before its all_reduce). On sequence shares (under
+                  Ulysses): the shares all-gathered first, the sums reduce-scattered back onto them;
+                  a ring all-reduce is that reduce-scatter and all-gather, so no byte is saved or added.
+  ExpertParallel  experts split contiguously over the "moe_ep" group. Each rank routes its own rows:
+                  its sequence share as they are (the recipe's design: no chunking, no all-gather
+                  after), or with every row replicated a contiguous chunk of them (layout.token_chunks:
+                  uneven and empty allowed) and one all-gather (rows padded to the largest chunk)
+                  after. all_to_all of per-expert counts, all_to_all_single of the rows, local grouped
+                  matmul, all_to_all_single back, weighted combine. Where the kernel set's expert
+                  compute is W8A8 (kernels: dispatch_format, NPU with int8 experts), the rows leave as
+                  int8 with their float32 per-token scale (one packed row each, kernels/quant.py
+                  pack_rows) and the experts take them as they arrive; the return trip is bf16.
 
 Host syncs per layer: replicated 0, tp 0, ep 1 (one `.tolist()` of the exchanged counts, which
 the all-to-all split sizes need); the loop and CPU kernel sets add theirs (kernels/).
@@ -28,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..kernels.quant import unpack_rows
 from ..parallel.collectives import all_gather_rows
 from ..parallel.layout import split_evenly
 
@@ -36,7 +46,7 @@ class Replicated:
     def __init__(self, shard, rank_context, kernels):
         self.shard, self.rank_context, self.kernels = shard, rank_context, kernels
 
-    def local_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+    def local_rows(self, tokens: torch.Tensor, shards=None) -> torch.Tensor:
         """The rows this rank routes."""
         return tokens
 
@@ -44,38 +54,56 @@ class Replicated:
         """The weighted sum of each row's experts (added into `add_to` in place when given)."""
         return experts.routed(rows, topk_weight, topk_idx, add_to=add_to)
 
-    def combine(self, output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's output rows -> the layer's output for every token."""
+    def combine(self, output: torch.Tensor, tokens: torch.Tensor, shards=None) -> torch.Tensor:
+        """This rank's output rows -> the layer's output for the rows it came in with."""
         return output
 
 
 class TensorParallel(Replicated):
-    def combine(self, output, tokens):
-        dist.all_reduce(output, group=self.rank_context.group("moe_tp"))
+    def local_rows(self, tokens, shards=None):
+        if shards is None:
+            return tokens
+        return self.kernels.all_gather_shares(tokens, self.rank_context.group("moe_tp"), shards.shares)
+
+    def combine(self, output, tokens, shards=None):
+        group = self.rank_context.group("moe_tp")
+        if shards is not None:
+            return self.kernels.reduce_scatter_shares(output, group, shards.shares)
+        dist.all_reduce(output, group=group)
         return output
 
 
 class ExpertParallel(Replicated):
+    def __init__(self, shard, rank_context, kernels):
+        super().__init__(shard, rank_context, kernels)
+        self.dispatch = kernels.dispatch_format(rank_context.expert_format)      # "bf16" | "int8"
+
     def _chunks(self, tokens) -> list:
         return split_evenly(tokens.shape[0], self.shard.ep_degree)
 
-    def local_rows(self, tokens):
+    def local_rows(self, tokens, shards=None):
+        if shards is not None:                      # already this rank's share of the sequence
+            return tokens
         sizes = self._chunks(tokens)
         start = sum(sizes[:self.shard.ep_rank])
         return tokens[start:start + sizes[self.shard.ep_rank]]
 
     def routed(self, experts, rows, topk_weight, topk_idx, add_to=None):
         kernels = self.kernels
-        sorted_x, row_idx, counts = kernels.permute(rows, topk_idx, self.shard.num_experts)
-        expert_out = self._experts_across_ranks(experts, sorted_x, counts)
+        permute = kernels.permute_quantized if self.dispatch == "int8" else kernels.permute
+        sorted_x, row_idx, counts = permute(rows, topk_idx, self.shard.num_experts)
+        expert_out = self._experts_across_ranks(experts, sorted_x, counts, rows.dtype)
         routed = kernels.unpermute(expert_out, row_idx, topk_weight)
         return routed if add_to is None else add_to.add_(routed)
 
-    def combine(self, output, tokens):
+    def combine(self, output, tokens, shards=None):
+        if shards is not None:
+            return output
         return all_gather_rows(output, self._chunks(tokens), self.rank_context.group("moe_ep"))
 
-    def _experts_across_ranks(self, experts, sorted_x, counts):
-        """Double routing: rows sorted by global expert go to the expert's owner and come back computed."""
+    def _experts_across_ranks(self, experts, sorted_x, counts, dtype):
+        """Double routing: rows sorted by global expert go to the expert's owner and come back computed
+        (in `dtype`, the layer's activations)."""
         group, kernels = self.rank_context.group("moe_ep"), self.kernels
         ep_size, local_experts = dist.get_world_size(group), self.shard.local_experts
         received_counts = torch.empty_like(counts)
@@ -86,8 +114,13 @@ class ExpertParallel(Replicated):
                                                 received_counts.sum(1)]).tolist()
         received = sorted_x.new_empty(sum(recv_splits), sorted_x.shape[1])
         dist.all_to_all_single(received, sorted_x.contiguous(), recv_splits, send_splits, group=group)
-        grouped, order, local_counts = kernels.regroup(received, received_counts)
-        computed = kernels.ungroup(experts(grouped, local_counts), order)
+        if self.dispatch == "int8":                 # int8 rows and their scales, straight into the experts
+            rows, scale = unpack_rows(received)
+            grouped, grouped_scale, order, local_counts = kernels.regroup_quantized(rows, scale, received_counts)
+            computed = kernels.ungroup(experts(grouped, local_counts, x_scale=grouped_scale), order).to(dtype)
+        else:
+            grouped, order, local_counts = kernels.regroup(received, received_counts)
+            computed = kernels.ungroup(experts(grouped, local_counts), order)
         returned = computed.new_empty(sorted_x.shape[0], computed.shape[1])
         dist.all_to_all_single(returned, computed.contiguous(), send_splits, recv_splits, group=group)
         return returned

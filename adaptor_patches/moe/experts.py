@@ -65,9 +65,11 @@ class GroupedExperts(nn.Module):
             self.w13.data = self.kernels.expert_weight_storage(self.w13.data)
             self.w2.data = self.kernels.expert_weight_storage(self.w2.data)
 
-    def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows already grouped by local expert (EP, after the all-to-all)."""
-        return self.kernels.expert_mlp(sorted_x, self.w13, self.w2, counts, scales=self.scales)
+    def forward(self, sorted_x: torch.Tensor, counts: torch.Tensor,
+                x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows already grouped by local expert (EP, after the all-to-all); `x_scale`: the rows arrived
+        as int8 with these per-row scales (int8 dispatch)."""
+        return self.kernels.expert_mlp(sorted_x, self.w13, self.w2, counts, scales=self.scales, x_scale=x_scale)
 
     def routed(self, tokens, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
         """The weighted sum of each token's experts (every expert is local: replicated or TP)."""

@@ -11,7 +11,7 @@ job makes another context (`dataclasses.replace`).
 
 A collective asks for its group by what it carries, `context.group("moe_ep")`; layout.GROUP_DIMS
 says which mesh dimensions each purpose spans (the one mapping). The groups come from a DeviceMesh
-over layout.MESH_DIMS (today ("cfg", "attention_tp")), built at the first collective a module needs;
+over layout.MESH_DIMS (("cfg", "ulysses", "attention_tp")), built at the first collective a module needs;
 a purpose spanning several dimensions gets their flattened group (every dimension: the world group).
 A layout that needs them without an initialised process group is refused when the model is built,
 not discovered as a wrong result later.
@@ -111,23 +111,35 @@ class RankContext:
 class ProcessGroups:
     """One job's groups: the DeviceMesh's per dimension, a flattened group per set of several
     dimensions that GROUP_DIMS names (made together, in one order, on every rank: group creation is
-    collective), the world group for all of them."""
+    collective), the world group for all of them. Dimensions of size 1 (no Ulysses, no CFG
+    parallel) add no rank to a group, so a purpose's group is that of its other dimensions: the
+    branch's groups are the attention-TP dimension's own without Ulysses, not a second communicator
+    over the same ranks (each HCCL communicator holds device buffers)."""
 
     def __init__(self, layout: Layout, device_kind: str):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        self.dims = tuple(layout.mesh)
-        self.mesh = init_device_mesh(device_kind, tuple(layout.mesh.values()), mesh_dim_names=self.dims)
+        self.sizes = dict(layout.mesh)
+        self.dims = tuple(self.sizes)
+        self.mesh = init_device_mesh(device_kind, tuple(self.sizes.values()), mesh_dim_names=self.dims)
         self.flattened = {}
-        for dims in sorted({d for d in GROUP_DIMS.values() if len(d) > 1 and set(d) != set(self.dims)}):
-            purpose = next(p for p, d in GROUP_DIMS.items() if d == dims)
-            self.flattened[dims], _ = dist.new_subgroups_by_enumeration(layout.all_group_ranks(purpose))
+        for dims in sorted({self.spanned(d) for d in GROUP_DIMS.values()}):
+            if len(dims) > 1 and set(dims) != set(self.spanned(self.dims)):
+                purpose = next(p for p, d in GROUP_DIMS.items() if self.spanned(d) == dims)
+                self.flattened[dims], _ = dist.new_subgroups_by_enumeration(layout.all_group_ranks(purpose))
         self.world = dist.group.WORLD
 
+    def spanned(self, dims: tuple) -> tuple:
+        """`dims` less those of size 1 (the last one when all are)."""
+        return tuple(d for d in dims if self.sizes[d] > 1) or tuple(dims[-1:])
+
     def group(self, dims: tuple):
+        dims = self.spanned(dims)
         if len(dims) == 1:
             return self.mesh.get_group(dims[0])
-        return self.world if set(dims) == set(self.dims) else self.flattened[dims]
+        return self.world if set(dims) == set(self.spanned(self.dims)) else self.flattened[dims]
+
+
 def components_left_out(context: RankContext, model_cls) -> tuple:
     """What a `model_cls` built for `context` leaves out (not built, its tensors not read): the
     context's skipped_components, except on a model that takes conditioning images (Instruct),

@@ -5,12 +5,15 @@
         denoise step on two halves of the world; the tp = world_size / cfg ranks of a branch split
         attention by heads and the MoE by expert intermediate ("tp") or by whole experts ("ep"),
         or keep the MoE whole ("replicated"); vae_parallel splits the VAE decode by rows over all;
-        ulysses N: attention by all-to-all over heads within groups of N ranks (planned, not built
-        yet: see `ulysses` below), attention TP over the other tp / N.
+        ulysses N: attention by all-to-all over heads within groups of N ranks, attention TP over
+        the other tp / N (hunyuan.py, parallel/ulysses.py).
     layout.heads(config, tp_rank)     -> HeadShard: which attention heads' weights a rank keeps
     layout.attention_heads(config, tp_rank) -> HeadShard: the heads it computes attention for
     layout.token_shares(rows) / token_share(rows, tp_rank)
                                       -> which rows of the sequence a rank holds between layers
+    layout.attention_tp_shares(rows, tp_rank) / ulysses_chunks(rows)
+                                      -> the shares of a rank's attention-TP group; the rows each
+                                         Ulysses rank projects q / k / v for
     layout.moe_shard(experts, tp_rank) -> MoeShard: which experts, or which intermediate slice
     layout.token_chunks(rows)         -> the contiguous per-rank token chunks of an EP layer
     layout.weights                    -> the part of the layout a checkpoint's split depends on
@@ -29,13 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
+from .shards import (HeadShard, LayoutError, MoeShard, attention_tp_degrees,  # noqa: F401  (re-exported)
+                     divisors)
 
 MOE_MODES = ("replicated", "tp", "ep")
-
-
-class LayoutError(ValueError):
-    """A layout or flag this job cannot run; str() is a one-line `field: problem; fix` message."""
 
 
 def padded_shares(total: int, parts: int) -> list:
@@ -79,8 +79,9 @@ def _get(config, key, default=None):
 
 # The dimensions that split the world, outermost first: rank = cfg index * (ranks per branch) + the
 # index inside the branch. BRANCH: the dimensions inside one CFG branch, whose ranks share one copy of
-# the prediction (issue 29's Ulysses dimension is one more entry here, before "attention_tp").
-BRANCH = ("attention_tp",)
+# the prediction: the Ulysses groups' index, then attention TP (tp_rank = ulysses_rank * attention_tp
+# + attention_tp_rank; without Ulysses the "ulysses" dimension has size 1).
+BRANCH = ("ulysses", "attention_tp")
 MESH_DIMS = ("cfg",) + BRANCH
 
 # Every collective asks for its group by what it carries (RankContext.group(purpose)); this is the one
@@ -93,6 +94,9 @@ GROUP_DIMS = {
     "vae": MESH_DIMS,                    # the VAE decode's row bands: every rank (vae_bands.py)
     "step_cache": MESH_DIMS,             # the adaptive step cache's skip decision: every rank
     "denoise_cancel": MESH_DIMS,         # rank 0's cancel of a served image: every rank (denoise_watch.py)
+    "ulysses": ("ulysses",),             # q / k / v and the attention output by all-to-all over heads (ulysses.py)
+    "sequence": BRANCH,                  # a forward's sequence shares: the gather after the last layer (sequence.py)
+    "attention_decode": BRANCH,          # the one-token decode under Ulysses: o_proj's all-reduce over every head
 }
 
 
@@ -138,121 +142,6 @@ def moe_layers(config) -> dict:
     return layers
 
 
-def attention_tp_degrees(heads: int, kv_heads: int) -> list:
-    """Degrees attention TP can use: whole KV groups per rank (degree divides the KV heads), or
-    each KV head replicated on degree/kv_heads ranks that split its query heads evenly."""
-    return [d for d in divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]
-
-
-def divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# ---------------------------------------------------------------- what one rank holds
-
-@dataclass(frozen=True)
-class HeadShard:
-    """Which attention heads one rank of the "attention_tp" group holds.
-
-    Upstream's qkv_proj output is interleaved per KV group: for each of the K KV heads, its
-    g = H/K query heads, then its key head, then its value head. t <= K (t | K): rank r keeps KV
-    groups [r*K/t, (r+1)*K/t) whole. t > K (K | t, t/K | g): each KV head is replicated on t/K
-    ranks, which split its query heads. Every rank keeps H/t query heads and max(K/t, 1) KV heads.
-    """
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rank: int = 0
-    degree: int = 1
-
-    def __post_init__(self):
-        good = attention_tp_degrees(self.num_heads, self.num_kv_heads)
-        if self.degree not in good:
-            raise LayoutError(f"attention-tp: {self.num_heads} heads / {self.num_kv_heads} KV heads do not split "
-                              f"over {self.degree} ranks; use one of {good}")
-
-    @property
-    def groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def ranks_per_kv_head(self) -> int:
-        return max(self.degree // self.num_kv_heads, 1)
-
-    @property
-    def kv_heads(self) -> int:
-        return max(self.num_kv_heads // self.degree, 1)
-
-    @property
-    def groups_local(self) -> int:
-        return self.groups // self.ranks_per_kv_head
-
-    @property
-    def heads(self) -> int:
-        return self.kv_heads * self.groups_local
-
-    @property
-    def first_kv_head(self) -> int:
-        return self.rank // self.ranks_per_kv_head * self.kv_heads
-
-    @property
-    def first_query_in_group(self) -> int:
-        return self.rank % self.ranks_per_kv_head * self.groups_local
-
-    def _rows(self, slots) -> torch.Tensor:
-        slots = torch.tensor(slots, dtype=torch.long)
-        return (slots[:, None] * self.head_dim + torch.arange(self.head_dim)).reshape(-1)
-
-    def qkv_rows(self) -> torch.Tensor:
-        """Rows of the full qkv_proj this rank keeps, in the local interleaved order."""
-        slots = []
-        for kv in range(self.first_kv_head, self.first_kv_head + self.kv_heads):
-            base, start = kv * (self.groups + 2), self.first_query_in_group
-            slots += [*range(base + start, base + start + self.groups_local), base + self.groups, base + self.groups + 1]
-        return self._rows(slots)
-
-    def o_columns(self) -> torch.Tensor:
-        """Input columns of the full o_proj that this rank's heads feed."""
-        start = self.first_query_in_group
-        heads = [kv * self.groups + start + j for kv in range(self.first_kv_head, self.first_kv_head + self.kv_heads)
-                 for j in range(self.groups_local)]
-        return self._rows(heads)
-
-
-@dataclass(frozen=True)
-class MoeShard:
-    """What one rank holds of one MoE layer: experts [first, first + local) whole (EP, replicated),
-    or every expert's intermediate slice [tp_rank*I/tp, (tp_rank+1)*I/tp) (TP)."""
-    mode: str                  # replicated | tp | ep
-    num_experts: int
-    first_expert: int
-    local_experts: int
-    tp_rank: int = 0
-    tp_degree: int = 1
-
-    @property
-    def local_expert_ids(self) -> range:
-        return range(self.first_expert, self.first_expert + self.local_experts)
-
-    @property
-    def ep_degree(self) -> int:
-        return self.num_experts // self.local_experts
-
-    @property
-    def ep_rank(self) -> int:
-        return self.first_expert // self.local_experts
-
-    def local_size(self, intermediate: int) -> int:
-        if intermediate % self.tp_degree:
-            raise LayoutError(f"moe-tp: intermediate size {intermediate} does not split over {self.tp_degree} "
-                              f"ranks; use a degree dividing {intermediate}")
-        return intermediate // self.tp_degree
-
-    def columns(self, intermediate: int) -> slice:
-        size = self.local_size(intermediate)
-        return slice(self.tp_rank * size, (self.tp_rank + 1) * size)
-
-
 # ---------------------------------------------------------------- the layout
 
 @dataclass(frozen=True)
@@ -261,7 +150,8 @@ class Layout:
     cfg: int = 1                      # 2: the two CFG branches on two halves of the world
     moe: str = "replicated"           # replicated | tp | ep, over the tp ranks of a branch
     vae_parallel: bool = False
-    ulysses: int = 1                  # Ulysses degree within a branch (planned: only the layout knows it yet)
+    ulysses: int = 1                  # Ulysses degree within a branch (1: none)
+    sequence_shares: bool = True      # False: rows replicated between layers under MoE EP (the design before issue 29)
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -279,19 +169,23 @@ class Layout:
         if self.tp % self.ulysses:
             raise LayoutError(f"ulysses: degree {self.ulysses} does not divide the {self.tp} ranks of a CFG branch; "
                               f"use one of {divisors(self.tp)}")
+        if self.ulysses > 1 and not self.sequence_shares:
+            raise LayoutError("sequence-shares: off, but Ulysses attention starts and ends on sequence shares; "
+                              "turn sequence shares on or drop --ulysses")
 
     @classmethod
     def from_flags(cls, world_size: int, cfg_parallel=False, moe_tp=False, moe_ep=False, vae_parallel=False,
-                   ulysses: int = 1):
+                   ulysses: int = 1, sequence_shares: bool = True):
         if moe_tp and moe_ep:
             raise LayoutError("moe-tp/moe-ep: both set; they are exclusive, keep one")
         moe = "tp" if moe_tp else "ep" if moe_ep else "replicated"
-        return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel), ulysses)
+        return cls(world_size, 2 if cfg_parallel else 1, moe, bool(vae_parallel), ulysses, bool(sequence_shares))
 
     @classmethod
-    def from_degrees(cls, tp_attn: int, tp_moe: int = 1, ep: int = 1) -> "Layout":
-        """The weight split utils/convert_model.py is asked for (its --tp-attn/--tp-moe/--ep)."""
-        for field, value in (("tp-attn", tp_attn), ("tp-moe", tp_moe), ("ep", ep)):
+    def from_degrees(cls, tp_attn: int, tp_moe: int = 1, ep: int = 1, ulysses: int = 1) -> "Layout":
+        """The weight split utils/convert_model.py is asked for (its --tp-attn/--tp-moe/--ep/--ulysses):
+        tp_attn ranks per branch, of which groups of `ulysses` hold the same attention weights."""
+        for field, value in (("tp-attn", tp_attn), ("tp-moe", tp_moe), ("ep", ep), ("ulysses", ulysses)):
             if value < 1:
                 raise LayoutError(f"{field}: must be >= 1, got {value}; use 1 for no split")
         if tp_moe > 1 and ep > 1:
@@ -302,11 +196,12 @@ class Layout:
             field = "ep" if ep > 1 else "tp-moe"
             raise LayoutError(f"{field}: {moe_degree} differs from --tp-attn {tp_attn}; the MoE splits over the "
                               f"attention ranks (pass {tp_attn}) or stays whole on each (pass 1)")
-        return cls(tp_attn, 1, "tp" if tp_moe > 1 else "ep" if ep > 1 else "replicated")
+        return cls(tp_attn, 1, "tp" if tp_moe > 1 else "ep" if ep > 1 else "replicated", ulysses=ulysses)
 
     @classmethod
     def from_json(cls, block: dict) -> "Layout":
-        return cls.from_degrees(int(block["tp_attn"]), int(block["tp_moe"]), int(block["ep"]))
+        return cls.from_degrees(int(block["tp_attn"]), int(block["tp_moe"]), int(block["ep"]),
+                                int(block.get("ulysses", 1)))
 
     # ------------------------------------------------------------ degrees
 
@@ -338,7 +233,7 @@ class Layout:
     @property
     def mesh(self) -> dict:
         """{mesh dimension: size} in MESH_DIMS order (the process groups' DeviceMesh)."""
-        return dict(zip(MESH_DIMS, (self.cfg, self.tp)))
+        return dict(zip(MESH_DIMS, (self.cfg, self.ulysses, self.attention_tp)))
 
     def group_ranks(self, purpose: str, rank: int) -> list:
         """The global ranks of `rank`'s group for `purpose` (GROUP_DIMS), in group-rank order."""
@@ -375,8 +270,15 @@ class Layout:
         end on sequence shares). Not under MoE TP or a replicated MoE: a ring all-reduce is a
         reduce-scatter plus an all-gather, so the gather / scatter pair around attention (and
         around the TP experts) moves exactly today's all-reduce bytes; the issue's rule shards
-        under MoE TP only where it saves bytes, and there it saves none."""
-        return self.tp > 1 and (self.moe_mode == "ep" or self.ulysses > 1)
+        under MoE TP only where it saves bytes, and there it saves none. `sequence_shares` False
+        keeps the rows replicated under MoE EP (the design before; --sequence-shares off)."""
+        return self.tp > 1 and self.sequence_shares and (self.moe_mode == "ep" or self.ulysses > 1)
+
+    def shards_forward(self, query_len: int) -> bool:
+        """Does a forward of `query_len` positions per batch row hold sequence shares between its
+        layers? Every forward of more than one position under sequence_sharded (denoising steps,
+        text prefill); the one-token text decode keeps every row on every rank (today's path)."""
+        return self.sequence_sharded and query_len > 1
 
     @property
     def weights(self) -> "Layout":
@@ -445,14 +347,25 @@ class Layout:
         start = sum(shares[:tp_rank])
         return slice(start, start + shares[tp_rank])
 
+    def attention_tp_shares(self, rows: int, tp_rank: int) -> list:
+        """token_shares of the ranks of `tp_rank`'s attention-TP group, in its group order (all of the
+        branch without Ulysses): what its all-gather before qkv_proj and reduce-scatter after o_proj move."""
+        first = self.ulysses_rank(tp_rank) * self.attention_tp
+        return self.token_shares(rows)[first:first + self.attention_tp]
+
+    def ulysses_chunks(self, rows: int) -> list:
+        """The rows each Ulysses rank projects q / k / v for (its attention-TP group's shares
+        together), in Ulysses-rank order: the split sizes of the head all-to-alls."""
+        shares = self.token_shares(rows)
+        return [sum(shares[u * self.attention_tp:(u + 1) * self.attention_tp]) for u in range(self.ulysses)]
+
     def ulysses_share(self, rows: int, tp_rank: int) -> slice:
         """The rows a rank projects q / k / v for under Ulysses: its attention-TP group's shares
         (gathered over that group), i.e. the union of token_shares of tp ranks
         [u * attention_tp, (u + 1) * attention_tp)."""
-        shares = self.token_shares(rows)
-        first = self.ulysses_rank(tp_rank) * self.attention_tp
-        start = sum(shares[:first])
-        return slice(start, start + sum(shares[first:first + self.attention_tp]))
+        chunks = self.ulysses_chunks(rows)
+        start = sum(chunks[:self.ulysses_rank(tp_rank)])
+        return slice(start, start + chunks[self.ulysses_rank(tp_rank)])
 
     # ------------------------------------------------------------ checks
 
@@ -479,6 +392,11 @@ class Layout:
                             f"use a branch size in {good}")
                 return (f"attention-tp: {heads.heads} attention heads with {heads.kv_heads} KV heads do not split "
                         f"over {self.tp} ranks{per}; use a degree in {good} ({world})")
+            if self.attention_tp not in good:
+                fits = [n for n in divisors(self.tp) if self.tp // n in good]
+                return (f"ulysses: degree {self.ulysses} leaves attention TP {self.attention_tp}, over which "
+                        f"{heads.heads} attention heads with {heads.kv_heads} KV heads do not split; use a Ulysses "
+                        f"degree in {fits}")
         return None
 
     def check(self, config) -> None:
@@ -489,19 +407,24 @@ class Layout:
     # ------------------------------------------------------------ words
 
     def as_json(self) -> dict:
-        return {"tp_attn": self.tp, "tp_moe": self.tp_moe, "ep": self.ep}
+        ulysses = {"ulysses": self.ulysses} if self.ulysses > 1 else {}
+        return {"tp_attn": self.tp, "tp_moe": self.tp_moe, "ep": self.ep, **ulysses}
 
     def convert_flags(self) -> str:
-        return f"--tp-attn {self.tp} --tp-moe {self.tp_moe} --ep {self.ep}"
+        ulysses = f" --ulysses {self.ulysses}" if self.ulysses > 1 else ""
+        return f"--tp-attn {self.tp} --tp-moe {self.tp_moe} --ep {self.ep}{ulysses}"
 
     def run_flags(self) -> str:
         moe = {"tp": " with --moe-tp", "ep": " with --moe-ep", "replicated": ""}[self.moe_mode]
-        return f"{self.tp} ranks per CFG branch{moe}"
+        ulysses = f"{' and' if moe else ' with'} --ulysses {self.ulysses}" if self.ulysses > 1 else ""
+        return f"{self.tp} ranks per CFG branch{moe}{ulysses}"
 
     def __str__(self) -> str:
-        return f"tp_attn={self.tp} tp_moe={self.tp_moe} ep={self.ep}"
+        ulysses = f" ulysses={self.ulysses}" if self.ulysses > 1 else ""
+        return f"tp_attn={self.tp} tp_moe={self.tp_moe} ep={self.ep}{ulysses}"
 
     def describe(self) -> dict:
         return {"world_size": self.world_size, "cfg_degree": self.cfg, "tp_degree": self.tp,
                 "moe_mode": self.moe_mode, "moe_degree": self.moe_degree, "vae_parallel": self.vae_parallel,
-                "ulysses": self.ulysses, "sequence_sharded": self.sequence_sharded}
+                "ulysses": self.ulysses, "sequence_shares": self.sequence_shares,
+                "sequence_sharded": self.sequence_sharded}

@@ -8,7 +8,8 @@ of the weight path: the recipe's folders are planned to the same names and shape
 hands a plan to transformers as a lazy state dict, utils/convert_model.py writes it to per-rank
 folders. Whatever the runtime can run, the converter writes, and both hold bit-identical weights.
 
-    self_attn.qkv_proj.{weight,bias}   rows of this rank's heads (HeadShard.qkv_rows), under TP
+    self_attn.qkv_proj.{weight,bias}   rows of this rank's heads (HeadShard.qkv_rows), under TP (its
+                                       attention-TP shard's: whole for a Ulysses group)
     self_attn.o_proj.weight            input columns of those heads (row-parallel)
     mlp.shared_mlp.gate_and_up_proj    the [x1 | x2] row slices of this rank's intermediate (MoE TP)
     mlp.shared_mlp.down_proj           the matching columns
@@ -85,7 +86,7 @@ def cut_tensor(files: CheckpointFiles, key: str, index: torch.Tensor, dim: int) 
 class _RankSplitter:
     def __init__(self, files: CheckpointFiles, config, layout: Layout, tp_rank: int):
         self.files, self.layout, self.tp_rank = files, layout, tp_rank
-        self.heads = layout.heads(config, tp_rank) if layout.tp > 1 else None
+        self.heads = layout.heads(config, tp_rank) if layout.attention_tp > 1 else None
         self.moe = moe_layers(config)
 
     def moe_shard(self, layer: int):

@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.planner.traffic import (DENOISING_STEP, PHASES, TEXT_TOKENS, TODAY, Design, image_lines,  # noqa: F401
-                                   image_tokens, per_step)
+from utils.planner.traffic import (DENOISING_STEP, PHASES, TEXT_TOKENS, TODAY, Design, built_design,  # noqa: F401
+                                   image_lines, image_tokens, per_step)
 
 GiB = 2**30
 COMPONENTS = (("routed experts", (".mlp.experts.",)), ("shared MLP", (".mlp.shared_mlp.",)),
@@ -123,7 +123,8 @@ def checkpoint_read_bytes(model, layout, stored_itemsize: int = 2) -> int:
         if name.endswith("_scale") and ".mlp.experts." in name:
             continue                                # made while loading a bf16 checkpoint, not read
         size = tensor.numel() * stored_itemsize
-        total += size * layout.tp if name.endswith("self_attn.o_proj.weight") and layout.tp > 1 else size
+        cut = name.endswith("self_attn.o_proj.weight") and layout.attention_tp > 1
+        total += size * layout.attention_tp if cut else size
     return total
 
 
@@ -150,12 +151,13 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
     intermediate = max(per_layer(config.moe_intermediate_size, i) for i in layers)
     inter_local = intermediate // layout.tp if layout.moe_mode == "tp" else intermediate
     chunk = math.ceil(tokens / layout.tp) if layout.moe_mode == "ep" or design.sequence_sharded else tokens
-    rows = chunk * topk * (ROUTING_SKEW if layout.moe_mode == "ep" and layout.tp > 1 else 1)
+    moe_rows = tokens if layout.moe_mode == "tp" else chunk         # MoE TP gathers every share
+    rows = moe_rows * topk * (ROUTING_SKEW if layout.moe_mode == "ep" and layout.tp > 1 else 1)
     if device_kind == "cpu":
         rows *= 1.25                                                # padded bmm pads groups up to 25 %
     row_in = (hidden + fp32) if design.dispatch == "int8" else hidden * bf16
     replicated_out = chunk if design.sequence_sharded else tokens      # today: the all-gathered MoE output
-    moe = int(rows * (row_in + hidden * bf16 + 3 * inter_local * bf16) + chunk * hidden * fp32
+    moe = int(rows * (row_in + hidden * bf16 + 3 * inter_local * bf16) + moe_rows * hidden * fp32
               + replicated_out * hidden * bf16)
     if quantize and device_kind != "npu":
         moe += dequantized_expert_bytes(config, layout, hidden, inter_local)
@@ -163,7 +165,8 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
     if design.sequence_sharded:
         attention += tokens * hidden * bf16                         # the gathered input of qkv_proj
     if design.ulysses > 1:                                          # q / k / v of the rank's rows, before the all-to-all
-        attention += chunk * design.ulysses * (heads.heads + 2 * heads.kv_heads) * head_dim * bf16
+        group_rows = chunk * (layout.tp // design.ulysses)
+        attention += group_rows * design.ulysses * (heads.heads + 2 * heads.kv_heads) * head_dim * bf16
     denoise = residual + max(attention, moe)          # image steps produce no LM logits
     return {"KV cache": kv_cache, "denoise step": int(denoise), "VAE decode": vae_decode_bytes(raw, layout, image_size,
                                                                                             device_kind)}
@@ -211,25 +214,35 @@ def traffic_by_phase(config, raw: dict, layout, image_size, tp_rank: int = 0, de
     return {phase: {k: int(v) for k, v in per_step(lines, phase).items()} for phase in PHASES}
 
 
+def built_design_of(layout, device_kind: str, quantize=None, quant_compute: str = "w8a16") -> Design:
+    """How the code moves `layout`'s tokens on `device_kind` with these experts (traffic.built_design;
+    the EP rows' format from kernels.quant.dispatch_format)."""
+    from adaptor_patches.kernels.quant import dispatch_format
+    return built_design(layout, dispatch_format(device_kind, quantize, quant_compute))
+
+
 def comm_per_step(config, raw: dict, layout, image_size, tp_rank: int = 0) -> dict:
     """Bytes a rank sends per denoising step after the first, by purpose (the text's KV is cached)."""
     return traffic_by_phase(config, raw, layout, image_size, tp_rank)[DENOISING_STEP]
 
 
-def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None) -> list:
-    """One RolePlan per distinct "tp" rank (experts in `quantize`'s 8-bit format, None: bf16). Layout.check admits only even splits, so every tp rank
+def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None, quant_compute: str = "w8a16") -> list:
+    """One RolePlan per distinct "tp" rank (experts in `quantize`'s 8-bit format, None: bf16, computing
+    `quant_compute`). Layout.check admits only even splits, so every tp rank
     holds tensors of the same shapes (only which slice differs): rank 0 is built, and the last one
     too as a check; ranks whose numbers are equal are grouped."""
     config, raw = read_config(model_dir)
+    design = built_design_of(layout, device_kind, quantize, quant_compute)
     roles = []
     for tp_rank in sorted({0, layout.tp - 1}):
         model = build_meta_model(config, layout, tp_rank, quantize)
         params = parameter_bytes(model)
         same = next((r for r in roles if r.params == params), None)
         if same is None:
-            traffic = traffic_by_phase(config, raw, layout, image_size, tp_rank, device_kind)
+            traffic = traffic_by_phase(config, raw, layout, image_size, tp_rank, device_kind, design)
             roles.append(RolePlan(tp_rank, [], params, checkpoint_read_bytes(model, layout),
-                                  activation_bytes(config, raw, layout, image_size, device_kind, quantize=quantize),
+                                  activation_bytes(config, raw, layout, image_size, device_kind, quantize=quantize,
+                                                   design=design),
                                   traffic[DENOISING_STEP], WORKSPACE_BYTES[device_kind], traffic))
     for tp_rank in range(layout.tp):            # the ranks each role stands for
         role = roles[-1] if tp_rank == layout.tp - 1 else roles[0]
@@ -248,14 +261,10 @@ def shortfall(roles: list, device_memory: int, headroom: float):
 
 def planned_role_bytes(config, raw: dict, layout, image_size, role: RolePlan, device_kind: str = "npu",
                        design: Design = TODAY, quantize=None) -> int:
-    """Per-rank bytes of `role` under a planned `design` (traffic.Design, not built yet): its
-    parameters with the attention weights of the design's attention-TP degree (Ulysses N keeps N
-    times today's share), the design's activations, the same workspace. An estimate, like every
-    activation figure here."""
-    from dataclasses import replace
+    """Per-rank bytes of `role` (planned for `layout`, the design's own: traffic.design_layout) under
+    a `design` the code does not run (traffic.PLANNED's unbuilt ones): the role's parameters, the
+    design's activations, the same workspace. An estimate, like every activation figure here."""
     from utils.planner.traffic import for_layout
     design = for_layout(design, layout)
-    layout = replace(layout, ulysses=design.ulysses)
-    params = sum(role.params.values()) + role.params.get("attention", 0) * (design.ulysses - 1)
     acts = activation_bytes(config, raw, layout, image_size, device_kind, quantize=quantize, design=design)
-    return params + max(acts["denoise step"], acts["VAE decode"]) + acts["KV cache"] + role.workspace
+    return role.param_bytes + max(acts["denoise step"], acts["VAE decode"]) + acts["KV cache"] + role.workspace

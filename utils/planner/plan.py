@@ -1,8 +1,8 @@
 """Will this layout fit? Per-rank memory, checkpoint reads and traffic, before a ten-minute load.
 
     python -m utils.planner --model-id DIR --world-size 16 --cfg-parallel --moe-ep --vae-parallel \\
-        [--image-size 1024x1024] [--device npu|cuda|cpu] [--device-memory 64GiB] [--json PATH]
-        [--quantize none|int8|fp8]
+        [--ulysses N] [--image-size 1024x1024] [--device npu|cuda|cpu] [--device-memory 64GiB] [--json PATH]
+        [--quantize none|int8|fp8] [--quant-compute w8a16|w8a8]
     python -m utils.planner --model-id config/real_model --fit-table 64GiB,80GiB,141GiB [--quantize int8]
     bash run.sh CONFIG --plan                 (the same, from a launch config; run.sh plans every launch)
 
@@ -106,40 +106,59 @@ def traffic_report(role) -> list:
     return out
 
 
-def planned_report(model_dir, layout, image_size, device_kind: str, roles, quantize=None) -> list:
-    """One line per planned design (utils/planner/traffic.PLANNED) of this layout's world and CFG
-    split, with the MoE expert-parallel (the designs are EP designs): bytes per denoising step and
-    per-rank memory, marked as not yet built."""
+def design_rows(model_dir, layout, image_size, device_kind: str, quantize=None) -> list:
+    """The designs of traffic.PLANNED on this layout's world and CFG split, each with the MoE
+    expert-parallel (they are EP designs): [(name, status, MiB sent per denoising step by rank 0,
+    per-rank bytes, traffic by purpose)]. Built designs are planned as the code runs them (the
+    layout built on the meta device: exact parameters); int8 dispatch as it runs, on NPU with int8
+    experts computing W8A8; an unbuilt design (dedup) is its traffic arithmetic and an estimate."""
     from dataclasses import replace
-    from adaptor_patches.parallel.layout import Layout, LayoutError
+    from adaptor_patches.parallel.layout import LayoutError
     from utils.planner.memory_plan import planned_role_bytes, read_config
-    from utils.planner.traffic import DENOISING_STEP, PLANNED, for_layout, image_lines, per_step
-    if layout.tp < 2:
-        return []
+    from utils.planner.traffic import DENOISING_STEP, PLANNED, design_layout, for_layout, image_lines, per_step
     config, raw = read_config(model_dir)
-    out = ["  planned, not yet built (issue 29; per rank: sent per denoising step / memory):"]
+    rows = []
     for design in PLANNED:
         design = for_layout(design, layout)
-        moe = "ep"                                   # the planned designs are MoE EP designs
         try:
-            planned = replace(layout, moe=moe, ulysses=design.ulysses)
+            planned = design_layout(design, replace(layout, moe="ep"))
             planned.check(raw)
         except LayoutError as exc:
-            out.append(f"    {design.name}: not for this layout ({exc})")
+            rows.append((design.name, f"not for this layout ({exc})", None, None, {}))
             continue
-        sent = sum(per_step(image_lines(config, raw, planned, image_size, 0, design=design,
-                                        device_kind=device_kind), DENOISING_STEP).values())
-        memory = max(planned_role_bytes(config, raw, planned, image_size, role, device_kind, design, quantize)
-                     for role in roles)
-        out.append(f"    {design.name}{' (MoE EP)' if moe != layout.moe_mode else ''}: {sent / 2**20:.1f} MiB, "
-                   f"{gib(memory)} GiB")
+        int8 = design.dispatch == "int8"
+        kind, experts, compute = ("npu", "int8", "w8a8") if int8 else (device_kind, quantize, "w8a16")
+        roles = plan(model_dir, planned, image_size, kind, experts, compute)
+        if design.built:
+            lines = roles[0].comm_per_step
+            memory = max(r.total() for r in roles)
+        else:
+            lines = per_step(image_lines(config, raw, planned, image_size, 0, design=design, device_kind=kind),
+                             DENOISING_STEP)
+            memory = max(planned_role_bytes(config, raw, planned, image_size, r, kind, design, experts) for r in roles)
+        status = ("built" if design.built else "planned, not built") + (" (NPU, int8 experts, W8A8)" if int8 else "")
+        rows.append((design.name, status, sum(lines.values()) / 2**20, memory, lines))
+    return rows
+
+
+def planned_report(model_dir, layout, image_size, device_kind: str, roles, quantize=None) -> list:
+    """One line per design of traffic.PLANNED (design_rows): bytes per denoising step and per-rank memory."""
+    if layout.tp < 2:
+        return []
+    out = ["  the designs of issue 29 on this world (per rank: sent per denoising step / memory):"]
+    for name, status, sent, memory, _ in design_rows(model_dir, layout, image_size, device_kind, quantize):
+        out.append(f"    {name}: {status}" if sent is None else
+                   f"    {name}: {sent:.1f} MiB, {gib(memory)} GiB, {status}")
     return out
 
 
 def layout_words(layout) -> str:
     moe = {"replicated": "MoE whole", "tp": f"MoE TP{layout.tp}", "ep": f"MoE EP{layout.tp}"}[layout.moe_mode]
     cfg = "CFG2 x " if layout.cfg > 1 else ""
-    return f"{cfg}attention TP{layout.tp}, {moe}" + (", VAE parallel" if layout.vae_parallel else "")
+    attention = (f"Ulysses {layout.ulysses} x attention TP{layout.attention_tp}" if layout.ulysses > 1
+                 else f"attention TP{layout.tp}")
+    shares = ", sequence shares" if layout.sequence_sharded else ""
+    return f"{cfg}{attention}, {moe}{shares}" + (", VAE parallel" if layout.vae_parallel else "")
 
 
 def candidate_plans(model_dir, world_size: int, image_size, device_kind: str, quantize=None) -> list:
@@ -213,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--moe-tp", action="store_true")
     p.add_argument("--moe-ep", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
+    p.add_argument("--ulysses", type=int, default=1, help="Ulysses degree within a CFG branch (1: none)")
     p.add_argument("--image-size", default=None, help="HxW (default: the model's base size)")
     p.add_argument("--device", default="npu", choices=BACKEND_KINDS)
     p.add_argument("--device-memory", default=None, help="e.g. 64GiB: check the fit")
@@ -220,6 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quantize", default="none", choices=["none", "int8", "fp8"],
                    help="routed experts in 8 bit (1 byte per parameter + float32 scales)")
+    p.add_argument("--quant-compute", default="w8a16", choices=["w8a16", "w8a8"],
+                   help="how 8-bit experts compute (w8a8 with int8 experts on NPU: EP rows sent as int8)")
     args = p.parse_args(argv)
     quantize = None if args.quantize == "none" else args.quantize
     try:
@@ -232,10 +254,11 @@ def main(argv=None) -> int:
         if args.fit_table:
             print(fit_table(args.model_id, args.fit_table.split(","), size, args.device, quantize=quantize))
             return 0
-        layout = Layout.from_flags(args.world_size, args.cfg_parallel, args.moe_tp, args.moe_ep, args.vae_parallel)
+        layout = Layout.from_flags(args.world_size, args.cfg_parallel, args.moe_tp, args.moe_ep, args.vae_parallel,
+                                   args.ulysses)
         layout.check(raw)
         memory = parse_memory(args.device_memory) if args.device_memory else None
-        roles = plan(args.model_id, layout, size, args.device, quantize)
+        roles = plan(args.model_id, layout, size, args.device, quantize, args.quant_compute)
         print(report(roles, layout, size, memory, quantize=quantize))
         print("\n".join(planned_report(args.model_id, layout, size, args.device, roles, quantize)))
         if args.json:

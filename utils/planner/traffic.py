@@ -19,13 +19,13 @@ Lines are per phase of one image:
   first step       the first denoising forward: every text and image token of the sequence
   denoising step   each later forward: the timestep token and the image tokens (the text is cached)
   VAE decode       the band-parallel decode (parallel/vae_bands.py)
-A `Design` says how a layer's tokens move. `built_design(layout)` is what the code does (today's:
-rows replicated between layers), checked against counted runs (bench/comm.py, tests/test_comm.py);
-PLANNED are layouts not built yet (sequence-sharded layers, Ulysses attention, int8 dispatch, one
-copy per destination rank): their lines are the arithmetic of that design, marked planned. To
-build one: make the model path follow it, return it from built_design for the layouts that run
-it, and the counted tests hold the new code to these lines; a new collective is one more Line in
-forward_lines.
+A `Design` says how a layer's tokens move. `built_design(layout, dispatch)` is what the code does
+for a layout (rows replicated between layers; sequence shares under MoE EP or Ulysses; Ulysses'
+head all-to-alls; int8 EP rows where the experts compute W8A8 on NPU), checked against counted runs
+(bench/comm.py, tests/test_comm.py); PLANNED are designs compared in the tables: the built ones on
+ep8_cfg's shape and one not built, one copy per destination rank ("dedup"; docs/MULTI_STREAM.md
+says why), whose lines are the arithmetic of that design, marked planned. A new collective is one
+more Line in forward_lines, held to the counted runs by the tests.
 """
 from __future__ import annotations
 
@@ -105,22 +105,32 @@ class Design:
 
 
 TODAY = Design()
+# Designs set side by side in the tables (bench/comm.py, the planner): ulysses -1 is every rank of a
+# branch (N = tp). The built ones are what built_design gives the matching layout; dedup is not built.
 PLANNED = (
-    Design("sequence-sharded EP (the recipe's)", sequence_sharded=True, built=False),
-    Design("Ulysses", sequence_sharded=True, ulysses=-1, built=False),
-    Design("Ulysses + int8 dispatch", sequence_sharded=True, ulysses=-1, dispatch="int8", built=False),
+    Design("sequence-sharded EP (the recipe's)", sequence_sharded=True),
+    Design("Ulysses", sequence_sharded=True, ulysses=-1),
+    Design("Ulysses + int8 dispatch", sequence_sharded=True, ulysses=-1, dispatch="int8"),
     Design("Ulysses + int8 dispatch + dedup", sequence_sharded=True, ulysses=-1, dispatch="int8", dedup=True,
            built=False),
 )
 
 
-def built_design(layout) -> Design:
-    """How the code as built moves `layout`'s tokens: today every rank of a branch holds every row
-    between layers (TODAY), whatever layout.sequence_sharded says. When the model path follows the
-    layout (sequence-sharded layers, Ulysses), this returns Design("built", sequence_sharded=
-    layout.sequence_sharded, ulysses=layout.ulysses) and the counted runs (bench/comm.py,
-    tests/test_comm.py) check those lines; int8 dispatch and dedup add their flags the same way."""
-    return TODAY
+def built_design(layout, dispatch: str = "bf16") -> Design:
+    """How the code as built moves `layout`'s tokens: every row on every rank of a branch between
+    layers, or under layout.sequence_sharded (MoE EP, Ulysses) each rank's share, with Ulysses' head
+    all-to-alls; `dispatch` "int8" where the MoE's EP rows cross ranks as int8
+    (kernels.quant.dispatch_format: NPU, int8 experts, W8A8). The counted runs (bench/comm.py,
+    tests/test_comm.py) hold the code to these lines."""
+    if not layout.sequence_sharded and layout.ulysses == 1 and dispatch == "bf16":
+        return TODAY
+    return Design("built", sequence_sharded=layout.sequence_sharded, ulysses=layout.ulysses,
+                  dispatch=dispatch if layout.moe_mode == "ep" else "bf16")
+
+
+def design_layout(design: Design, layout):
+    """`layout` as `design` runs it: its Ulysses degree (the layout a built design is built for)."""
+    return replace(layout, ulysses=for_layout(design, layout).ulysses)
 
 
 def for_layout(design: Design, layout) -> Design:
@@ -179,7 +189,7 @@ def forward_lines(sizes: Sizes, layout, phase: str, seq: int, tp_rank: int = 0, 
     if n > 1 and not design.sequence_sharded:
         out.append(Line(phase, "attention TP all-reduce", "all_reduce", n, tokens * hidden_row, sizes.layers))
     if n > 1 and design.sequence_sharded:
-        out += _sharded_attention_lines(sizes, layout, phase, tokens, design)
+        out += _sharded_attention_lines(sizes, layout, phase, tokens, tp_rank, design)
     if n > 1 and layout.moe_mode == "tp" and sizes.moe_layers:
         if design.sequence_sharded:
             out.append(Line(phase, "MoE TP all-gather", "all_gather", n, padded_share(tokens, n) * hidden_row,
@@ -207,28 +217,34 @@ def forward_lines(sizes: Sizes, layout, phase: str, seq: int, tp_rank: int = 0, 
     return out
 
 
-def _sharded_attention_lines(sizes: Sizes, layout, phase: str, tokens: int, design: Design) -> list:
+def _sharded_attention_lines(sizes: Sizes, layout, phase: str, tokens: int, tp_rank: int, design: Design) -> list:
+    """Attention on sequence shares: the attention-TP group's shares gathered into qkv_proj and
+    o_proj reduce-scattered back (each padded to the group's common share); under Ulysses the head
+    all-to-alls of this rank's group chunk out and every row of its heads back."""
+    from adaptor_patches.parallel.layout import padded_shares
     n, ulysses = layout.tp, design.ulysses
     tp_attn = n // ulysses
     hidden_row = sizes.hidden * BF16
-    share = padded_share(tokens, n)
+    shares = padded_shares(tokens, n)
+    ulysses_rank = tp_rank // tp_attn
+    members = shares[ulysses_rank * tp_attn:(ulysses_rank + 1) * tp_attn]
     out = []
-    if tp_attn > 1:
+    if tp_attn > 1 and max(members):
         what = "Ulysses TP" if ulysses > 1 else "attention"
-        out.append(Line(phase, f"{what} all-gather before qkv_proj", "all_gather", tp_attn, share * hidden_row,
-                        sizes.layers))
+        out.append(Line(phase, f"{what} all-gather before qkv_proj", "all_gather", tp_attn,
+                        max(members) * hidden_row, sizes.layers))
         out.append(Line(phase, f"{what} reduce-scatter after o_proj", "reduce_scatter", tp_attn,
-                        tp_attn * share * hidden_row, sizes.layers))
+                        tp_attn * max(members) * hidden_row, sizes.layers))
     if ulysses > 1:
-        chunk = tp_attn * share                               # rows of one Ulysses rank (its TP group's shares)
+        chunks = [sum(shares[u * tp_attn:(u + 1) * tp_attn]) for u in range(ulysses)]
         q_heads = sizes.heads // tp_attn
         kv_of_shard = max(sizes.kv_heads // tp_attn, 1)
         kv_per_rank = max(kv_of_shard // ulysses, 1)          # replicated when N exceeds the shard's KV heads
         head_row = sizes.head_dim * BF16
-        qkv = chunk * (q_heads + 2 * kv_per_rank * ulysses) * head_row
+        qkv = chunks[ulysses_rank] * (q_heads + 2 * kv_per_rank * ulysses) * head_row
         out.append(Line(phase, "Ulysses q/k/v all-to-all (heads)", "all_to_all", ulysses, qkv, sizes.layers))
         out.append(Line(phase, "Ulysses output all-to-all (rows)", "all_to_all", ulysses,
-                        ulysses * chunk * (q_heads // ulysses) * head_row, sizes.layers))
+                        tokens * (q_heads // ulysses) * head_row, sizes.layers))
     return out
 
 
@@ -253,8 +269,9 @@ def _expert_parallel_lines(sizes: Sizes, layout, phase: str, rows: int, design: 
 
 
 def step_cache_lines(phase: str, layout, candidate_steps: int) -> list:
-    """The adaptive step cache's agreement: one float32 all-reduce (MAX) over every rank per candidate step."""
-    return [Line(phase, "step cache agreement", "all_reduce", layout.world_size, FP32, candidate_steps)] \
+    """The adaptive step cache's agreement: one float32 all-reduce (SUM) of two sums per batch row of
+    the job ([cond ; uncond]) over every rank per candidate step (step_cache.py)."""
+    return [Line(phase, "step cache agreement", "all_reduce", layout.world_size, 2 * 2 * FP32, candidate_steps)] \
         if layout.world_size > 1 and candidate_steps else []
 
 
@@ -329,12 +346,12 @@ TEXT_TOKENS = 512       # the first step's text (prompt, system prompt, template
 
 def image_lines(config, raw: dict, layout, image_size, tp_rank: int = 0, cfg_rank: int = 0,
                 design: Optional[Design] = None, first_step_rows: Optional[int] = None,
-                device_kind: str = "npu") -> list:
+                device_kind: str = "npu", dispatch: str = "bf16") -> list:
     """Every collective of one image on the rank (tp_rank, cfg_rank): the first step (every token of
     the sequence: `first_step_rows`, default TEXT_TOKENS + the image tokens), one later denoising
     step (the timestep token and the image tokens) and the VAE decode. `design`: None, the code as
-    built for this layout (built_design); or a planned one."""
-    design = built_design(layout) if design is None else design
+    built for this layout (built_design, with the EP rows' `dispatch` format); or a planned one."""
+    design = built_design(layout, dispatch) if design is None else design
     sizes = Sizes.of(config, raw)
     tokens = image_tokens(config, image_size)
     prediction = (2 // layout.cfg) * sizes.latent_channels * tokens * BF16      # diffusion_prediction, bf16

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multi-stream", choices=["on", "off"], default=None)
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
+    schema.add_arguments(p, ["ulysses", "sequence_shares"])
     schema.add_arguments(p, ["dist_timeout", "quantize", "quant_compute", "step_cache", *schema.STEP_CACHE_SETTINGS])
     return p
 

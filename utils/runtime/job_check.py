@@ -248,7 +248,9 @@ def job_layout(args, world_size: int, env: Mapping, files: Optional[ModelFiles])
     from adaptor_patches.parallel.layout import Layout, env_flag
     layout = Layout.from_flags(world_size, cfg_parallel=bool(args.cfg_parallel) or env_flag("CFG_PARALLEL", env),
                                moe_tp=bool(args.moe_tp), moe_ep=bool(args.moe_ep),
-                               vae_parallel=bool(args.vae_parallel) or env_flag("USE_VAE_PARALLEL", env))
+                               vae_parallel=bool(args.vae_parallel) or env_flag("USE_VAE_PARALLEL", env),
+                               ulysses=getattr(args, "ulysses", 1),
+                               sequence_shares=getattr(args, "sequence_shares", "on") != "off")
     if files is not None and args.adaptor == "full":          # the shims alone parallelise nothing
         check_layout(layout, files)
     return layout

@@ -257,6 +257,12 @@ JOB_OPTIONS = (
     Field("dist_timeout", "float", 1200.0, "seconds a collective may wait for the other ranks before the job ends "
           "with an error (default 1200: a load can keep ranks apart for minutes)", 0, MAX_DIST_TIMEOUT_S,
           example="1200"),
+    Field("ulysses", "int", 1, "Ulysses degree: attention by all-to-all over heads within groups of N ranks of a "
+          "CFG branch (attention weights whole for the group, attention TP over the other ranks; docs/CLI.md); "
+          "1: none", 1, None, example="8"),
+    Field("sequence_shares", "choice", "on", "on: under MoE EP or Ulysses each rank holds its share of the sequence "
+          "between decoder layers (fewer bytes sent; docs/MULTI_STREAM.md); off: every row on every rank, as before "
+          "issue 29 (not with --ulysses)", choices=("on", "off")),
     Field("quantize", "choice", None, "routed experts in 8 bit, quantized while loading (default: an 8-bit "
           "converted folder's format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS,
           optional=True),

@@ -2,7 +2,8 @@
 
 The tiny random checkpoint (utils/make_tiny_model.py, built on first use) runs through the real
 CLI: once on the CPU (the reference), once on the device, and on N ranks of the device with the
-widest layout the tiny model splits into (CFG x attention TP x MoE EP, VAE parallel). The initial
+widest layout the tiny model splits into (CFG x attention TP x MoE EP on sequence shares, VAE
+parallel), and that layout again with Ulysses over each CFG branch's ranks (issue 29). The initial
 noise is drawn on the CPU in every run (--noise-on-cpu), so the runs differ only by the device's
 numerics and the layout. Judged by the final latents' relative error; the PNGs' PSNR is reported.
 """
@@ -43,6 +44,18 @@ def layout_flags(nproc: int, config: dict):
         if layout.problem(config) is None:
             return flags
     return None
+
+
+def ulysses_flags(nproc: int, flags: tuple, config: dict):
+    """`flags` with Ulysses over every rank of a CFG branch, or None when the tiny model's heads do not split so."""
+    from adaptor_patches.parallel.layout import Layout, LayoutError
+    branch = nproc // (2 if "--cfg-parallel" in flags else 1)
+    try:
+        layout = Layout.from_flags(nproc, cfg_parallel="--cfg-parallel" in flags, moe_ep="--moe-ep" in flags,
+                                   vae_parallel="--vae-parallel" in flags, ulysses=branch)
+    except LayoutError:
+        return None
+    return flags + ("--ulysses", str(branch)) if branch > 1 and layout.problem(config) is None else None
 
 
 def psnr(a: Path, b: Path) -> float:
@@ -103,6 +116,9 @@ def generation_checks(kind: str, nproc: int, out_dir: Path, steps: int = 4) -> l
         results.append(Result(SECTION, f"{nproc} ranks", "skip", detail="no layout of the tiny model spans that many"))
     elif nproc > 1:
         runs.append((f"{kind}-{nproc}ranks", kind, nproc, flags))
+        with_ulysses = ulysses_flags(nproc, flags, config)
+        if with_ulysses:
+            runs.append((f"{kind}-{nproc}ranks-ulysses", kind, nproc, with_ulysses))
     outputs = {}
     for name, run_kind, ranks, run_flags in runs:
         try:
@@ -111,8 +127,9 @@ def generation_checks(kind: str, nproc: int, out_dir: Path, steps: int = 4) -> l
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             results.append(Result(SECTION, f"run {name}", "fail", detail=str(exc)[:300]))
     pairs = [(name, "cpu-1rank", "device") for name in outputs if name != "cpu-1rank"]
-    if kind != "cpu" and f"{kind}-{nproc}ranks" in outputs and f"{kind}-1rank" in outputs:
-        pairs.append((f"{kind}-{nproc}ranks", f"{kind}-1rank", "layout"))
+    for name in (f"{kind}-{nproc}ranks", f"{kind}-{nproc}ranks-ulysses"):
+        if kind != "cpu" and name in outputs and f"{kind}-1rank" in outputs:
+            pairs.append((name, f"{kind}-1rank", "layout"))
     for name, reference, what in pairs:
         if reference not in outputs:
             continue

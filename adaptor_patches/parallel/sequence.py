@@ -1,0 +1,60 @@
+"""The sequence shares of one forward: which rows a rank holds between decoder layers, at run time.
+
+Under a sequence-sharded layout (layout.sequence_sharded: MoE EP, or Ulysses) every forward of more
+than one position (layout.shards_forward: denoising steps, text prefill) keeps, between its decoder
+layers, only this rank's contiguous share of the branch's rows (the batch's rows flattened, batch
+major: layout.token_shares, the recipe's padded shares). The patched HunyuanImage3Model.forward
+(hunyuan.py) cuts the share before the first layer and gathers the rows after the last one; in
+between, attention gathers the rows it needs before qkv_proj and reduce-scatters after o_proj, and
+the MoE works on the local rows (hunyuan.py, moe/dispatch.py). The one-token text decode keeps
+every row on every rank (today's path).
+
+    SequenceSlot                  shared by a model and its layers (like the step cache's slot): the
+                                  forward's SequenceShards while it runs, else None
+    SequenceShards(layout, tp_rank, batch, seq)
+        .shares / .local          every rank's rows in tp-rank order / this rank's slice of them
+        .attention_shares         the rows of this rank's attention-TP group (its gather / scatter)
+        .ulysses_chunks           the rows each Ulysses rank projects q / k / v for
+        .batch_row_of_local()     which of the branch's batch rows each local row belongs to
+    shard_rows(x, shards)         [B, S, H] -> [1, share, H]: this rank's rows
+    gather_rows(x, shards, ...)   [1, share, H] -> [B, S, H]: every rank's rows, one all-gather
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class SequenceSlot:
+    """The forward being run's SequenceShards, or None (every row on every rank)."""
+    shards: Optional["SequenceShards"] = None
+
+
+class SequenceShards:
+    def __init__(self, layout, tp_rank: int, batch: int, seq: int):
+        self.layout, self.tp_rank, self.batch, self.seq = layout, tp_rank, batch, seq
+        self.rows = batch * seq
+        self.shares = layout.token_shares(self.rows)
+        self.local = layout.token_share(self.rows, tp_rank)
+        self.attention_shares = layout.attention_tp_shares(self.rows, tp_rank)
+        self.ulysses_chunks = layout.ulysses_chunks(self.rows)
+
+    @property
+    def local_rows(self) -> int:
+        return self.local.stop - self.local.start
+
+    def batch_row_of_local(self, device=None) -> torch.Tensor:
+        """[local rows] int64: the batch row (0 .. batch-1 of this branch) of each row this rank holds."""
+        return torch.arange(self.local.start, self.local.stop, device=device) // self.seq
+
+
+def shard_rows(x: torch.Tensor, shards: SequenceShards) -> torch.Tensor:
+    """This rank's rows of x [B, S, H] as [1, share, H] (a view when contiguous; no collective)."""
+    return x.reshape(shards.rows, x.shape[-1])[shards.local].unsqueeze(0)
+
+
+def gather_rows(x: torch.Tensor, shards: SequenceShards, kernels, group) -> torch.Tensor:
+    """Every rank's rows back in order: x [1, share, H] -> [B, S, H], one all-gather over the branch."""
+    rows = kernels.all_gather_shares(x.reshape(shards.local_rows, x.shape[-1]), group, shards.shares)
+    return rows.view(shards.batch, shards.seq, x.shape[-1])

@@ -77,8 +77,8 @@ def upstream_step_cache(values: Callable[[str], object]) -> Optional[StepCacheSe
                                f"counterpart in --step-cache taylor, which forecasts at order 1 or 2", "use 1 or 2")
     tail = value["taylor_cache_tailing_enhance_steps"]
     if switches["taylor_cache_enable_tailing_enhance"] and tail != 1:
-        raise FieldError("taylor-cache-tailing-enhance-steps", f"{tail}: --step-cache taylor computes the last step "
-                                                               f"only", "use 1")
+        raise FieldError("taylor-cache-tailing-enhance-steps", f"{tail} has no counterpart: --step-cache taylor "
+                                                               f"computes the last step only", "use 1")
     warmup = value["taylor_cache_first_enhance_steps"] if switches["taylor_cache_enable_first_enhance"] else 1
     return StepCacheSettings("taylor", warmup=warmup, interval=value["taylor_cache_interval"], order=effective)
 

@@ -100,5 +100,11 @@ def pipeline_call_honours_steps(original, _device):
 
 
 def eager_not_compiled(original, _device):
-    """A `torch.compile`d function of upstream's, as it was before compiling."""
-    return getattr(original, "_torchdynamo_orig_callable", None) or getattr(original, "__wrapped__", original)
+    """A `torch.compile`d function of upstream's, run as it was before compiling."""
+    eager = getattr(original, "_torchdynamo_orig_callable", None) or getattr(original, "__wrapped__", original)
+
+    @functools.wraps(eager)
+    def run_eagerly(*args, **kwargs):
+        return eager(*args, **kwargs)
+
+    return run_eagerly

@@ -14,7 +14,7 @@ same step count and seed. Prints one markdown table for docs/BENCHMARKS.md.
 A random checkpoint says what the cache costs in time; what it costs in quality on the real model
 must be judged on that model's images (its predictions change more smoothly than random weights').
 
-    .venv/bin/python bench/step_cache.py --instruct [--steps 50]
+    .venv/bin/python bench/step_cache.py --instruct [--steps 8 50]
 
 HunyuanImage-3.0-Instruct (the same small sizes, base size 256, utils/make_tiny_model.py --instruct),
 a 256x256 edit of upstream's demo input: upstream's own Taylor cache (its code, compat shims only, as
@@ -166,14 +166,14 @@ def psnr_of(image, reference) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None, help="default: models/step_cache_small[_instruct]")
-    p.add_argument("--steps", type=int, nargs="+", default=None, help="default: 20 50 (--instruct: 50)")
+    p.add_argument("--steps", type=int, nargs="+", default=None, help="default: 20 50 (--instruct: 8 50)")
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--instruct", action="store_true", help="the Instruct model: ours vs upstream's Taylor cache")
     args = p.parse_args()
     args.model = args.model or ROOT / "models" / ("step_cache_small_instruct" if args.instruct else "step_cache_small")
-    args.steps = args.steps or ([50] if args.instruct else [20, 50])
+    args.steps = args.steps or ([8, 50] if args.instruct else [20, 50])
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
     torch.set_num_threads(args.threads)

@@ -9,12 +9,13 @@ in modeling_hunyuan_image_3.py; the base model's hunyuan.py has none):
              (upstream only with tailing enhance; without it, ours may compute one step more).
   forecast   the transformer's last hidden state (before the timestep-conditioned final layer), as a
              Taylor series sum_i d_i k^i / i! at k steps past the last full one, each d_i a difference
-             of the previous level's divided by the latest distance; the history starts at step F-1 (0
-             without first enhance). Ours forecasts the model's prediction by the polynomial through the
-             last `order + 1` full steps (warm-up steps included). Order 1: the same line. Order 2: the
-             same differences, weighted k^2/2 upstream and k(k+h)/2 ours (h: the spacing). The
-             frequency split (an FFT over the tokens, low / high orders of their own) changes nothing
-             when both orders are equal: the series is linear. Unequal orders are refused.
+             of the previous level's divided by the latest distance, over the full steps from step F-1
+             on (0 without first enhance). Ours forecasts the model's prediction by the polynomial
+             through the last `order + 1` full steps, from the same step on. Order 1: the same line.
+             Order 2: the same differences, weighted k^2/2 upstream and k(k+h)/2 ours (h: the
+             spacing). The frequency split (an FFT over the tokens, low / high orders of their own)
+             changes nothing when both orders are equal: the series is linear. Unequal orders are
+             refused.
   upstream   without first enhance (upstream's default) its own code stops at the first forecast step:
              step 0's hidden state spans the whole sequence and no longer fits the image (measured on
              the tiny Instruct checkpoint). Ours forecasts the prediction, which has the image's shape

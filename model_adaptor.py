@@ -38,6 +38,7 @@ PINNED_UPSTREAM_SHA256 = {      # every upstream file a row of PATCHES patches (
     "hunyuan_image_3.image_processor": "3ecfa426ca7796d89bed94acff96e0b0ca732b8fb9d033abca8e7a4302169e51",
     "hunyuan_image_3.tokenization_hunyuan_image_3": "c808ac9995668ed2d94ed50a2c5c6dab91406fd518ea523447b651ee27a36753",
     "hunyuan_image_3.siglip2": "e8956a331d45ab31bb169489548c983178dd0914b94b9bfe89d9553421b8d6f4",
+    "hunyuan_image_3.cache_utils": "8f1e5eebc84bbb6887bdadb0956c7244e6f7d0852c78f142bf0e3dea11372374",
 }
 
 
@@ -56,6 +57,7 @@ PIPE = "hunyuan_image_3.hunyuan_image_3_pipeline"
 VAE = "hunyuan_image_3.autoencoder_kl_3d"
 IMAGES = "hunyuan_image_3.image_processor"          # 1ea1526's: the Instruct model's only
 SIGLIP = "hunyuan_image_3.siglip2"
+TAYLOR = "hunyuan_image_3.cache_utils"              # upstream's own Taylor cache (the Instruct model's)
 
 
 def _model_rows(M: str, text_call: str) -> tuple:
@@ -138,6 +140,11 @@ PATCHES = (
     Patch(SIGLIP, "_prepare_4d_attention_mask", compat_instruct.padding_mask_4d,
           "the SigLIP2 padding mask without transformers 5.2.0's broken deprecation log (a logging error)",
           shim=True),
+    Patch(TAYLOR, "decomposition_FFT", compat_instruct.eager_not_compiled,
+          "upstream's Taylor cache splits frequencies eagerly (torch.compile: a C++ toolchain and ~35 s on the CPU)",
+          shim=True),
+    Patch(TAYLOR, "reconstruction", compat_instruct.eager_not_compiled,
+          "upstream's Taylor cache joins frequencies eagerly (torch.compile, as above)", shim=True),
     Patch(f"{I}:HunyuanImage3ForCausalMM", "prepare_model_inputs", text_phase.prepare_model_inputs_seeded,
           "the text calls' conditioning latents drawn from the job's seed (upstream: Python's global random)",
           shim=True),

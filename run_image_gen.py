@@ -141,7 +141,8 @@ def prepare(job: CheckedJob, rank: int, phase: JobPhase) -> RankJob:
 def implementations(args, device_kind: str, kernel_set: str) -> tuple:
     """(attn_impl, moe_impl, notes) for upstream's loader: the cann-recipes names `npu` and
     `npu_grouped_matmul` become the forms our modules build (their kernels come from the device's
-    kernel set), with a note where no NPU runs them; and a note for the recipe's --rewrite."""
+    kernel set), with a note where no NPU runs them; and a note for the recipe's --rewrite and for
+    upstream's --use-taylor-cache (what it runs as)."""
     chosen, named = {}, []
     for field, (recipe_name, ours) in RECIPE_IMPLS.items():
         asked = getattr(args, field)
@@ -155,6 +156,9 @@ def implementations(args, device_kind: str, kernel_set: str) -> tuple:
     if args.rewrite:
         notes.append(f"note: rewrite {args.rewrite}: prompt rewriting is not part of this project (the recipe's "
                      f"script does not rewrite either); the prompt is used as given")
+    if getattr(args, "use_taylor_cache", False):            # upstream's flag, run as our step cache
+        from utils.runtime.upstream_taylor import note
+        notes.append(note(args.step_cache))
     return chosen["attn_impl"], chosen["moe_impl"], notes
 
 

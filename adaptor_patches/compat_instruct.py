@@ -20,6 +20,12 @@ shims-only reference installs them too). The shims it shares with the base model
         error (a traceback on the console, a failure under pytest) at the first SigLIP2 forward.
         Here the same mask, without the call: [batch, keys] 1 / 0 -> [batch, 1, queries, keys],
         0 where attended and the dtype's minimum where not.
+  decomposition_FFT, reconstruction (cache_utils.py)
+        Upstream's own Taylor cache (generate_image(use_taylor_cache=True); the CLI's --use-taylor-cache
+        runs ours instead, utils/runtime/upstream_taylor.py) splits each hidden state by an FFT in two
+        `torch.compile`d functions. Inductor needs a C++ toolchain on the CPU and took ~35 s at the
+        first cached image here; on an NPU it is not the backend this project runs. The same functions
+        run eagerly (the same ops: an fp32 FFT and its inverse), so the reference runs anywhere.
   HunyuanImage3Text2ImagePipeline.__call__
         The Instruct model's `generate` hands the pipeline its generation config's
         `diff_infer_steps` / `diff_guidance_scale` only; `generate_image(diff_infer_steps=8)` (upstream's
@@ -91,3 +97,14 @@ def pipeline_call_honours_steps(original, _device):
         return original(self, *args, model_kwargs=model_kwargs, **kwargs)
 
     return __call__
+
+
+def eager_not_compiled(original, _device):
+    """A `torch.compile`d function of upstream's, run as it was before compiling."""
+    eager = getattr(original, "_torchdynamo_orig_callable", None) or getattr(original, "__wrapped__", original)
+
+    @functools.wraps(eager)
+    def run_eagerly(*args, **kwargs):
+        return eager(*args, **kwargs)
+
+    return run_eagerly

@@ -21,6 +21,7 @@ class PhaseTimer:
     def reset(self):
         self.text_forward_s = []
         self.denoise_step_s = []
+        self.transformer_steps = []         # the denoising steps whose forward ran the transformer (not forecast)
         self.vae_decode_s = []
         self.generate_s = {"gen_text": 0.0, "gen_image": 0.0}
         self._forward_start = None
@@ -48,8 +49,13 @@ class PhaseTimer:
             elapsed = self._now() - self._forward_start
             (self.denoise_step_s if self._forward_mode == "gen_image" else self.text_forward_s).append(elapsed)
 
+        def transformer_hook(_module, _args, kwargs):
+            if kwargs.get("mode") == "gen_image":       # a step cache's forecast (ours or upstream's) skips it
+                self.transformer_steps.append(len(self.denoise_step_s))
+
         model.register_forward_pre_hook(pre_hook, with_kwargs=True)
         model.register_forward_hook(post_hook, with_kwargs=True)
+        model.model.register_forward_pre_hook(transformer_hook, with_kwargs=True)
         self._wrap(model.vae, "decode", self._on_decode)
         call = "generate" if takes_conditioning_images(model) else "_generate"
         generate = getattr(model, call)

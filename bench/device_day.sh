@@ -10,6 +10,8 @@
 #   4 e2e         bench/e2e.py: the mid-size model end to end, upstream eager vs the adaptor
 #   5 layouts     bench/layouts.py over every device of the node: the step time with the rows replicated
 #                 vs sequence shares vs Ulysses (issue 29; skipped with one device)
+#   6 instruct    the self-check's instruct section: the tiny Instruct and Instruct-Distil checkpoints
+#                 editing an image on the device vs the CPU (CPU: the adaptor vs upstream eager)
 # Each step runs under `timeout` (STEP_LIMITS; DEVICE_DAY_LIMIT_S overrides them all): a stuck or
 # failing step is recorded (status, exit code, seconds, log) and the next one runs. Writes
 # OUT_DIR/device_day.json and OUT_DIR/device_day.md (default OUT_DIR: outputs/device_day/<UTC time>).
@@ -58,6 +60,8 @@ if [ "$quick" = 1 ]; then
        --json "$out/moe_layer.json"
   step e2e 300 "$py" bench/e2e.py --device "$device" --model "$tiny" --size 64 --steps 2 --rounds 1 --warmup 0
   step layouts 240 "$py" bench/layouts.py --device "$device" --quick --model "$tiny"
+  step instruct 300 "$py" -m utils.selfcheck --device "$device" --nproc 1 \
+       --skip env,kernels,moe-stream,collectives,generation --out "$out/instruct"
 else
   step selfcheck 240 "$py" -m utils.selfcheck --device "$device" --nproc 1 --out "$out/selfcheck"
   step collectives 180 "$py" -m utils.selfcheck --device "$device" --skip env,kernels,moe-stream,generation \
@@ -65,6 +69,8 @@ else
   step moe_layer 180 "$py" bench/device_layer.py --device "$device" --json "$out/moe_layer.json"
   step e2e 150 "$py" bench/e2e.py --device "$device" --steps 8 --rounds 2 --warmup 1
   step layouts 240 "$py" bench/layouts.py --device "$device" --steps 4 --rounds 1
+  step instruct 180 "$py" -m utils.selfcheck --device "$device" --nproc 1 \
+       --skip env,kernels,moe-stream,collectives,generation --out "$out/instruct"
 fi
 
 "$py" - "$out" "$device" "$quick" <<'PY'
@@ -80,7 +86,8 @@ for line in (out / "steps.tsv").read_text().splitlines():
     steps[name] = {"status": status, "exit_code": rc, "seconds": round(int(seconds) / 1000, 1), "limit_s": int(limit),
                    "log": str(log), "tail": log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []}
 for name, path in (("selfcheck", out / "selfcheck" / "selfcheck.json"), ("moe_layer", out / "moe_layer.json"),
-                   ("collectives", out / "collectives" / "selfcheck.json")):
+                   ("collectives", out / "collectives" / "selfcheck.json"),
+                   ("instruct", out / "instruct" / "selfcheck.json")):
     if name in steps and path.is_file():
         steps[name]["result"] = json.loads(path.read_text())
 summary = {"device": device, "quick": quick, "steps": steps}
@@ -92,7 +99,8 @@ for name, s in steps.items():
     table = [l for l in s["tail"] if l.startswith("|")]
     if table:
         lines += ["", f"## {name}", ""] + table
-for name, sections in (("selfcheck", ("kernels", "moe-stream")), ("collectives", ("collectives",))):
+for name, sections in (("selfcheck", ("kernels", "moe-stream")), ("collectives", ("collectives",)),
+                       ("instruct", ("instruct",))):
     sc = steps.get(name, {}).get("result")
     if sc:
         lines += ["", f"## {name}", "", "| section | check | status | value | limit | detail |", "|---|---|---|---|---|---|"]

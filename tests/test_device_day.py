@@ -20,7 +20,7 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
     proc = device_day(tmp_path / "day")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "day" / "device_day.json").read_text())
-    assert list(summary["steps"]) == ["selfcheck", "collectives", "moe_layer", "e2e", "layouts"]
+    assert list(summary["steps"]) == ["selfcheck", "collectives", "moe_layer", "e2e", "layouts", "instruct"]
     assert {name: s["status"] for name, s in summary["steps"].items()} == dict.fromkeys(summary["steps"], "pass"), \
         {name: s["tail"] for name, s in summary["steps"].items()}
     rows = summary["steps"]["moe_layer"]["result"]["rows"]
@@ -30,9 +30,14 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
     fused = {r["check"]: r["status"] for r in summary["steps"]["collectives"]["result"]["results"]}
     assert fused["all_gather_matmul, 2 ranks, uneven shares"] == "pass" and "matmul_reduce_scatter time" in fused
     assert "sequence shares" in "\n".join(summary["steps"]["layouts"]["tail"])
+    instruct = {r["check"]: r for r in summary["steps"]["instruct"]["result"]["results"]}
+    for name in ("instruct-edit", "distil-edit"):       # on CPU: the adaptor against upstream eager, compared
+        row = instruct[f"{name} cpu-eager vs cpu"]
+        assert row["status"] == "pass" and 0 < row["value"] <= row["limit"] and row["data"]["psnr_db"] < 200, row
     table = (tmp_path / "day" / "device_day.md").read_text()
     assert "| moe_layer | pass |" in table and "dense-GEMM floor" in table and "upstream eager" in table
     assert "| collectives | matmul_reduce_scatter time | info |" in table
+    assert "| instruct | pass |" in table and "| instruct | distil-edit cpu-eager vs cpu | pass |" in table
 
 
 @pytest.mark.slow

@@ -149,17 +149,18 @@ def test_a_failing_check_makes_the_exit_code_1(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_run_sh_selfcheck_on_cpu_passes_every_section(tmp_path):
-    """What a user runs: every section on CPU with 2 gloo ranks (collectives, a 2-rank generation)."""
+    """What a user runs: every section on CPU with 2 gloo ranks (collectives, a 2-rank generation),
+    but instruct: tests/test_device_day.py runs that one (device_day.sh's instruct step is this CLI)."""
     proc = subprocess.run(["bash", "run.sh", "--selfcheck", "--device", "cpu", "--nproc", "2", "--repeat", "2",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "--skip", "instruct", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "selfcheck.json").read_text())
     assert stat.S_IMODE((tmp_path / "selfcheck.json").stat().st_mode) == 0o644
     by_section = {}
     for r in report["results"]:
         by_section.setdefault(r["section"], []).append(r)
-    assert set(by_section) == set(selfcheck.SECTIONS)
+    assert set(by_section) == set(selfcheck.SECTIONS) - {"instruct"}
     assert report["failed"] == 0
     collectives = {r["check"]: r for r in by_section["collectives"]}
     assert all(collectives[f"{op}, 2 ranks"]["status"] == "pass" for op in ("all_reduce", "all_gather",
@@ -172,6 +173,33 @@ def test_run_sh_selfcheck_on_cpu_passes_every_section(tmp_path):
     assert generation["cpu-2ranks vs cpu-1rank"]["status"] == "pass"
     assert generation["cpu-2ranks vs cpu-1rank"]["value"] < 0.03
     assert "section" in proc.stdout.splitlines()[0] and "all checks passed" in proc.stdout
+
+
+def test_instruct_runs_hold_the_device_against_the_cpu_or_upstream_eager_on_a_cpu_node():
+    from utils.selfcheck.checks.instruct import runs_for
+    assert runs_for("cuda") == [("cpu", "cpu", "full"), ("cuda", "cuda", "full")]
+    assert runs_for("npu")[1] == ("npu", "npu", "full")
+    assert runs_for("cpu") == [("cpu", "cpu", "full"), ("cpu-eager", "cpu", "shims")]
+
+
+def test_an_instruct_row_compares_the_run_with_its_reference(tmp_path):
+    """The row's number is the compared run's final-latent error against the reference's: a run 1 %
+    away passes at the 2 % limit, one 10 % away fails, and the PSNR beside it is of the two PNGs."""
+    from PIL import Image
+    from utils.selfcheck.checks.instruct import compare
+    latents = torch.randn(1, 32, 16, 16, generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
+    pixels = torch.randint(0, 256, (16, 16, 3), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    runs = {}
+    for name, scale in (("reference", 0.0), ("near", 0.01), ("far", 0.1)):
+        torch.save(latents + scale * noise * latents.norm() / noise.norm(), tmp_path / f"{name}.pt")
+        Image.fromarray((pixels.int() + int(scale * 100)).clamp(0, 255).byte().numpy()).save(tmp_path / f"{name}.png")
+        runs[name] = (tmp_path / f"{name}.png", tmp_path / f"{name}.pt")
+    near = compare("instruct", "near vs reference", runs["near"], runs["reference"], 0.02)
+    far = compare("instruct", "far vs reference", runs["far"], runs["reference"], 0.02)
+    assert near.status == "pass" and near.value == pytest.approx(0.01, rel=1e-3), near
+    assert far.status == "fail" and far.value == pytest.approx(0.1, rel=1e-3), far
+    assert near.data["psnr_db"] > far.data["psnr_db"] and "PSNR" in near.detail
 
 
 def test_collectives_section_catches_a_wrong_all_to_all(monkeypatch, tmp_path):

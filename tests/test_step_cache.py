@@ -55,6 +55,8 @@ def test_extrapolation_is_exact_on_polynomials_of_its_order():
 
 
 def test_a_taylor_run_forecasts_off_schedule_steps_from_its_history():
+    """The history starts at the last warm-up step (upstream's rule): steps 2-3 hold step 1's
+    prediction (the line through steps 0-1 would give 20 and 30), step 5 is the line through 1 and 4."""
     run = step_cache.StepCacheRun(StepCacheSettings("taylor", warmup=2, interval=3, order=1), 7, layers=2)
     predicted = []
     for step in range(7):
@@ -64,7 +66,7 @@ def test_a_taylor_run_forecasts_off_schedule_steps_from_its_history():
         else:
             run.finish_step(torch.tensor([10.0 * step]))
     assert run.computed == [0, 1, 4, 6] and run.cached == [2, 3, 5]
-    assert predicted == [(2, 20.0), (3, 30.0), (5, 50.0)]
+    assert predicted == [(2, 10.0), (3, 10.0), (5, 50.0)]
     assert run.summary()["forwards_saved"] == round(3 / 7, 4)
 
 

@@ -6,7 +6,8 @@ field `model_args.<flag>`) or, for the layout, LayoutError. In this order:
   mode           exactly one of --prompt, --prompts, --serve, and only the flags that mode uses
   model files    config.json is there (its layer count: the step cache); generation_config.json
                  (its diff_infer_steps: the steps when --diff-infer-steps is not given)
-  step cache     --step-cache* against the steps and the model's layers
+  step cache     --step-cache* (or upstream's --use-taylor-cache flags, mapped) against the steps and
+                 the model's layers
   system prompt  `custom` needs --system-prompt
   text task      think / recaption need the instruct template; --save-text needs a text task
   model          --image, --infer-align-image-size, --bot-task, --guidance-scale against the
@@ -164,14 +165,29 @@ def check_mode(args, resolve: Callable) -> None:
 
 
 def job_step_cache(args, layers: Optional[int]):
-    """The job's step cache (every request's default) from --step-cache*, checked against the steps
-    (--prompt) and the model's layers; FieldError naming the flag."""
+    """The job's step cache (every request's default) from --step-cache*, or from upstream's
+    --use-taylor-cache flags (utils/runtime/upstream_taylor.py), checked against the steps (--prompt)
+    and the model's layers; FieldError naming the flag."""
+    from utils.runtime import upstream_taylor
     from utils.runtime.request_schema import step_cache_of
+
+    def values(name):
+        return getattr(args, name, None)
+    taylor = upstream_taylor.upstream_step_cache(values)
+    if taylor is not None and args.adaptor != "full":
+        raise FieldError("use-taylor-cache", "runs as --step-cache taylor, which needs the adaptor's patches, not "
+                                             "--adaptor shims", "use --adaptor full or drop it")
     if args.step_cache not in (None, "none") and args.adaptor != "full":
         raise FieldError("step-cache", "needs the adaptor's patches, not --adaptor shims",
                          "use --adaptor full or --step-cache none")
-    return step_cache_of(lambda name: getattr(args, name), args.diff_infer_steps if args.prompt is not None else None,
-                         layers)
+    steps = args.diff_infer_steps if args.prompt is not None else None
+    if taylor is None:
+        return step_cache_of(values, steps, layers)
+    mapped = upstream_taylor.with_step_cache_flags(values, taylor)
+    try:
+        return step_cache_of(mapped, steps, layers)
+    except FieldError as exc:
+        raise exc.renamed(upstream_taylor.UPSTREAM_NAMES.get(exc.field, exc.field)) from None
 
 
 def check_text_task(bot_task, save_text: bool, generation_config: dict) -> None:

@@ -64,7 +64,7 @@ def utf8_problem(text: str) -> Optional[str]:
 class Field:
     name: str                       # the attribute / prompts-file key (diff_infer_steps)
     kind: str                       # "text", "int", "float", "choice", "image_size", "path", "images", "secret",
-    #                                 "env_name"
+    #                                 "env_name", "switch"
     default: Any = None
     help: str = ""
     low: Optional[float] = None
@@ -113,6 +113,10 @@ class Field:
             setting = self.name[len("step_cache_"):]
             for _, problem, fix in StepCacheSettings(**{setting: value}).problems():
                 self.refuse(problem, fix, field=name)
+            return value
+        if self.kind == "switch":                      # an on/off flag (argparse store_true; YAML true/false)
+            if not isinstance(value, bool):
+                self.refuse(f"{value!r} is not true/false", "use true or false", field=name)
             return value
         if self.kind == "secret":                      # never quoted back: a refusal must not show a key
             problem = key_problem(value)
@@ -281,6 +285,29 @@ STEP_CACHE_HELP = {"warmup": "first steps always computed",
 STEP_CACHE_SETTINGS = tuple(f"step_cache_{name}" for name in SETTING_FIELDS if name != "mode")
 JOB_OPTIONS += tuple(Field(f"step_cache_{name}", "step_cache_setting", getattr(StepCacheSettings, name),
                            STEP_CACHE_HELP[name]) for name in SETTING_FIELDS if name != "mode")
+# Upstream's own Taylor cache, as its run_image_gen.py spells it: run as --step-cache taylor with the
+# settings of the same schedule (utils/runtime/upstream_taylor.py; docs/STEP_CACHE.md). None: not given
+# (upstream's defaults apply, and a setting given without --use-taylor-cache is refused).
+UPSTREAM_TAYLOR_CACHE = (
+    Field("use_taylor_cache", "switch", False, "upstream's Taylor cache: runs as --step-cache taylor with the same "
+          "schedule (docs/STEP_CACHE.md)"),
+    Field("taylor_cache_interval", "int", None, "upstream's: a full step every N steps (default 5)", 1, None,
+          optional=True, example="5"),
+    Field("taylor_cache_order", "int", None, "upstream's: the forecast's order, 1 or 2 here (default 2)", 0, None,
+          optional=True, example="2"),
+    Field("taylor_cache_enable_first_enhance", "switch", False, "upstream's: the first steps all computed"),
+    Field("taylor_cache_first_enhance_steps", "int", None, "upstream's: how many (default 3)", 1, None,
+          optional=True, example="3"),
+    Field("taylor_cache_enable_tailing_enhance", "switch", False, "upstream's: the last steps computed (here the "
+          "last one always is)"),
+    Field("taylor_cache_tailing_enhance_steps", "int", None, "upstream's: how many, 1 here (default 1)", 1, None,
+          optional=True, example="1"),
+    Field("taylor_cache_low_freqs_order", "int", None, "upstream's: the low frequencies' order (default 2)", 0, None,
+          optional=True, example="2"),
+    Field("taylor_cache_high_freqs_order", "int", None, "upstream's: the high frequencies' order (default 2)", 0,
+          None, optional=True, example="2"),
+)
+JOB_OPTIONS += UPSTREAM_TAYLOR_CACHE
 JOB = {f.name: f for f in JOB_OPTIONS}
 ALL = {**REQUEST, **JOB}
 
@@ -321,6 +348,9 @@ def add_arguments(parser: argparse.ArgumentParser, names, **defaults) -> None:
     for name in names:
         spec = ALL[name]
         default = defaults.get(name, spec.default)
+        if spec.kind == "switch":
+            parser.add_argument(f"--{spec.flag}", action="store_true", default=default, help=spec.help or None)
+            continue
         kwargs = dict(default=default, help=spec.help or None, type=_Checked(spec))
         if spec.kind in ("choice", "step_cache"):
             kwargs["metavar"] = "{" + ",".join(spec.choices) + "}"

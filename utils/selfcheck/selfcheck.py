@@ -14,6 +14,8 @@ Sections (utils/selfcheck/checks/):
                all_gather_matmul / matmul_reduce_scatter (the fused forms where the device has them)
                against the product and timed against the plain collectives
   generation   the tiny model on the device vs the CPU, 1 rank and N ranks (latent error, PSNR)
+  instruct     the tiny Instruct and Instruct-Distil checkpoints editing an image, on the device vs the
+               CPU (on a CPU node: the adaptor vs upstream eager)
 A table on the console, DIR/selfcheck.json, exit 1 when any check fails (2: bad arguments).
 Defaults: real shapes and every device of the node on accelerators; small shapes, 2 ranks on CPU.
 """
@@ -36,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from utils.selfcheck.checks import SHAPES, Result
 from adaptor_patches.kernels.device import DEVICE_CHOICES
 
-SECTIONS = ("env", "kernels", "moe-stream", "collectives", "generation")
+SECTIONS = ("env", "kernels", "moe-stream", "collectives", "generation", "instruct")
 ENV_PREFIXES = ("HCCL_", "NCCL_", "ASCEND_", "PYTORCH_NPU_", "PYTORCH_CUDA_", "TASK_QUEUE", "CPU_AFFINITY",
                 "CUDA_VISIBLE", "OMP_NUM_THREADS", "MASTER_", "CFG_PARALLEL", "USE_VAE_PARALLEL")
 
@@ -152,6 +154,7 @@ def resolve_settings(args):
 def run_sections(device, nproc, skip, shapes, size, out, repeat) -> list:
     from utils.selfcheck.checks.collectives import collective_checks
     from utils.selfcheck.checks.generation import generation_checks
+    from utils.selfcheck.checks.instruct import instruct_checks
     from utils.selfcheck.checks.kernels import kernel_checks
     from utils.selfcheck.checks.quant_kernels import quant_kernel_checks
     from utils.selfcheck.checks.moe_stream import moe_stream_checks
@@ -166,6 +169,7 @@ def run_sections(device, nproc, skip, shapes, size, out, repeat) -> list:
         "moe-stream": lambda: moe_stream_checks(device, shape, out, repeat),
         "collectives": lambda: collective_checks(device.kind, nproc, size, out, shape=shape),
         "generation": lambda: generation_checks(device.kind, nproc, out / "generation"),
+        "instruct": lambda: instruct_checks(device.kind, out / "instruct"),
     }
     results = []
     model_adaptor.apply(device)

@@ -12,11 +12,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from generation import ROOT
+from http_client import health, post
 from multirank import free_port
 from utils.runtime.image_requests import ImageRequest, RequestChecker
 from utils.runtime.image_server import ImageServer
@@ -128,26 +128,6 @@ def test_a_client_that_disconnects_mid_body_is_one_line(server, capfd):
     assert len(server.lines) > before and "Traceback" not in capfd.readouterr().err
     code, _, _ = exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert code == 200
-
-
-def post(url, body, timeout=300):
-    request = urllib.request.Request(url + "/v1/images/generations", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def health(url):
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-    except (urllib.error.URLError, ConnectionError):
-        return None, {}
 
 
 @pytest.mark.slow

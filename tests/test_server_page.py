@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 import uuid
 
@@ -25,22 +24,13 @@ import pytest
 from PIL import Image
 
 from generation import ROOT
+from http_client import health
 from multirank import free_port
 
 pytestmark = pytest.mark.slow
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 KEY = "page-test-key-" + uuid.uuid4().hex[:12]
 STEPS = 30
-
-
-def health(url):
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-    except (urllib.error.URLError, ConnectionError):
-        return None, {}
 
 
 def api_image(url, body):

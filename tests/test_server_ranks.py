@@ -13,39 +13,18 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from generation import ROOT
+from http_client import health, post
 from multirank import free_port
 from utils.launcher.launch import child_processes
 
 pytestmark = pytest.mark.slow
 STEPS = 3
-
-
-def post(url, body, timeout=300):
-    request = urllib.request.Request(url + "/v1/images/generations", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def health(url):
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-    except (urllib.error.URLError, ConnectionError):
-        return None, {}
 
 
 def stream(url, body):

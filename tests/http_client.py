@@ -1,0 +1,26 @@
+"""The plain HTTP calls the server tests make with urllib (a real client against a real server)."""
+import json
+import urllib.error
+import urllib.request
+
+
+def post(url, body, timeout=300):
+    """POST a JSON body to /v1/images/generations: (status, decoded JSON answer), errors included."""
+    request = urllib.request.Request(url + "/v1/images/generations", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def health(url):
+    """GET /health: (status, answer); (None, {}) while nothing listens."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except (urllib.error.URLError, ConnectionError):
+        return None, {}

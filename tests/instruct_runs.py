@@ -5,7 +5,7 @@ checks as the base model's (generation.psnr, latent_rel_err) apply."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +30,40 @@ class Run:
     text_phase: dict
     denoise_steps: int
     step_cache: Optional[dict] = None
+    batches: list = field(default_factory=list)     # BatchRecorder's records of the image call
+
+
+class BatchRecorder:
+    """Records, on one model instance, the batch of every input upstream's forward writes into the
+    sequence: each call of its conditioning entry points (VAE latents, ViT tokens and their SigLIP2
+    kwargs, timestep tokens, the 2-D RoPE of `rope_image_info`) as (what, the rows of the hidden
+    states or positions it is written into, the length of each batch-major input). Upstream's own
+    single-process call has them all equal (the full CFG batch); so must each rank's share under
+    CFG parallel: an input left unsplit shows as a longer one (upstream's code would silently use
+    its first rows)."""
+
+    def __init__(self, model):
+        self.records = []
+        for name in ("instantiate_vae_image_tokens", "instantiate_vit_image_tokens", "instantiate_continuous_tokens"):
+            self._wrap(model, name)
+        rope = model.cached_rope
+
+        def cached_rope(seq_len, device, rope_image_info=None, position_ids=None):
+            if rope_image_info is not None and position_ids is not None:
+                self.records.append(("rope", position_ids.shape[0], len(rope_image_info)))
+            return rope(seq_len, device, rope_image_info=rope_image_info, position_ids=position_ids)
+        model.cached_rope = cached_rope
+
+    def _wrap(self, model, name):
+        original = getattr(model, name)
+
+        def recorded(hidden_states, *args):
+            if hidden_states is not None:
+                self.records.append((name, hidden_states.shape[0],
+                                     *[len(a) for a in args if isinstance(a, (torch.Tensor, list))],
+                                     *[len(v) for a in args if isinstance(a, dict) for v in a.values()]))
+            return original(hidden_states, *args)
+        setattr(model, name, recorded)
 
 
 def load(model_dir, shims_only: bool, layout=None, rank: int = 0, quantize: Optional[str] = None):
@@ -45,6 +79,7 @@ def load(model_dir, shims_only: bool, layout=None, rank: int = 0, quantize: Opti
     context = RankContext(layout or Layout(), rank, device, expert_format=quantize)
     model = load_model(model_dir, context, per_rank=not shims_only)
     model.phase_timer = PhaseTimer(device).attach(model)        # final latents and step count of each image
+    model.batch_recorder = BatchRecorder(model)
     return model
 
 
@@ -54,6 +89,7 @@ def generate(model, out_dir: Path, name: str, steps: int = 2, step_cache: Option
     from adaptor_patches.step_cache import StepCacheSettings, running
     out_dir.mkdir(parents=True, exist_ok=True)
     model.phase_timer.reset()
+    model.batch_recorder.records.clear()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -64,7 +100,7 @@ def generate(model, out_dir: Path, name: str, steps: int = 2, step_cache: Option
         torch.set_num_threads(threads)
     run = Run(out_dir / f"{name}.png", out_dir / f"{name}.pt", images[0].size, cot_text,
               model.last_text_phase.summary(), len(model.phase_timer.denoise_step_s),
-              cache.summary() if cache is not None else None)
+              cache.summary() if cache is not None else None, list(model.batch_recorder.records))
     images[0].save(run.png)
     torch.save(model.phase_timer.last_latents, run.latents)
     (out_dir / f"{name}.json").write_text(json.dumps({"cot_text": cot_text, "text_phase": run.text_phase}, indent=1))

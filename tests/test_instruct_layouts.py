@@ -8,8 +8,14 @@ same latents (bit for bit) and the same think / recaption text.
 
 The checkpoints are the session's tiny Instruct / Distil ones gained as test_layouts gains the base
 model (conftest.gained_model): their o_proj is already x32 (utils/tiny_instruct.py), so only the
-routed experts' and the shared MLP's down projections are scaled (x MOE_GAIN), so that attention
-and the MoE both decide the image and a broken split fails end to end.
+routed experts' and the shared MLP's down projections are scaled, x MOE_GAIN, so that attention
+and the MoE both decide the image and a broken split fails end to end. The base model's x12 was
+too weak here (256x256 images, conditioning tokens): MoE TP without its all-reduce stayed at
+44.0 dB (only the latent bound caught it, 4.1e-2); x32 lifted the correct layouts' latent error to
+1.9e-2. At x20 (measured, 2 steps): correct layouts 53-54 dB, latent error ~1e-2; broken splits
+(each put in on the ranks): attention TP2 without its all-reduce 26.2 / 27.2 dB (text-to-image /
+Distil); MoE TP without its all-reduce 40.1 dB, 6.7e-2 (and the ranks disagree); MoE EP all-gather
+reversed 32.4 / 36.2 dB, 0.16 / 0.10.
 
 What each layout runs (a CI budget: every layout x every case would cost ~5 minutes at the tiny
 model's 256x256, whose VAE decode dominates): each case on at least two layouts, each layout on the
@@ -29,13 +35,13 @@ import json
 import pytest
 import torch
 
-from conftest import MOE_GAIN
 from generation import latent_rel_err, psnr, run_cli_in_process, scaled_checkpoint
 from instruct_runs import cases_on_rank, demo_image, run_cases
 from multirank import run_ranks
 
 PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 3e-2
+MOE_GAIN = 20.0
 
 CASES = {
     "text_to_image": dict(image=None, bot_task="image", image_size="256x256"),
@@ -125,6 +131,27 @@ def test_layout_matches_single_process(single, layouts, layout, case):
     for rank, run in enumerate(runs[1:], 1):      # every rank ends with rank 0's latents and text
         assert torch.equal(torch.load(run.latents), torch.load(first.latents)), (layout, case, rank)
         assert run.cot_text == first.cot_text and run.text_phase["ratio"] == first.text_phase["ratio"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, case", RUNS, ids=[f"{layout}-{case}" for layout, case in RUNS])
+def test_every_conditioning_input_has_the_batch_of_its_rows(single, layouts, layout, case):
+    """Upstream's forward writes each input into rows of the sequence (instruct_runs.BatchRecorder);
+    in its own call every input has the batch of those rows, and under CFG parallel each rank's must
+    too: half of it. Upstream's code would take an unsplit input's first rows without a word (the
+    image could not tell: both branches get the same conditioning images), so this is checked here.
+    Text calls (batch 1) run unsplit on every rank."""
+    cfg = 2 if LAYOUTS[layout][1].get("cfg_parallel") else 1
+    expected = {what for what, *_ in single[case].batches}
+    assert {"instantiate_vae_image_tokens", "instantiate_continuous_tokens", "rope"} <= expected
+    if CASES.get(case, DISTIL_CASES.get(case))["image"] is not None:
+        assert "instantiate_vit_image_tokens" in expected
+    for rank, run in enumerate(layouts[(layout, case)]):
+        assert len(run.batches) == len(single[case].batches), (rank, run.batches)
+        for reference, record in zip(single[case].batches, run.batches):
+            assert reference[0] == record[0] and set(reference[1:]) == {reference[1]}, reference
+            rows = reference[1] // cfg if reference[1] % 2 == 0 else reference[1]
+            assert set(record[1:]) == {rows}, (layout, case, rank, record, reference)
 
 
 @pytest.mark.slow

@@ -170,6 +170,57 @@ def test_distil_runs_one_branch_with_the_steps_asked(layouts):
         assert all(run.denoise_steps == 2 for run in layouts[(layout, "distil_edit")])
 
 
+# ---------------------------------------------------------------- utils/convert_model.py
+
+CONVERTED_DEGREES = ("--tp-attn", "2", "--ep", "2")     # the folder the 2-rank MoE EP layout below runs
+CONVERTED_FLAGS, CONVERTED_CASE = {"moe_ep": True}, "edit_one_image"
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoints, tmp_path_factory):
+    """Both gained checkpoints converted for attention TP2 + MoE EP2 (one rank-XX folder per rank)."""
+    import contextlib
+    import io
+    from utils import convert_model
+    root, out = tmp_path_factory.mktemp("converted_instruct"), {}
+    for kind, source in checkpoints.items():
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            code = convert_model.main(["--model-path", str(source), "--output-path", str(root / kind),
+                                       *CONVERTED_DEGREES, "--max-shard-size", "0.002"])
+        assert code == 0, stderr.getvalue()[-2000:]
+        out[kind] = root / kind
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["instruct", "distil"])
+def test_converted_rank_folders_hold_every_tensor_the_conditioning_encoders_included(checkpoints, converted, kind):
+    """The vision tower, its aligner and the VAE encoder (and Distil's guidance / meanflow embedders)
+    are replicated: every rank folder holds them unchanged, and the split tensors reassemble
+    (test_convert_model's inverse, written from the layout's definition)."""
+    from test_convert_model import assert_reassembles, load_dir
+    assert_reassembles(checkpoints[kind], converted[kind], (2, 1, 2))
+    for rank in range(2):
+        names = set(load_dir(converted[kind] / f"rank-{rank:02d}"))
+        for prefix in ("vision_model.", "vision_aligner.", "vae.encoder."):
+            assert any(name.startswith(prefix) for name in names), (kind, rank, prefix)
+
+
+@pytest.mark.slow
+def test_converted_folder_on_the_ranks_matches_single_process(converted, single, tmp_path):
+    """Each rank loads its own rank-XX folder (the loader reads nothing else) and writes the single
+    process's image of the original checkpoint, within the layout bounds."""
+    cases = {CONVERTED_CASE: CASES[CONVERTED_CASE]}
+    per_rank = run_ranks(2, cases_on_rank, str(converted["instruct"]), CONVERTED_FLAGS, cases, str(tmp_path),
+                         None, timeout_s=900)
+    runs, reference = [rank_runs[CONVERTED_CASE] for rank_runs in per_rank], single[CONVERTED_CASE]
+    db, err = psnr(runs[0].png, reference.png), latent_rel_err(runs[0].latents, reference.latents)
+    print(f"converted tp2 ep2 {CONVERTED_CASE}: PSNR {db:.1f} dB, latent rel err {err:.2e}")
+    assert db >= PSNR_MIN_DB and err <= LATENT_REL_ERR_MAX, (db, err)
+    assert torch.equal(torch.load(runs[1].latents), torch.load(runs[0].latents))
+
+
 # ---------------------------------------------------------------- Distil under CFG parallel: refused
 
 CFG_DISTILLED = "error: cfg-parallel: {dir} is CFG-distilled (one branch per step: cfg_distilled in config.json); " \

@@ -23,7 +23,8 @@ cases whose inputs it cuts.
   tp2               attention TP2, MoE whole: text-to-image; Distil (its guidance and meanflow tokens
                     on every rank)
   cfg2              the conditioning tensors split per branch: one image (tensors .repeat per
-                    branch), two images (ragged lists), think_recaption (text chosen on rank 0)
+                    branch), two images (ragged lists), think_recaption (text chosen on rank 0),
+                    one image with the adaptive step cache (4 steps, the ranks agree on each skip)
   tp2_cfg2_moe_tp   CFG2 x (attention TP2 + MoE TP2): two images
   ep2_cfg2_moe_ep   CFG2 x (attention TP2 + MoE EP2), VAE decode over 4 ranks: text-to-image, one
                     image; and with --quantize int8 (8-bit experts): one image
@@ -51,13 +52,18 @@ CASES = {
     "think_recaption": dict(image=demo_image("input_2_2.png"), bot_task="think_recaption", image_size="auto",
                             max_new_tokens=48),
 }
+# The step cache on one multi-rank layout (cfg2): adaptive, so the ranks must agree on each skip
+# (the step_cache group); 4 steps, threshold as test_step_cache's.
+STEP_CACHE = dict(mode="adaptive", warmup=2, blocks=1, threshold=0.5, max_skip=1)
+CASES["edit_step_cache"] = dict(CASES["edit_one_image"], steps=4, step_cache=STEP_CACHE)
 DISTIL_CASES = {"distil_edit": dict(image=demo_image("input_0_0.png"), bot_task="image", image_size="256x256")}
 INT8_CASE = "edit_one_image"
 
 # name: (ranks, Layout.from_flags flags, --quantize, cases)
 LAYOUTS = {
     "tp2": (2, {}, None, ["text_to_image", "distil_edit"]),
-    "cfg2": (2, {"cfg_parallel": True}, None, ["edit_one_image", "edit_two_images", "think_recaption"]),
+    "cfg2": (2, {"cfg_parallel": True}, None, ["edit_one_image", "edit_two_images", "think_recaption",
+                                               "edit_step_cache"]),
     "tp2_cfg2_moe_tp": (4, {"cfg_parallel": True, "moe_tp": True}, None, ["edit_two_images"]),
     "ep2_cfg2_moe_ep": (4, {"cfg_parallel": True, "moe_ep": True, "vae_parallel": True}, None,
                         ["text_to_image", "edit_one_image"]),
@@ -162,6 +168,18 @@ def test_think_recaption_on_ranks_writes_the_single_process_text(single, layouts
         assert run.cot_text == reference.cot_text
         assert run.text_phase["ratio"] == reference.text_phase["ratio"]
         assert run.text_phase["tokens_generated"] == reference.text_phase["tokens_generated"] > 0
+
+
+@pytest.mark.slow
+def test_step_cache_skips_the_same_steps_on_every_rank_as_the_single_process(single, layouts):
+    """The adaptive step cache on CFG2 (each rank measures its own branch; the ranks agree on every
+    skip): the single process's schedule, at least one forward saved; the image is
+    test_layout_matches_single_process's edit_step_cache."""
+    reference = single["edit_step_cache"].step_cache
+    assert reference["cached_steps"] and reference["steps"] == 4, reference
+    for run in layouts[("cfg2", "edit_step_cache")]:
+        assert run.step_cache["computed_steps"] == reference["computed_steps"], (run.step_cache, reference)
+        assert run.step_cache["cached_steps"] == reference["cached_steps"]
 
 
 @pytest.mark.slow

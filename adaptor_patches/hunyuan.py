@@ -89,11 +89,11 @@ def causal_mm_forward(original, _device):
         if context is None or context.layout.cfg == 1:
             return original(self, *args, **kwargs)
         arguments = signature.bind(self, *args, **kwargs).arguments
-        rows = arguments["input_ids"].shape[0] if arguments.get("input_ids") is not None else 0
+        rows = cfg_split.batch_rows(arguments)
         if arguments.get("mode", "gen_text") != "gen_image" or rows % 2:
             return original(self, *args, **kwargs)
         group = context.group("cfg")
-        output = original(**cfg_split.split_arguments(arguments, rows, context.cfg_rank))
+        output = original(**cfg_split.split_arguments(arguments, rows, context.cfg_rank, type(self).__module__))
         if isinstance(output, tuple):
             return output[:-1] + (cfg_split.gather_branches(output[-1], group),)
         output["diffusion_prediction"] = cfg_split.gather_branches(output["diffusion_prediction"], group)

@@ -1,10 +1,11 @@
-"""Runs of upstream's Instruct model through its own API (`generate_image`) in this process, for the
-Instruct tests: one model per adaptor mode, every case's image (PNG) and final latents written to a
-folder, so the same PSNR / latent checks as the base model's (generation.psnr, latent_rel_err) apply."""
+"""Runs of upstream's Instruct model through its own API (`generate_image`), for the Instruct tests:
+one model per adaptor mode (or per rank of a layout: `cases_on_rank`, run in a tests/multirank.py
+pool), every case's image (PNG) and final latents written to a folder, so the same PSNR / latent
+checks as the base model's (generation.psnr, latent_rel_err) apply."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -28,45 +29,105 @@ class Run:
     cot_text: Optional[list]
     text_phase: dict
     denoise_steps: int
+    step_cache: Optional[dict] = None
+    batches: list = field(default_factory=list)     # BatchRecorder's records of the image call
 
 
-def load(model_dir, shims_only: bool):
-    """The checkpoint under the adaptor (applied by the caller): the full one reads this rank's slices,
-    upstream eager its own from_pretrained."""
+class BatchRecorder:
+    """Records, on one model instance, the batch of every input upstream's forward writes into the
+    sequence: each call of its conditioning entry points (VAE latents, ViT tokens and their SigLIP2
+    kwargs, timestep tokens, the 2-D RoPE of `rope_image_info`) as (what, the rows of the hidden
+    states or positions it is written into, the length of each batch-major input). Upstream's own
+    single-process call has them all equal (the full CFG batch); so must each rank's share under
+    CFG parallel: an input left unsplit shows as a longer one (upstream's code would silently use
+    its first rows)."""
+
+    def __init__(self, model):
+        self.records = []
+        for name in ("instantiate_vae_image_tokens", "instantiate_vit_image_tokens", "instantiate_continuous_tokens"):
+            self._wrap(model, name)
+        rope = model.cached_rope
+
+        def cached_rope(seq_len, device, rope_image_info=None, position_ids=None):
+            if rope_image_info is not None and position_ids is not None:
+                self.records.append(("rope", position_ids.shape[0], len(rope_image_info)))
+            return rope(seq_len, device, rope_image_info=rope_image_info, position_ids=position_ids)
+        model.cached_rope = cached_rope
+
+    def _wrap(self, model, name):
+        original = getattr(model, name)
+
+        def recorded(hidden_states, *args):
+            if hidden_states is not None:
+                self.records.append((name, hidden_states.shape[0],
+                                     *[len(a) for a in args if isinstance(a, (torch.Tensor, list))],
+                                     *[len(v) for a in args if isinstance(a, dict) for v in a.values()]))
+            return original(hidden_states, *args)
+        setattr(model, name, recorded)
+
+
+def load(model_dir, shims_only: bool, layout=None, rank: int = 0, quantize: Optional[str] = None):
+    """The checkpoint under the adaptor (applied here): the full one reads this rank's slices of
+    `layout` (default: one process), upstream eager its own from_pretrained. `quantize`: the
+    experts' 8-bit format, as --quantize."""
     import model_adaptor
     from adaptor_patches.metrics import PhaseTimer
     from adaptor_patches.parallel.context import RankContext
+    from adaptor_patches.parallel.layout import Layout
     from adaptor_patches.weights.load import load_model
     device = model_adaptor.apply("cpu", shims_only=shims_only)
-    model = load_model(model_dir, RankContext(device=device), per_rank=not shims_only)
+    context = RankContext(layout or Layout(), rank, device, expert_format=quantize)
+    model = load_model(model_dir, context, per_rank=not shims_only)
     model.phase_timer = PhaseTimer(device).attach(model)        # final latents and step count of each image
+    model.batch_recorder = BatchRecorder(model)
     return model
 
 
-def generate(model, out_dir: Path, name: str, steps: int = 2, **case) -> Run:
-    """One image with upstream's generate_image (no system prompt: a short context keeps CPU runs quick)."""
+def generate(model, out_dir: Path, name: str, steps: int = 2, step_cache: Optional[dict] = None, **case) -> Run:
+    """One image with upstream's generate_image (no system prompt: a short context keeps CPU runs quick);
+    `step_cache`: the step cache's settings (adaptor_patches/step_cache.py), as --step-cache gives them."""
+    from adaptor_patches.step_cache import StepCacheSettings, running
     out_dir.mkdir(parents=True, exist_ok=True)
     model.phase_timer.reset()
+    model.batch_recorder.records.clear()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cot_text, images = model.generate_image(prompt=PROMPT, seed=SEED, diff_infer_steps=steps,
-                                                use_system_prompt="None", **case)
+        with running(model, StepCacheSettings(**step_cache) if step_cache else None, steps) as cache:
+            cot_text, images = model.generate_image(prompt=PROMPT, seed=SEED, diff_infer_steps=steps,
+                                                    use_system_prompt="None", **case)
     finally:
         torch.set_num_threads(threads)
     run = Run(out_dir / f"{name}.png", out_dir / f"{name}.pt", images[0].size, cot_text,
-              model.last_text_phase.summary(), len(model.phase_timer.denoise_step_s))
+              model.last_text_phase.summary(), len(model.phase_timer.denoise_step_s),
+              cache.summary() if cache is not None else None, list(model.batch_recorder.records))
     images[0].save(run.png)
     torch.save(model.phase_timer.last_latents, run.latents)
     (out_dir / f"{name}.json").write_text(json.dumps({"cot_text": cot_text, "text_phase": run.text_phase}, indent=1))
     return run
 
 
-def run_cases(model_dir, out_dir: Path, shims_only: bool, cases: dict) -> dict:
+def run_cases(model_dir, out_dir: Path, shims_only: bool, cases: dict, quantize: Optional[str] = None) -> dict:
     """{case name: Run} for one checkpoint under one adaptor mode; the adaptor is removed after."""
     import model_adaptor
     try:
-        model = load(model_dir, shims_only)
+        model = load(model_dir, shims_only, quantize=quantize)
         return {name: generate(model, out_dir, name, **case) for name, case in cases.items()}
+    finally:
+        model_adaptor.remove()
+
+
+def cases_on_rank(rank: int, world_size: int, model_dir, flags: dict, cases: dict, out_dir,
+                  quantize: Optional[str] = None) -> dict:
+    """One rank of a pool (tests/multirank.run_ranks): the checkpoint loaded for the layout
+    `Layout.from_flags(world_size, **flags)` and every case generated in turn. Each rank writes its
+    own image and latents (OUT/rank-R/case.*), so the tests can also check that the ranks agree.
+    Returns {case: Run} (paths as strings are fine to pickle: Run holds Paths)."""
+    import model_adaptor
+    from adaptor_patches.parallel.layout import Layout
+    try:
+        model = load(model_dir, False, Layout.from_flags(world_size, **flags), rank, quantize)
+        assert model.rank_context.expert_format == quantize, (model.rank_context.expert_format, quantize)
+        return {name: generate(model, Path(out_dir) / f"rank-{rank}", name, **case) for name, case in cases.items()}
     finally:
         model_adaptor.remove()

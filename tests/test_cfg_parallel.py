@@ -65,6 +65,8 @@ class _CfgIndexOne(RankContext):
 
 
 class _Model:
+    """Stands for the base model's class: cfg_split picks the batch-major arguments by model file."""
+    __module__ = "hunyuan_image_3.hunyuan"
     rank_context = _CfgIndexOne(Layout(2, cfg=2), rank=1, device=Device("cpu"))
 
 

@@ -119,12 +119,9 @@ def test_distil_under_cfg_parallel_is_the_checkpoints_refusal_in_the_cli_and_the
     from adaptor_patches.parallel.layout import Layout, LayoutError
     from adaptor_patches.weights.checkpoint import open_checkpoint
     from refusals import call
-    try:
+    with pytest.raises(LayoutError) as refused:
         open_checkpoint(distil_config).check_layout(Layout.from_flags(2, cfg_parallel=True))
-    except LayoutError as exc:
-        rule = str(exc)
-    else:
-        pytest.xfail("Checkpoint.check_layout has no Instruct-Distil CFG rule yet (issue 28's layouts part)")
+    rule = str(refused.value)
     code, _, err = call("cli", ["--prompt", "x", "--model-id", str(distil_config), "--device", "cpu", "--save",
                                 str(tmp_path / "o.png"), "--cfg-parallel"], {"WORLD_SIZE": "2"})
     assert code == 2 and err.strip().splitlines() == [f"error: {rule}"], err

@@ -118,6 +118,78 @@ def test_plan_json_has_every_role(tiny_model, tmp_path):
     assert all(role["total_bytes"] > role["param_bytes"] > 0 for role in roles)
 
 
+# ---------------------------------------------------------------- Instruct and Distil checkpoints
+
+VISION_PARAMS = 427_888_064 + 21_504_000       # SigLIP2 with its pooling head + the aligner (config/real_model/SOURCES.md)
+VAE_ENCODER_PARAMS = 389_342_464
+
+
+def loaded_instruct_bytes_on_rank(rank, world_size, model_dir):
+    """loaded_bytes_on_rank with MoE EP and no CFG split (Distil cannot take one)."""
+    return loaded_bytes_on_rank(rank, world_size, model_dir, 1, "ep", True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["instruct", "distil"])
+def test_instruct_plans_equal_the_loaded_model_with_its_conditioning_encoders(request, kind):
+    """The Instruct model keeps its vision tower, aligner and VAE encoder even for text-to-image
+    jobs: the plan builds the Instruct file's class and counts them as loading holds them."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.memory_plan import plan
+    model_dir = request.getfixturevalue(f"tiny_{kind}")
+    roles = plan(model_dir, Layout(2, 1, "ep", True), (256, 256), "cpu")
+    role_of = {rank: role for role in roles for rank in role.ranks}
+    for rank, (_, measured) in enumerate(run_ranks(2, loaded_instruct_bytes_on_rank, str(model_dir))):
+        assert role_of[rank].params == measured, (kind, rank)
+        assert measured["vision encoder"] > 0 and measured["VAE encoder"] > 0, measured
+
+
+def test_the_real_instruct_config_plans_the_vision_tower_and_vae_encoder():
+    """config/real_instruct (the base's published config under the Instruct model file, SOURCES.md):
+    the vision tower, its aligner and the VAE encoder at their published sizes, on every rank."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.memory_plan import plan
+    whole = plan("config/real_instruct", Layout(1), (1024, 1024), "npu")[0]
+    assert whole.params["vision encoder"] == VISION_PARAMS * 2
+    assert whole.params["VAE encoder"] == VAE_ENCODER_PARAMS * 2
+    assert whole.params["routed experts"] == 77_309_411_328 * 2
+
+
+def test_conditioning_images_lengthen_the_instruct_context_and_distil_runs_one_branch(tmp_path):
+    """Per conditioning image: the VAE latents of the base size's largest bucket (64 x 64 at 1024)
+    and SigLIP2's max_num_patches (1024). The base model takes none; Distil has no CFG pair."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.memory_plan import TEXT_TOKENS, activation_bytes, conditioning_tokens, read_config
+    config, raw = read_config("config/real_instruct")
+    assert conditioning_tokens(config, raw, 1) == 64 * 64 + 1024
+    assert conditioning_tokens(config, raw) == 3 * 5120           # the most a request brings
+    base_config, base_raw = read_config("config/real_model")
+    assert conditioning_tokens(base_config, base_raw) == 0
+    image = 64 * 64
+    kv = {images: activation_bytes(config, raw, Layout(1), (1024, 1024), "npu",
+                                   TEXT_TOKENS + conditioning_tokens(config, raw, images))["KV cache"]
+          for images in (0, 3)}
+    assert kv[3] * (TEXT_TOKENS + image) == kv[0] * (TEXT_TOKENS + image + 3 * 5120)
+    distil = tmp_path / "distil"
+    distil.mkdir()
+    (distil / "config.json").write_text(json.dumps({**raw, "cfg_distilled": True, "use_meanflow": True}))
+    d_config, d_raw = read_config(distil)
+    d_kv = activation_bytes(d_config, d_raw, Layout(1), (1024, 1024), "npu", TEXT_TOKENS)["KV cache"]
+    assert 2 * d_kv == kv[0]
+
+
+def test_plan_cli_says_the_context_and_refuses_images_for_the_base_model(tiny_model):
+    from utils.planner.memory_plan import read_config
+    from utils.planner.plan import conditioning_line
+    assert conditioning_line(*read_config("config/real_instruct"), 2) == (
+        "  context: 512 text tokens + 2 conditioning image(s), 10240 rows (5120 each: VAE latents + SigLIP2 tokens)"
+        " + the image's")
+    code, _, err = run_plan("--model-id", tiny_model, "--device", "cpu", "--conditioning-images", "1")
+    assert code == 2 and err.startswith("error: conditioning-images: 1 given, but this is a base checkpoint")
+    code, _, err = run_plan("--model-id", "config/real_instruct", "--conditioning-images", "4", "--fit-table", "1GiB")
+    assert code == 2 and err.startswith("error: conditioning-images: 4 is outside 0..3"), err
+
+
 EXPERT_PARAMS = 77_309_411_328                 # the real model's routed expert parameters (32 layers x 64 experts)
 EXPERT_SCALES = 32 * 64 * (2 * 3072 + 4096)    # float32 per output channel: w13 [2I] + w2 [H] per expert
 

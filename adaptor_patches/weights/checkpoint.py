@@ -305,9 +305,16 @@ class Checkpoint:
 
     def check_layout(self, layout: Layout) -> None:
         """The one rule of a layout against this checkpoint's JSON files: head / expert divisibility
-        (Layout.check), and CFG parallel needs an unconditional branch, a guidance scale above 1 in
-        generation_config.json (a config-only folder, planned before its weights, has none to check)."""
+        (Layout.check), and CFG parallel needs an unconditional branch: not a CFG-distilled checkpoint
+        (Instruct-Distil runs one branch per step, the guidance a token of it), and a guidance scale
+        above 1 in generation_config.json (a config-only folder, planned before its weights, has none
+        to check). The distilled one is refused, not re-laid out: its ranks would go to attention TP /
+        MoE EP, and a converted folder and the launcher's plan are made for the layout asked for."""
         layout.check(self.config)
+        if layout.cfg > 1 and self.config.get("cfg_distilled"):
+            raise LayoutError(f"cfg-parallel: {self.directory} is CFG-distilled (one branch per step: cfg_distilled "
+                              f"in config.json); drop --cfg-parallel (and CFG_PARALLEL) and give those ranks to "
+                              f"attention TP / MoE EP (e.g. --moe-ep)")
         path = self.directory / "generation_config.json"
         if layout.cfg == 1 or not path.is_file():
             return

@@ -29,10 +29,12 @@ from utils.planner.traffic import (DENOISING_STEP, PHASES, TEXT_TOKENS, TODAY, D
                                    image_lines, image_tokens, per_step)
 
 GiB = 2**30
-COMPONENTS = (("routed experts", (".mlp.experts.",)), ("shared MLP", (".mlp.shared_mlp.",)),
+# First match wins: the image towers first (SigLIP2 has its own `.self_attn.`), then the backbone's parts.
+COMPONENTS = (("vision encoder", ("vision_model.", "vision_aligner.")), ("VAE encoder", ("vae.encoder.",)),
+              ("VAE", ("vae.",)), ("routed experts", (".mlp.experts.",)), ("shared MLP", (".mlp.shared_mlp.",)),
               ("MoE router", (".mlp.gate.",)), ("attention", (".self_attn.",)),
-              ("embeddings / lm_head", ("model.wte.", "lm_head.")), ("VAE", ("vae.",)),
-              ("vision encoder", ("vision_model.", "vision_aligner.")))
+              ("embeddings / lm_head", ("model.wte.", "lm_head.")))
+MAX_CONDITIONING_IMAGES = 3      # upstream's Instruct model takes one to three (utils/runtime/api_bodies.py)
 ROUTING_SKEW = 2.0          # EP: an expert owner may receive this many times its even share of rows
 WORKSPACE_BYTES = {"cpu": GiB // 2, "cuda": 2 * GiB, "npu": 2 * GiB}   # runtime, collective buffers, allocator
 
@@ -68,22 +70,49 @@ class RolePlan:
 
 
 def read_config(model_dir):
-    from hunyuan_image_3.configuration_hunyuan import HunyuanImage3Config
+    """(the config object of the model file that runs this checkpoint, its raw config.json): the
+    base model's or the Instruct one's (adaptor_patches/model_family.py decides, as the loader does)."""
+    from adaptor_patches.model_family import model_class
     from adaptor_patches.weights.checkpoint import open_checkpoint
     path = Path(model_dir)
     raw = open_checkpoint(path).config          # the launcher's and the ranks' Checkpoint, opened once
-    config = HunyuanImage3Config.from_pretrained(str(path))
+    config = model_class(raw).config_class.from_pretrained(str(path))
     config._attn_implementation = config._attn_implementation or "sdpa"     # from_pretrained would set it
     return config, raw
 
 
+def conditioning_tokens(config, raw: dict, images: int = None) -> int:
+    """Rows `images` conditioning images add to the first step's context (None: the most a request
+    may bring, MAX_CONDITIONING_IMAGES; the base model takes none). Each brings its VAE latent
+    tokens at the largest bucket of the base size (the square: (base / 16)^2, 4096 at 1024) and
+    SigLIP2's tokens, padded to vit_processor.max_num_patches (1024): 5120 rows per image on the
+    released config, plus a few boundary tokens that TEXT_TOKENS' margin covers."""
+    from adaptor_patches.model_family import is_instruct
+    if not is_instruct(raw):
+        return 0
+    images = MAX_CONDITIONING_IMAGES if images is None else images
+    vit_tokens = int((raw.get("vit_processor") or {}).get("max_num_patches", 0))
+    base = config.image_base_size
+    return images * (image_tokens(config, (base, base)) + vit_tokens)
+
+
+def branches(raw: dict) -> int:
+    """Rows per CFG pair: a CFG-distilled checkpoint (Instruct-Distil) runs one branch, no pair."""
+    return 1 if raw.get("cfg_distilled") else 2
+
+
 def build_meta_model(config, layout, tp_rank: int, quantize=None):
-    """The patched model of global rank `tp_rank` (CFG branch 0) on the meta device."""
+    """The patched model of global rank `tp_rank` (CFG branch 0) on the meta device, of the model
+    file `config` belongs to (the Instruct model keeps its vision tower and VAE encoder)."""
+    import importlib
     import torch
     import model_adaptor
     from adaptor_patches.kernels.device import Device
+    from adaptor_patches.model_family import BASE_MODULE, INSTRUCT_MODULE
     from adaptor_patches.parallel.context import RankContext, building
-    from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
+    instruct = importlib.import_module(INSTRUCT_MODULE).HunyuanImage3ForCausalMM
+    model_cls = instruct if isinstance(config, instruct.config_class) else \
+        importlib.import_module(BASE_MODULE).HunyuanImage3ForCausalMM
     was_applied = model_adaptor.is_applied()           # leave the process as it was (the launcher, tests)
     if not was_applied:
         model_adaptor.apply(Device("cpu"))
@@ -93,7 +122,7 @@ def build_meta_model(config, layout, tp_rank: int, quantize=None):
     torch.set_default_dtype(torch.bfloat16)           # dtype "auto": the checkpoint's bf16 (the router stays fp32)
     try:
         with torch.device("meta"), building(context):
-            return HunyuanImage3ForCausalMM(config)
+            return model_cls(config)
     finally:
         torch.set_default_dtype(default)
         if not was_applied:
@@ -137,8 +166,8 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
     int8 dispatch brings the received rows as int8 + a float32 scale."""
     bf16, fp32 = 2, 4
     heads = layout.attention_heads(raw, 0)                          # the heads a rank computes (and caches)
-    batch = 2 // layout.cfg                                          # CFG branches on this rank
-    seq = image_tokens(config, image_size) + text_tokens
+    batch = branches(raw) // layout.cfg                              # CFG branches on this rank
+    seq = image_tokens(config, image_size) + text_tokens             # text_tokens: with the conditioning images
     hidden, head_dim = config.hidden_size, config.attention_head_dim
     tokens = batch * seq
     kv_cache = config.num_hidden_layers * 2 * batch * heads.kv_heads * seq * head_dim * bf16
@@ -207,10 +236,12 @@ def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
 
 
 def traffic_by_phase(config, raw: dict, layout, image_size, tp_rank: int = 0, device_kind: str = "npu",
-                     design=None) -> dict:
+                     design=None, context_tokens: int = TEXT_TOKENS) -> dict:
     """{phase: {purpose: bytes sent}} of one image on tp rank `tp_rank` of CFG branch 0 (design None:
-    the code as built, traffic.built_design)."""
-    lines = image_lines(config, raw, layout, image_size, tp_rank, design=design, device_kind=device_kind)
+    the code as built, traffic.built_design); `context_tokens`: the first step's rows besides the image's."""
+    first = context_tokens + image_tokens(config, image_size)
+    lines = image_lines(config, raw, layout, image_size, tp_rank, design=design, device_kind=device_kind,
+                        first_step_rows=first)
     return {phase: {k: int(v) for k, v in per_step(lines, phase).items()} for phase in PHASES}
 
 
@@ -226,23 +257,27 @@ def comm_per_step(config, raw: dict, layout, image_size, tp_rank: int = 0) -> di
     return traffic_by_phase(config, raw, layout, image_size, tp_rank)[DENOISING_STEP]
 
 
-def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None, quant_compute: str = "w8a16") -> list:
+def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None, quant_compute: str = "w8a16",
+         conditioning_images=None) -> list:
     """One RolePlan per distinct "tp" rank (experts in `quantize`'s 8-bit format, None: bf16, computing
     `quant_compute`). Layout.check admits only even splits, so every tp rank
     holds tensors of the same shapes (only which slice differs): rank 0 is built, and the last one
-    too as a check; ranks whose numbers are equal are grouped."""
+    too as a check; ranks whose numbers are equal are grouped. An Instruct checkpoint's context
+    holds `conditioning_images` images' tokens (None: the most a request brings; conditioning_tokens)."""
     config, raw = read_config(model_dir)
     design = built_design_of(layout, device_kind, quantize, quant_compute)
+    context = TEXT_TOKENS + conditioning_tokens(config, raw, conditioning_images)
     roles = []
     for tp_rank in sorted({0, layout.tp - 1}):
         model = build_meta_model(config, layout, tp_rank, quantize)
         params = parameter_bytes(model)
         same = next((r for r in roles if r.params == params), None)
         if same is None:
-            traffic = traffic_by_phase(config, raw, layout, image_size, tp_rank, device_kind, design)
+            traffic = traffic_by_phase(config, raw, layout, image_size, tp_rank, device_kind, design,
+                                       context_tokens=context)
             roles.append(RolePlan(tp_rank, [], params, checkpoint_read_bytes(model, layout),
-                                  activation_bytes(config, raw, layout, image_size, device_kind, quantize=quantize,
-                                                   design=design),
+                                  activation_bytes(config, raw, layout, image_size, device_kind, context,
+                                                   quantize=quantize, design=design),
                                   traffic[DENOISING_STEP], WORKSPACE_BYTES[device_kind], traffic))
     for tp_rank in range(layout.tp):            # the ranks each role stands for
         role = roles[-1] if tp_rank == layout.tp - 1 else roles[0]
@@ -266,5 +301,6 @@ def planned_role_bytes(config, raw: dict, layout, image_size, role: RolePlan, de
     design's activations, the same workspace. An estimate, like every activation figure here."""
     from utils.planner.traffic import for_layout
     design = for_layout(design, layout)
-    acts = activation_bytes(config, raw, layout, image_size, device_kind, quantize=quantize, design=design)
+    acts = activation_bytes(config, raw, layout, image_size, device_kind, TEXT_TOKENS + conditioning_tokens(config, raw),
+                            quantize=quantize, design=design)
     return role.param_bytes + max(acts["denoise step"], acts["VAE decode"]) + acts["KV cache"] + role.workspace

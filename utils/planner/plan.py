@@ -152,6 +152,31 @@ def planned_report(model_dir, layout, image_size, device_kind: str, roles, quant
     return out
 
 
+def check_conditioning_images(images, raw: dict) -> None:
+    from adaptor_patches.model_family import is_instruct
+    from utils.planner.memory_plan import MAX_CONDITIONING_IMAGES
+    if images is None:
+        return
+    if not is_instruct(raw) and images:
+        raise PlanError(f"conditioning-images: {images} given, but this is a base checkpoint (text to image only); "
+                        f"drop the flag or plan an Instruct checkpoint")
+    if not 0 <= images <= MAX_CONDITIONING_IMAGES:
+        raise PlanError(f"conditioning-images: {images} is outside 0..{MAX_CONDITIONING_IMAGES}; "
+                        f"pass 0 to {MAX_CONDITIONING_IMAGES}")
+
+
+def conditioning_line(config, raw: dict, images) -> str:
+    """What the plan's context holds besides the prompt and the generated image (Instruct checkpoints)."""
+    from adaptor_patches.model_family import is_instruct
+    from utils.planner.memory_plan import MAX_CONDITIONING_IMAGES, TEXT_TOKENS, conditioning_tokens
+    if not is_instruct(raw):
+        return f"  context: {TEXT_TOKENS} text tokens + the image's"
+    images = MAX_CONDITIONING_IMAGES if images is None else images
+    rows = conditioning_tokens(config, raw, images)
+    return (f"  context: {TEXT_TOKENS} text tokens + {images} conditioning image(s), {rows} rows "
+            f"({rows // images if images else 0} each: VAE latents + SigLIP2 tokens) + the image's")
+
+
 def layout_words(layout) -> str:
     moe = {"replicated": "MoE whole", "tp": f"MoE TP{layout.tp}", "ep": f"MoE EP{layout.tp}"}[layout.moe_mode]
     cfg = "CFG2 x " if layout.cfg > 1 else ""
@@ -242,6 +267,8 @@ def main(argv=None) -> int:
                    help="routed experts in 8 bit (1 byte per parameter + float32 scales)")
     p.add_argument("--quant-compute", default="w8a16", choices=["w8a16", "w8a8"],
                    help="how 8-bit experts compute (w8a8 with int8 experts on NPU: EP rows sent as int8)")
+    p.add_argument("--conditioning-images", type=int, default=None,
+                   help="Instruct checkpoints: images per request in the context (default: the most, 3)")
     args = p.parse_args(argv)
     quantize = None if args.quantize == "none" else args.quantize
     try:
@@ -251,6 +278,7 @@ def main(argv=None) -> int:
             raise PlanError(f"model-id: {args.model_id} has no config.json; pass a checkpoint or config/real_model")
         config, raw = read_config(args.model_id)
         size = parse_size(args.image_size, config)
+        check_conditioning_images(args.conditioning_images, raw)
         if args.fit_table:
             print(fit_table(args.model_id, args.fit_table.split(","), size, args.device, quantize=quantize))
             return 0
@@ -258,8 +286,9 @@ def main(argv=None) -> int:
                                    args.ulysses)
         layout.check(raw)
         memory = parse_memory(args.device_memory) if args.device_memory else None
-        roles = plan(args.model_id, layout, size, args.device, quantize, args.quant_compute)
+        roles = plan(args.model_id, layout, size, args.device, quantize, args.quant_compute, args.conditioning_images)
         print(report(roles, layout, size, memory, quantize=quantize))
+        print(conditioning_line(config, raw, args.conditioning_images))
         print("\n".join(planned_report(args.model_id, layout, size, args.device, roles, quantize)))
         if args.json:
             args.json.write_text(json.dumps([r.as_json() for r in roles], indent=2))

@@ -33,6 +33,8 @@ KNOWN_HARMLESS = (
     "Missing validation function in 'RotaryEmbeddingConfigMixin' for 'rope_type'='custom'",
     "`use_return_dict` is deprecated",                                 # transformers 5: upstream's forward
     "There are modules in AutoencoderKLConv3D that should be kept in float32: []",   # diffusers, nothing kept
+    # the released config.json says `hunyuan_image_3_moe`, upstream's config classes `Hunyuan`
+    "`hunyuan_image_3_moe` to instantiate a model of type `Hunyuan`",
 )
 
 

@@ -61,13 +61,15 @@ def test_damaged_checkpoint_is_one_error_line_before_loading(tiny_model, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["num_experts_mismatch"])     # every kind runs on one rank, above
-def test_damaged_checkpoint_on_two_ranks_ends_both_with_the_line(tiny_model, tmp_path, damage):
+def test_damaged_checkpoint_on_two_ranks_ends_the_job_with_the_line(tiny_model, tmp_path, damage):
     ckpt = _copy(tiny_model, tmp_path)
     DAMAGE[damage](ckpt)
     proc = run_cli(["--prompt", "x", "--model-id", ckpt, "--device", "cpu", "--save", tmp_path / "n.png"], nproc=2,
                    timeout=120)
+    # Each rank checks the checkpoint itself; torchrun stops the other rank once one has failed, so the
+    # slower one may be gone before its line: one or two lines, the same words.
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: model-id: ")]
-    assert proc.returncode != 0 and len(errors) == 2 and errors[0] == errors[1], proc.stderr[-3000:]
+    assert proc.returncode != 0 and len(errors) in (1, 2) and len(set(errors)) == 1, proc.stderr[-3000:]
     assert LOAD_MARKER not in proc.stdout + proc.stderr
 
 

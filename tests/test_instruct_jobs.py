@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from browser import chromium, wait_for
 from generation import ROOT, psnr, run_cli_in_process
 from multirank import free_port, run_ranks
 
@@ -131,11 +132,37 @@ def served(tiny_instruct, inputs, tmp_path_factory):
                                           extra_body={"seed": SEED})
         generated = client.images.generate(model=tiny_instruct.name, prompt=PROMPT, size=SIZE, extra_body={"seed": SEED})
         models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10))
+        page_edit = edit_on_the_page(f"http://127.0.0.1:{port}", inputs / "a.png", out)
     finally:
         server.terminate()
         server.wait(120)
     return {"edit_two": edit_two, "guided": guided, "unguided": unguided, "generated": generated, "models": models,
-            "log": log.read_text()}
+            "page_edit": page_edit, "log": log.read_text()}
+
+
+def edit_on_the_page(url, image, out) -> dict:
+    """The page in a headless chromium: one image chosen in its file field, the unguided edit's settings,
+    Generate; what it shows (status lines seen, the image's PNG bytes)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    with chromium(out / "chromium-profile") as browser:
+        find = lambda element_id: browser.find_element(By.ID, element_id)    # noqa: E731
+        browser.get(url + "/")
+        wait_for(browser, lambda: find("app").is_displayed() and find("images-field").is_displayed(), what="the form")
+        shown_max = find("images-max").text
+        find("images").send_keys(str(image))
+        find("prompt").send_keys(PROMPT)
+        Select(find("size")).select_by_value(SIZE)
+        Select(find("bot-task")).select_by_value("image")
+        find("seed").clear()
+        find("seed").send_keys(str(SEED))
+        browser.execute_script("""window.statuses = [];
+            new MutationObserver(() => window.statuses.push(document.getElementById('status-text').textContent))
+                .observe(document.getElementById('status-text'), {childList: true, characterData: true, subtree: true});""")
+        find("generate").click()
+        wait_for(browser, lambda: find("status-text").text.startswith("Done"), 300, "the edit")
+        png = base64.b64decode(find("result-image").get_attribute("src").split(",", 1)[1])
+        return {"png": png, "statuses": browser.execute_script("return window.statuses"), "images_max": shown_max}
 
 
 def save(image: Image.Image, path) -> str:
@@ -177,6 +204,18 @@ def test_openai_generate_and_the_model_card(served):
     assert capabilities["conditioning_images"] == 3 and "think_recaption" in capabilities["bot_tasks"]
     assert capabilities["guidance_scale"]["default"] == 2.5 and capabilities["steps"]["default"] == STEPS
     assert "/v1/images/edits" in served["log"]
+
+
+def test_the_page_edits_an_image_as_the_api_does(served):
+    """Issue 30's page on an Instruct checkpoint: its image field is shown (1 to 3), a chosen file goes
+    to POST /v1/images/edits, progress is shown, and the image equals the API's edit with the same
+    image, prompt, size, seed and steps."""
+    page = served["page_edit"]
+    assert page["images_max"] == "1 to 3"
+    assert any(s.startswith("denoising step") for s in page["statuses"]), page["statuses"]
+    as_page = np.asarray(Image.open(io.BytesIO(page["png"])).convert("RGB"))
+    as_api = np.asarray(decoded(served["unguided"].data[0].b64_json).convert("RGB"))
+    assert as_page.shape == (256, 256, 3) and np.array_equal(as_page, as_api)
 
 
 # ---------------------------------------------------------------- two ranks, rank 0's images

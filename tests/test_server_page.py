@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from browser import chromium, wait_for
 from generation import ROOT
 from http_client import health
 from multirank import free_port
 
 pytestmark = pytest.mark.slow
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 KEY = "page-test-key-" + uuid.uuid4().hex[:12]
 STEPS = 30
 
@@ -117,29 +117,8 @@ def served(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-        pytest.fail("chromium / chromium-driver missing: .ci/run installs them (apt-get install chromium chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}", "--window-size=1200,1100"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
-
-
-def wait_for(driver, condition, timeout=60, what=""):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}: status {driver.find_element('id', 'status-text').text!r}")
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as driver:
+        yield driver
 
 
 def test_the_page_generates_with_progress_cancels_and_keeps_its_key(served, browser, tmp_path):

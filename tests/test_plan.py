@@ -176,6 +176,10 @@ def test_conditioning_images_lengthen_the_instruct_context_and_distil_runs_one_b
     d_config, d_raw = read_config(distil)
     d_kv = activation_bytes(d_config, d_raw, Layout(1), (1024, 1024), "npu", TEXT_TOKENS)["KV cache"]
     assert 2 * d_kv == kv[0]
+    from utils.planner.memory_plan import comm_per_step
+    sent = {name: sum(comm_per_step(c, r, Layout(8), (1024, 1024)).values())
+            for name, (c, r) in (("instruct", (config, raw)), ("distil", (d_config, d_raw)))}
+    assert sent["instruct"] > 0 and 2 * sent["distil"] == sent["instruct"], sent      # one branch's rows cross
 
 
 def test_plan_cli_says_the_context_and_refuses_images_for_the_base_model(tiny_model):

@@ -151,6 +151,7 @@ class Sizes:
     experts: int
     topk: int
     latent_channels: int
+    branches: int = 2           # rows of one CFG pair; a CFG-distilled checkpoint (Instruct-Distil) runs one
 
     @classmethod
     def of(cls, config, raw: dict) -> "Sizes":
@@ -161,7 +162,7 @@ class Sizes:
         topk = max((per_layer(config.moe_topk, i) for i in moe), default=0)
         experts = max((sizes.experts for sizes in moe.values()), default=0)
         return cls(layers, len(moe), config.hidden_size, attention.heads, attention.kv_heads, attention.head_dim,
-                   experts, topk, raw["vae"]["latent_channels"])
+                   experts, topk, raw["vae"]["latent_channels"], 1 if raw.get("cfg_distilled") else 2)
 
 
 def image_tokens(config, image_size) -> int:
@@ -181,7 +182,7 @@ def forward_lines(sizes: Sizes, layout, phase: str, seq: int, tp_rank: int = 0, 
     """The collectives of one forward over `seq` positions of each of this rank's batch rows."""
     from adaptor_patches.parallel.layout import split_evenly
     design = for_layout(design, layout)
-    batch = 2 // layout.cfg                              # the [cond ; uncond] rows this branch holds
+    batch = sizes.branches // layout.cfg                 # the [cond ; uncond] rows this branch holds
     tokens = batch * seq
     hidden_row = sizes.hidden * BF16
     n = layout.tp
@@ -354,7 +355,7 @@ def image_lines(config, raw: dict, layout, image_size, tp_rank: int = 0, cfg_ran
     design = built_design(layout, dispatch) if design is None else design
     sizes = Sizes.of(config, raw)
     tokens = image_tokens(config, image_size)
-    prediction = (2 // layout.cfg) * sizes.latent_channels * tokens * BF16      # diffusion_prediction, bf16
+    prediction = (sizes.branches // layout.cfg) * sizes.latent_channels * tokens * BF16   # diffusion_prediction
     first = first_step_rows if first_step_rows is not None else TEXT_TOKENS + tokens
     lines = forward_lines(sizes, layout, FIRST_STEP, first, tp_rank, design, prediction)
     lines += forward_lines(sizes, layout, DENOISING_STEP, tokens + 1, tp_rank, design, prediction)

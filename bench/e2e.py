@@ -70,6 +70,19 @@ def summarise(metrics: dict) -> dict:
             "peak_gib": [b / 2**30 for b in metrics["peak_memory_bytes_per_rank"]]}
 
 
+def run_variants(model: Path, variants: dict, args, threads_for) -> dict:
+    """{name: summarise(...)} of each variant {name: (nproc, flags)}, one after the other, each in a
+    scratch folder of its own; `threads_for(nproc)`: the OMP threads per rank."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, (nproc, flags)) in enumerate(variants.items()):
+            out = Path(tmp) / str(i)
+            out.mkdir()
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            rows[name] = summarise(run_variant(model, nproc, flags, args, out, threads_for(nproc)))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "mid")
@@ -83,13 +96,7 @@ def main():
     args = p.parse_args()
     model = ensure_model(args.model)
     variants = {**VARIANTS, **(LAYOUTS if args.layouts else {})}
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, (nproc, flags)) in enumerate(variants.items()):
-            out = Path(tmp) / str(i)
-            out.mkdir()
-            threads = args.threads or max(1, 2 // nproc)
-            rows[name] = summarise(run_variant(model, nproc, flags, args, out, threads))
+    rows = run_variants(model, variants, args, lambda nproc: args.threads or max(1, 2 // nproc))
     base = rows[BASE]
     print(f"\nmodel {model.name}: {args.size}x{args.size}, {args.steps} steps, device {args.device}, "
           f"OMP threads per rank 2/ranks, median of {args.rounds} rounds after {args.warmup} warm-up\n")

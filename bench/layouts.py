@@ -23,13 +23,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import ensure_model, run_variant, summarise  # noqa: E402
+from bench.e2e import ensure_model, run_variants  # noqa: E402
 
 
 def variants(nproc: int) -> dict:
@@ -85,13 +84,8 @@ def main(argv=None) -> int:
         return 2
     model = args.model if args.quick else ensure_model(args.model)
     threads = max(1, (os.cpu_count() or 2) // nproc) if args.device == "cpu" else 1
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, flags) in enumerate(variants(nproc).items()):
-            out = Path(tmp) / str(i)
-            out.mkdir()
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            rows[name] = summarise(run_variant(model, nproc, flags, args, out, threads))
+    rows = run_variants(model, {name: (nproc, flags) for name, flags in variants(nproc).items()}, args,
+                        lambda _nproc: threads)
     base = next(iter(rows.values()))
     print(f"\nmodel {model.name}: {args.size}x{args.size}, {args.steps} steps, {nproc} ranks on {args.device}, "
           f"OMP threads per rank {threads}, median of {args.rounds} round(s) after {args.warmup} warm-up\n")

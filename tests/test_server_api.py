@@ -269,6 +269,7 @@ def test_a_yaml_key_reaches_the_ranks_in_the_environment_never_on_the_command_li
     ({"api-key": 987654321}, "error: model_args.api-key: is not 1 to 4096 visible ASCII characters"),
     ({"api-key": "k3y", "api-key-env": "SERVE_KEY"}, "error: model_args.api-key: given with api-key-env"),
     ({"api-key-env": "NO_SUCH_KEY_VAR"}, "error: model_args.api-key-env: NO_SUCH_KEY_VAR is not set"),
+    ({"serve": False, "prompt": "x", "api-key": "k3y-abcdef"}, "error: model_args.api-key: only with --serve; "),
 ])
 def test_yaml_key_refusals(tiny_model, tmp_path, model_args, message):
     code, out, err = launcher(tmp_path, {"model-id": str(tiny_model), **model_args})

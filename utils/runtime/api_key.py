@@ -11,7 +11,7 @@ import hmac
 import re
 from typing import Optional
 
-from utils.runtime.errors import UsageError
+from utils.runtime.errors import FieldError
 
 KEY_CHARS = re.compile(r"[!-~]{1,4096}\Z")        # visible ASCII: what an HTTP header carries unchanged
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
@@ -51,22 +51,22 @@ def key_problem(value) -> Optional[str]:
 
 
 def from_args(args, environ) -> Optional[ApiKey]:
-    """The job's key from --api-key / --api-key-env (read from `environ`), or None; UsageError naming the flag."""
+    """The job's key from --api-key / --api-key-env (read from `environ`), or None; FieldError naming the flag."""
     key, env_name = getattr(args, "api_key", None), getattr(args, "api_key_env", None)
     if key is None and env_name is None:
         return None
     flag = "api-key" if key is not None else "api-key-env"
     if not args.serve:
-        raise UsageError(f"{flag}: only with --serve; there is no server to protect, drop it")
+        raise FieldError(flag, "only with --serve", "there is no server to protect, drop it")
     if key is not None and env_name is not None:
-        raise UsageError("api-key: given twice (--api-key and --api-key-env); keep --api-key-env")
+        raise FieldError("api-key", "given twice (--api-key and --api-key-env)", "keep --api-key-env")
     if env_name is not None:
         key = environ.get(env_name)
         if not key:
-            raise UsageError(f"api-key-env: {env_name} is not set or empty; export {env_name}=<key> first, or drop "
-                             f"--api-key-env")
+            raise FieldError("api-key-env", f"{env_name} is not set or empty",
+                             f"export {env_name}=<key> first, or drop --api-key-env")
     problem = key_problem(key)
     if problem:
-        raise UsageError(f"{flag}: the key {problem}; use e.g. a random hex string (python -c 'import secrets; "
-                         f"print(secrets.token_hex(24))')")
+        raise FieldError(flag, f"the key {problem}", "use e.g. a random hex string (python -c 'import secrets; "
+                                                     "print(secrets.token_hex(24))')")
     return ApiKey(key)

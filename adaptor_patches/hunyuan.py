@@ -272,7 +272,8 @@ def _o_proj(self, attn_output, shards, bsz, q_len):
     (today: one all-reduce), or [1, share, H] on sequence shares (one reduce-scatter)."""
     exchange, weight = self.exchange, self.o_proj.weight
     if shards is None and exchange is not None:                 # Ulysses, one-token decode
-        partial = F.linear(attn_output, weight.index_select(1, exchange.o_columns))
+        mine = weight.narrow(1, *exchange.o_span) if exchange.o_span else weight.index_select(1, exchange.o_columns)
+        partial = F.linear(attn_output, mine)
         dist.all_reduce(partial, group=self.rank_context.group("attention_decode"))
         return _with_bias(partial, self.o_proj).view(bsz, q_len, -1)
     if shards is None:

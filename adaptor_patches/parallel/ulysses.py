@@ -49,6 +49,10 @@ class HeadExchange:
         q_mine, kv_mine = (index[self.rank * len(index) // self.degree:(self.rank + 1) * len(index) // self.degree]
                            for index in (q_index, kv_index))
         columns = [h * self.shard.head_dim + d for h in q_mine for d in range(self.shard.head_dim)]
+        # o_proj's columns for the one-token decode: a (start, width) view where they run contiguously (the
+        # usual case), so no decode step copies weights; else index_select with o_columns
+        contiguous = columns == list(range(columns[0], columns[0] + len(columns))) if columns else False
+        self.o_span = (columns[0], len(columns)) if contiguous else None
 
         def tensor(values):
             return torch.tensor(values, dtype=torch.long, device="cpu").to(device or "cpu")

@@ -257,3 +257,15 @@ def test_run_sh_plans_with_the_jobs_quantize(tiny_model, tmp_path):
     job["model_args"]["quantize"] = "int8"
     res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
     assert res.returncode == 0 and "plan: " in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+def test_the_designs_table_plans_the_conditioning_images_asked_for():
+    """The designs of issue 29 are planned with the same context as the plan above them: fewer
+    conditioning images, less memory per rank (the bytes sent per step do not depend on the context)."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.plan import design_rows
+    rows = {images: design_rows("config/real_instruct", Layout(8, 1, "ep", True), (1024, 1024), "npu",
+                                conditioning_images=images) for images in (0, 3)}
+    built = [(few, most) for few, most in zip(rows[0], rows[3]) if few[3] is not None]
+    assert built and all(few[3] < most[3] and few[2] == most[2] for few, most in built), rows

@@ -62,7 +62,7 @@ def plan_job(job: dict, layout, options: dict) -> None:
         roles = planner.plan(model_dir, layout, size, kind, quantize, compute)
         if options["plan"]:
             print(planner.report(roles, layout, size, memory, quantize=quantize), file=sys.stderr)
-            print("\n".join(planner.planned_report(model_dir, layout, size, kind, roles, quantize)), file=sys.stderr)
+            print("\n".join(planner.planned_report(model_dir, layout, size, kind, quantize)), file=sys.stderr)
         if memory:
             planner.check_fit(roles, model_dir, layout, size, kind, memory, quantize=quantize)     # a refusal: one line
         if not options["plan"]:

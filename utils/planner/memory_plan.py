@@ -295,12 +295,13 @@ def shortfall(roles: list, device_memory: int, headroom: float):
 
 
 def planned_role_bytes(config, raw: dict, layout, image_size, role: RolePlan, device_kind: str = "npu",
-                       design: Design = TODAY, quantize=None) -> int:
+                       design: Design = TODAY, quantize=None, conditioning_images=None) -> int:
     """Per-rank bytes of `role` (planned for `layout`, the design's own: traffic.design_layout) under
     a `design` the code does not run (traffic.PLANNED's unbuilt ones): the role's parameters, the
     design's activations, the same workspace. An estimate, like every activation figure here."""
+    from dataclasses import replace
     from utils.planner.traffic import for_layout
     design = for_layout(design, layout)
-    acts = activation_bytes(config, raw, layout, image_size, device_kind, TEXT_TOKENS + conditioning_tokens(config, raw),
-                            quantize=quantize, design=design)
-    return role.param_bytes + max(acts["denoise step"], acts["VAE decode"]) + acts["KV cache"] + role.workspace
+    context = TEXT_TOKENS + conditioning_tokens(config, raw, conditioning_images)
+    acts = activation_bytes(config, raw, layout, image_size, device_kind, context, quantize=quantize, design=design)
+    return replace(role, activations=acts).total()

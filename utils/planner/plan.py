@@ -106,7 +106,7 @@ def traffic_report(role) -> list:
     return out
 
 
-def design_rows(model_dir, layout, image_size, device_kind: str, quantize=None) -> list:
+def design_rows(model_dir, layout, image_size, device_kind: str, quantize=None, conditioning_images=None) -> list:
     """The designs of traffic.PLANNED on this layout's world and CFG split, each with the MoE
     expert-parallel (they are EP designs): [(name, status, MiB sent per denoising step by rank 0,
     per-rank bytes, traffic by purpose)]. Built designs are planned as the code runs them (the
@@ -117,7 +117,7 @@ def design_rows(model_dir, layout, image_size, device_kind: str, quantize=None) 
     from utils.planner.memory_plan import planned_role_bytes, read_config
     from utils.planner.traffic import DENOISING_STEP, PLANNED, design_layout, for_layout, image_lines, per_step
     config, raw = read_config(model_dir)
-    rows = []
+    rows, planned_roles = [], {}            # int8 dispatch and dedup plan the same layout and experts: once
     for design in PLANNED:
         design = for_layout(design, layout)
         try:
@@ -128,25 +128,30 @@ def design_rows(model_dir, layout, image_size, device_kind: str, quantize=None) 
             continue
         int8 = design.dispatch == "int8"
         kind, experts, compute = ("npu", "int8", "w8a8") if int8 else (device_kind, quantize, "w8a16")
-        roles = plan(model_dir, planned, image_size, kind, experts, compute)
+        key = (planned, kind, experts, compute)
+        if key not in planned_roles:
+            planned_roles[key] = plan(model_dir, planned, image_size, kind, experts, compute, conditioning_images)
+        roles = planned_roles[key]
         if design.built:
             lines = roles[0].comm_per_step
             memory = max(r.total() for r in roles)
         else:
             lines = per_step(image_lines(config, raw, planned, image_size, 0, design=design, device_kind=kind),
                              DENOISING_STEP)
-            memory = max(planned_role_bytes(config, raw, planned, image_size, r, kind, design, experts) for r in roles)
+            memory = max(planned_role_bytes(config, raw, planned, image_size, r, kind, design, experts,
+                                            conditioning_images) for r in roles)
         status = ("built" if design.built else "planned, not built") + (" (NPU, int8 experts, W8A8)" if int8 else "")
         rows.append((design.name, status, sum(lines.values()) / 2**20, memory, lines))
     return rows
 
 
-def planned_report(model_dir, layout, image_size, device_kind: str, roles, quantize=None) -> list:
+def planned_report(model_dir, layout, image_size, device_kind: str, quantize=None, conditioning_images=None) -> list:
     """One line per design of traffic.PLANNED (design_rows): bytes per denoising step and per-rank memory."""
     if layout.tp < 2:
         return []
     out = ["  the designs of issue 29 on this world (per rank: sent per denoising step / memory):"]
-    for name, status, sent, memory, _ in design_rows(model_dir, layout, image_size, device_kind, quantize):
+    for name, status, sent, memory, _ in design_rows(model_dir, layout, image_size, device_kind, quantize,
+                                                     conditioning_images):
         out.append(f"    {name}: {status}" if sent is None else
                    f"    {name}: {sent:.1f} MiB, {gib(memory)} GiB, {status}")
     return out
@@ -289,7 +294,7 @@ def main(argv=None) -> int:
         roles = plan(args.model_id, layout, size, args.device, quantize, args.quant_compute, args.conditioning_images)
         print(report(roles, layout, size, memory, quantize=quantize))
         print(conditioning_line(config, raw, args.conditioning_images))
-        print("\n".join(planned_report(args.model_id, layout, size, args.device, roles, quantize)))
+        print("\n".join(planned_report(args.model_id, layout, size, args.device, quantize, args.conditioning_images)))
         if args.json:
             args.json.write_text(json.dumps([r.as_json() for r in roles], indent=2))
         if memory:

@@ -25,8 +25,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.planner.traffic import (DENOISING_STEP, PHASES, TEXT_TOKENS, TODAY, Design, built_design,  # noqa: F401
-                                   image_lines, image_tokens, per_step)
+from utils.planner.traffic import (DENOISING_STEP, PHASES, TEXT_TOKENS, TODAY, Design, branches,  # noqa: F401
+                                   built_design, image_lines, image_tokens, per_step)
+from utils.runtime.request_schema import MAX_IMAGES as MAX_CONDITIONING_IMAGES     # what one request may bring
 
 GiB = 2**30
 # First match wins: the image towers first (SigLIP2 has its own `.self_attn.`), then the backbone's parts.
@@ -34,7 +35,6 @@ COMPONENTS = (("vision encoder", ("vision_model.", "vision_aligner.")), ("VAE en
               ("VAE", ("vae.",)), ("routed experts", (".mlp.experts.",)), ("shared MLP", (".mlp.shared_mlp.",)),
               ("MoE router", (".mlp.gate.",)), ("attention", (".self_attn.",)),
               ("embeddings / lm_head", ("model.wte.", "lm_head.")))
-MAX_CONDITIONING_IMAGES = 3      # upstream's Instruct model takes one to three (utils/runtime/api_bodies.py)
 ROUTING_SKEW = 2.0          # EP: an expert owner may receive this many times its even share of rows
 WORKSPACE_BYTES = {"cpu": GiB // 2, "cuda": 2 * GiB, "npu": 2 * GiB}   # runtime, collective buffers, allocator
 
@@ -94,11 +94,6 @@ def conditioning_tokens(config, raw: dict, images: int = None) -> int:
     vit_tokens = int((raw.get("vit_processor") or {}).get("max_num_patches", 0))
     base = config.image_base_size
     return images * (image_tokens(config, (base, base)) + vit_tokens)
-
-
-def branches(raw: dict) -> int:
-    """Rows per CFG pair: a CFG-distilled checkpoint (Instruct-Distil) runs one branch, no pair."""
-    return 1 if raw.get("cfg_distilled") else 2
 
 
 def build_meta_model(config, layout, tp_rank: int, quantize=None):

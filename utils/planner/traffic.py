@@ -162,7 +162,12 @@ class Sizes:
         topk = max((per_layer(config.moe_topk, i) for i in moe), default=0)
         experts = max((sizes.experts for sizes in moe.values()), default=0)
         return cls(layers, len(moe), config.hidden_size, attention.heads, attention.kv_heads, attention.head_dim,
-                   experts, topk, raw["vae"]["latent_channels"], 1 if raw.get("cfg_distilled") else 2)
+                   experts, topk, raw["vae"]["latent_channels"], branches(raw))
+
+
+def branches(raw: dict) -> int:
+    """Rows per CFG pair: a CFG-distilled checkpoint (Instruct-Distil) runs one branch, no pair."""
+    return 1 if raw.get("cfg_distilled") else 2
 
 
 def image_tokens(config, image_size) -> int:

@@ -27,6 +27,7 @@ launcher stops before the tokenizer (a launch should not wait for it; the ranks 
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,13 +59,9 @@ class ModelFiles:
     @property
     def layers(self) -> Optional[int]:
         """config.json's layer count when it reads (a damaged config.json is the checkpoint check's to report)."""
-        try:
-            config = json.loads((self.directory / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        return config.get("num_hidden_layers") if isinstance(config, dict) else None
+        return self.raw_config.get("num_hidden_layers")
 
-    @property
+    @functools.cached_property
     def raw_config(self) -> dict:
         """config.json as JSON ({} when it does not read: the checkpoint check reports that)."""
         try:
@@ -79,12 +76,6 @@ class ModelFiles:
             path = self.directory / "generation_config.json"
             self._generation_config = read_json(path) if path.is_file() else {}
         return self._generation_config
-
-    @property
-    def config(self) -> dict:
-        """config.json as the checkpoint reads it (adaptor_patches/weights/checkpoint.py, opened once)."""
-        from adaptor_patches.weights.checkpoint import open_checkpoint
-        return open_checkpoint(self.directory).config
 
 
 def read_json(path: Path) -> dict:

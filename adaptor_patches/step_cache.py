@@ -160,11 +160,11 @@ def extrapolate(history: list, step: int, order: int) -> torch.Tensor:
 
 class StepCacheRun:
     """One image's cache: which step the loop is on, what was computed, what was forecast or skipped.
-    `group`: the ranks that agree on adaptive skips (None: one process); `device`: the rank's device
-    (torch.device, None: the CPU), where the agreement's tensor lives."""
+    `group`: the ranks that agree on adaptive skips (None: one process); the agreement's tensor lives
+    where the hidden states do (the rank's device)."""
 
-    def __init__(self, settings: StepCacheSettings, steps: int, layers: int, group=None, device=None, context=None):
-        self.settings, self.steps, self.layers, self.group, self.device = settings, steps, layers, group, device
+    def __init__(self, settings: StepCacheSettings, steps: int, layers: int, group=None, context=None):
+        self.settings, self.steps, self.layers, self.group = settings, steps, layers, group
         self.context = context                   # the model's RankContext: which rows this rank holds
         self.forced = set(full_steps(settings, steps))
         self.step = -1
@@ -317,8 +317,7 @@ def running(model, settings: StepCacheSettings, steps: int):
     if problem:
         raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
     context = model.rank_context
-    slot.run = StepCacheRun(settings, steps, layers, group=context.group("step_cache"),
-                            device=context.device.torch_device, context=context)
+    slot.run = StepCacheRun(settings, steps, layers, group=context.group("step_cache"), context=context)
     try:
         yield slot.run
     finally:

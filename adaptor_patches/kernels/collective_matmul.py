@@ -54,7 +54,10 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
+def all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
+    """torch 2.14 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.7 has only the
+    old one. Looked up at each call, so a wrapper of torch.distributed's attributes (the traffic recorder,
+    utils/planner/comm_recorder.py) sees it."""
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local, group=group)
 
 
@@ -84,7 +87,7 @@ class CollectiveMatmuls:
         if size == 0:
             return x_local.new_empty(0, weight.shape[0])
         gathered = x_local.new_empty(len(shares) * size, x_local.shape[1])
-        _all_gather_single(gathered, pad_rows(x_local, size), group)
+        all_gather_single(gathered, pad_rows(x_local, size), group)
         return F.linear(gathered[:sum(shares)], weight)
 
     def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
@@ -100,7 +103,7 @@ class CollectiveMatmuls:
         size = _check(x_local, shares, group, shares[dist.get_rank(group)])
         gathered = x_local.new_empty(len(shares) * size, *x_local.shape[1:])
         if size:
-            _all_gather_single(gathered, pad_rows(x_local, size), group)
+            all_gather_single(gathered, pad_rows(x_local, size), group)
         return gathered[:sum(shares)]
 
     def reduce_scatter_shares(self, x: torch.Tensor, group, shares: list) -> torch.Tensor:

@@ -161,11 +161,11 @@ def model_forward(original, _device):
             return original(self, *args, **kwargs)
         arguments = signature.bind(self, *args, **kwargs).arguments
         embeds = arguments.get("inputs_embeds")
+        batch, seq = (embeds if embeds is not None else arguments["input_ids"]).shape[:2]
+        if not context.layout.shards_forward(seq):              # the one-token decode: upstream embeds it
+            return original(self, *args, **kwargs)
         if embeds is None:
             embeds = self.wte(arguments["input_ids"])
-        batch, seq, _ = embeds.shape
-        if not context.layout.shards_forward(seq):
-            return original(self, *args, **kwargs)
         wants_hidden = arguments.get("output_hidden_states")
         if wants_hidden or (wants_hidden is None and self.config.output_hidden_states):
             raise NotImplementedError("sequence shares: output_hidden_states is not supported under a sequence-"

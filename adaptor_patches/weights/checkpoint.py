@@ -262,7 +262,7 @@ class Checkpoint:
     _parts: dict = field(default_factory=dict)      # {folder: CheckpointFiles}, headers read and checked
     _opened: dict = field(default_factory=dict)     # {folder: CheckpointFiles} read while opening, not yet checked
     _formats: dict = field(default_factory=dict)    # {tp_rank: the experts' format of its folder}
-    _accepted: dict = field(default_factory=dict)   # {(layout, rank, per_rank, quantize): expert format}
+    _accepted: dict = field(default_factory=dict)   # {(layout, rank, per_rank): the experts' format the files hold}
     _verified: bool = False
 
     @property
@@ -289,19 +289,18 @@ class Checkpoint:
         collective), a checkpoint this run cannot load, the cheaper, likelier mistakes first; return
         the format its experts run in (`quantize`: the job's --quantize, None when not given).
         Asked again (the loader after the CLI), it answers from memory."""
-        key = (layout, rank, per_rank, quantize)
-        if key not in self._accepted:
+        key = (layout, rank, per_rank)
+        if key not in self._accepted:               # the files' checks, once whatever --quantize says
             self.check_run(layout, rank, per_rank)
             if per_rank:                # the shims alone parallelise nothing
                 self.check_layout(layout)
             self.verify()
-            held = self.expert_format(layout.tp_rank(rank)) if self.per_rank else None
-            expert_format = resolve_expert_format(held, quantize, self.directory)
-            if expert_format is not None and not per_rank:
-                raise LoadingError(f"quantize: 8-bit experts ({expert_format}) need the full adaptor; drop --adaptor "
-                                   f"shims or --quantize")
-            self._accepted[key] = expert_format
-        return self._accepted[key]
+            self._accepted[key] = self.expert_format(layout.tp_rank(rank)) if self.per_rank else None
+        expert_format = resolve_expert_format(self._accepted[key], quantize, self.directory)
+        if expert_format is not None and not per_rank:
+            raise LoadingError(f"quantize: 8-bit experts ({expert_format}) need the full adaptor; drop --adaptor "
+                               f"shims or --quantize")
+        return expert_format
 
     def check_layout(self, layout: Layout) -> None:
         """The one rule of a layout against this checkpoint's JSON files: head / expert divisibility

@@ -288,24 +288,26 @@ JOB_OPTIONS += tuple(Field(f"step_cache_{name}", "step_cache_setting", getattr(S
 # Upstream's own Taylor cache, as its run_image_gen.py spells it: run as --step-cache taylor with the
 # settings of the same schedule (utils/runtime/upstream_taylor.py; docs/STEP_CACHE.md). None: not given
 # (upstream's defaults apply, and a setting given without --use-taylor-cache is refused).
+def _upstream_int(name: str, meaning: str, low: int) -> Field:
+    """One of upstream's --taylor-cache-* numbers, its default (upstream_taylor.UPSTREAM_DEFAULTS) in the help."""
+    from utils.runtime.upstream_taylor import UPSTREAM_DEFAULTS
+    default = UPSTREAM_DEFAULTS[name]
+    return Field(name, "int", None, f"upstream's: {meaning} (default {default})", low, None, optional=True,
+                 example=str(default))
+
+
 UPSTREAM_TAYLOR_CACHE = (
     Field("use_taylor_cache", "switch", False, "upstream's Taylor cache: runs as --step-cache taylor with the same "
           "schedule (docs/STEP_CACHE.md)"),
-    Field("taylor_cache_interval", "int", None, "upstream's: a full step every N steps (default 5)", 1, None,
-          optional=True, example="5"),
-    Field("taylor_cache_order", "int", None, "upstream's: the forecast's order, 1 or 2 here (default 2)", 0, None,
-          optional=True, example="2"),
+    _upstream_int("taylor_cache_interval", "a full step every N steps", 1),
+    _upstream_int("taylor_cache_order", "the forecast's order, 1 or 2 here", 0),
     Field("taylor_cache_enable_first_enhance", "switch", False, "upstream's: the first steps all computed"),
-    Field("taylor_cache_first_enhance_steps", "int", None, "upstream's: how many (default 3)", 1, None,
-          optional=True, example="3"),
+    _upstream_int("taylor_cache_first_enhance_steps", "how many", 1),
     Field("taylor_cache_enable_tailing_enhance", "switch", False, "upstream's: the last steps computed (here the "
           "last one always is)"),
-    Field("taylor_cache_tailing_enhance_steps", "int", None, "upstream's: how many, 1 here (default 1)", 1, None,
-          optional=True, example="1"),
-    Field("taylor_cache_low_freqs_order", "int", None, "upstream's: the low frequencies' order (default 2)", 0, None,
-          optional=True, example="2"),
-    Field("taylor_cache_high_freqs_order", "int", None, "upstream's: the high frequencies' order (default 2)", 0,
-          None, optional=True, example="2"),
+    _upstream_int("taylor_cache_tailing_enhance_steps", "how many, 1 here", 1),
+    _upstream_int("taylor_cache_low_freqs_order", "the low frequencies' order", 0),
+    _upstream_int("taylor_cache_high_freqs_order", "the high frequencies' order", 0),
 )
 JOB_OPTIONS += UPSTREAM_TAYLOR_CACHE
 JOB = {f.name: f for f in JOB_OPTIONS}

@@ -71,7 +71,8 @@ def process_group(group):
     return group if group is not None else dist.group.WORLD
 
 
-def _check(x: torch.Tensor, shares: list, group, rows_of_x: int) -> int:
+def check_shares(x: torch.Tensor, shares: list, group, rows_of_x: int) -> int:
+    """The shares fit the group and x has `rows_of_x` rows; the padded share size."""
     if len(shares) != dist.get_world_size(group):
         raise ValueError(f"shares: {len(shares)} shares for a group of {dist.get_world_size(group)} ranks")
     if x.shape[0] != rows_of_x:
@@ -83,7 +84,7 @@ class CollectiveMatmuls:
     """The plain forms (a kernel set's base)."""
 
     def all_gather_matmul(self, x_local: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
-        size = _check(x_local, shares, group, shares[dist.get_rank(group)])
+        size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
         if size == 0:
             return x_local.new_empty(0, weight.shape[0])
         gathered = x_local.new_empty(len(shares) * size, x_local.shape[1])
@@ -91,7 +92,7 @@ class CollectiveMatmuls:
         return F.linear(gathered[:sum(shares)], weight)
 
     def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
-        size = _check(x, shares, group, sum(shares))
+        size = check_shares(x, shares, group, sum(shares))
         if size == 0:
             return x.new_empty(0, weight.shape[0])
         partial = pad_rows(F.linear(x, weight), len(shares) * size)
@@ -100,14 +101,14 @@ class CollectiveMatmuls:
         return out[:shares[dist.get_rank(group)]]
 
     def all_gather_shares(self, x_local: torch.Tensor, group, shares: list) -> torch.Tensor:
-        size = _check(x_local, shares, group, shares[dist.get_rank(group)])
+        size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
         gathered = x_local.new_empty(len(shares) * size, *x_local.shape[1:])
         if size:
             all_gather_single(gathered, pad_rows(x_local, size), group)
         return gathered[:sum(shares)]
 
     def reduce_scatter_shares(self, x: torch.Tensor, group, shares: list) -> torch.Tensor:
-        size = _check(x, shares, group, sum(shares))
+        size = check_shares(x, shares, group, sum(shares))
         if size == 0:
             return x
         out = x.new_empty(size, *x.shape[1:])

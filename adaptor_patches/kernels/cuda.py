@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .collective_matmul import pad_rows, process_group, share_size
+from .collective_matmul import check_shares, pad_rows, process_group
 from .quant import quantize_per_token
 from .torch_kernels import GroupedMmKernels
 
@@ -94,23 +94,19 @@ class CudaKernels(GroupedMmKernels):
                 "matmul_reduce_scatter": "symm_mem fused_matmul_reduce_scatter" if fused else "plain"}
 
     def all_gather_matmul(self, x_local, weight, group, shares):
-        size = share_size(shares)
+        size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
         ops = self._symm_mem(x_local, group) if size else None
         if ops is None:
             return super().all_gather_matmul(x_local, weight, group, shares)
-        if x_local.shape[0] != shares[dist.get_rank(group)]:
-            raise ValueError(f"x: {x_local.shape[0]} rows, the shares say {shares[dist.get_rank(group)]}")
         name = process_group(group).group_name
         _, outputs = ops.fused_all_gather_matmul(pad_rows(x_local, size), [weight.t()], 0, name, return_A=False)
         return outputs[0][:sum(shares)]
 
     def matmul_reduce_scatter(self, x, weight, group, shares):
-        size = share_size(shares)
+        size = check_shares(x, shares, group, sum(shares))
         ops = self._symm_mem(x, group) if size else None
         if ops is None:
             return super().matmul_reduce_scatter(x, weight, group, shares)
-        if x.shape[0] != sum(shares):
-            raise ValueError(f"x: {x.shape[0]} rows, the shares say {sum(shares)}")
         name = process_group(group).group_name
         out = ops.fused_matmul_reduce_scatter(pad_rows(x, len(shares) * size), weight.t(), "sum", 0, name)
         return out[:shares[dist.get_rank(group)]]

@@ -51,7 +51,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from .collective_matmul import pad_rows, process_group, share_size
+from .collective_matmul import check_shares, pad_rows, process_group
 from .quant import dispatch_format, format_of, pack_rows
 from .torch_kernels import LoopKernels
 
@@ -106,21 +106,17 @@ class NpuKernels(LoopKernels):
                 else f"plain ({self.soc})" if fits else "plain"}
 
     def all_gather_matmul(self, x_local, weight, group, shares):
-        size = share_size(shares)
+        size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
         if size == 0 or not self._fused_fits(x_local, weight, group):
             return super().all_gather_matmul(x_local, weight, group, shares)
-        if x_local.shape[0] != shares[dist.get_rank(group)]:
-            raise ValueError(f"x: {x_local.shape[0]} rows, the shares say {shares[dist.get_rank(group)]}")
         out, _ = self.npu.npu_all_gather_base_mm(pad_rows(x_local, size), weight.t(), self._group_name(group),
                                                  len(shares), gather_index=0, gather_output=False, comm_turn=0)
         return out[:sum(shares)]
 
     def matmul_reduce_scatter(self, x, weight, group, shares):
-        size = share_size(shares)
+        size = check_shares(x, shares, group, sum(shares))
         if size == 0 or self.soc == "A2" or not self._fused_fits(x, weight, group):
             return super().matmul_reduce_scatter(x, weight, group, shares)
-        if x.shape[0] != sum(shares):
-            raise ValueError(f"x: {x.shape[0]} rows, the shares say {sum(shares)}")
         out = self.npu.npu_mm_reduce_scatter_base(pad_rows(x, len(shares) * size), weight.t(), self._group_name(group),
                                                   len(shares), reduce_op="sum", comm_turn=0)
         return out[:shares[dist.get_rank(group)]]

@@ -202,6 +202,15 @@ def test_an_instruct_row_compares_the_run_with_its_reference(tmp_path):
     assert near.data["psnr_db"] > far.data["psnr_db"] and "PSNR" in near.detail
 
 
+def _one_rank_group(dist):
+    """A one-rank gloo group in this process on an in-memory store: no port, no TCP rendezvous (a
+    TCP store in the pytest process hung for the whole 30-minute default on one CI machine), and a
+    60 s collective timeout so a wrong call fails instead of waiting."""
+    import datetime
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+
+
 def test_collectives_section_catches_a_wrong_all_to_all(monkeypatch, tmp_path):
     """The exact-value check of the uneven all_to_all fails when the received rows are wrong (one
     rank, gloo: the same code path as N ranks, with the ranks' splits computed for n = 1)."""
@@ -209,7 +218,7 @@ def test_collectives_section_catches_a_wrong_all_to_all(monkeypatch, tmp_path):
     from utils.selfcheck.checks import collectives
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{collectives.free_port()}", rank=0, world_size=1)
+    _one_rank_group(dist)
     try:
         assert all(collectives.correctness(dist, torch.device("cpu"), 0, 1).values())
         real = dist.all_to_all_single
@@ -226,10 +235,10 @@ def test_collective_matmul_rows_catch_a_wrong_fused_form(tmp_path):
     import torch.distributed as dist
     from adaptor_patches.kernels.cpu import CpuKernels
     from adaptor_patches.kernels.device import Device
-    from utils.selfcheck.checks import collective_matmuls, collectives
+    from utils.selfcheck.checks import collective_matmuls
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{collectives.free_port()}", rank=0, world_size=1)
+    _one_rank_group(dist)
     try:
         kernels = CpuKernels()
         good = collective_matmuls.rows(collective_matmuls.measure(dist, Device("cpu"), kernels, 0, 1, SHAPES["small"], 1), 1)

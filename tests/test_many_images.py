@@ -162,9 +162,17 @@ def test_server_on_2_ranks_answers_like_the_cli_and_shuts_down_cleanly(tiny_mode
             code, payload, _ = post(url, bad if isinstance(bad, bytes) else json.dumps(bad).encode())
             assert code == 400 and payload["error"]["type"] == "invalid_request_error", (bad, payload)
 
-        # 40 steps: the first request still runs when the last of the seven arrives, even on a loaded machine
-        flood = concurrently(lambda body: post(url, body), [({"prompt": f"fox {i}", "seed": i, "steps": 40},)
-                                                           for i in range(7)])
+        # One request holds the ranks (40 steps: it still runs when the six others have arrived, even on a
+        # loaded machine); of six short ones, --queue-size 3 queues three and answers the rest 503 at once.
+        holder = []
+        thread = threading.Thread(target=lambda: holder.append(post(url, {"prompt": "fox 0", "seed": 0, "steps": 40})))
+        thread.start()
+        while '"busy": true' not in get(url, "/health")[1]:
+            time.sleep(0.02)
+        flood = concurrently(lambda body: post(url, body), [({"prompt": f"fox {i}", "seed": i, "steps": 3},)
+                                                           for i in range(1, 7)])
+        thread.join(300)
+        flood += holder
         codes = sorted(code for code, _, _ in flood)
         assert codes.count(503) >= 3 and codes.count(200) >= 3 and set(codes) == {200, 503}, codes
         assert all(int(headers["Retry-After"]) >= 1 for code, _, headers in flood if code == 503)

@@ -18,6 +18,7 @@ from PIL import Image
 
 from generation import ROOT, run_in_pool
 from multirank import free_port
+from utils.launcher.launch import child_processes, kill_leftovers
 
 pytestmark = pytest.mark.slow
 COMMON = ["--device", "cpu", "--diff-infer-steps", "3", "--image-size", "64x64"]
@@ -141,11 +142,13 @@ def test_server_on_2_ranks_answers_like_the_cli_and_shuts_down_cleanly(tiny_mode
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
+    ranks = []
     try:
         deadline = time.time() + 300
         while get(url, "/health")[0] != 200:
             assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
             time.sleep(0.5)
+        ranks = child_processes(server.pid)        # a failed check below must not leave them serving
         # CLI reference images on the same layout, while the server is up.
         run_in_pool(2, [cli_args(tiny_model, line, tmp_path / f"cli{i}.png") for i, line in enumerate(LINES)])
 
@@ -194,6 +197,7 @@ def test_server_on_2_ranks_answers_like_the_cli_and_shuts_down_cleanly(tiny_mode
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
+        kill_leftovers(ranks)
         log.close()
     time.sleep(1)
     with pytest.raises(ProcessLookupError):

@@ -244,7 +244,7 @@ def test_model_config_json_invalid(tmp_path, base, model_dir):
 
 
 def test_unknown_cli_option(tmp_path, base):
-    assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dryrun"), "arguments:")
+    assert_one_error(run_launcher_in_process(write_yaml(tmp_path, base), "--dryrun"), "arguments:")
 
 
 def test_dry_run_prints_exact_command(tmp_path, model_dir, entry):

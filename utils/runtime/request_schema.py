@@ -26,6 +26,7 @@ from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS
     StepCacheSettings, settings_from_value
 from utils.runtime.api_key import ENV_NAME, key_problem
 from utils.runtime.errors import FieldError, UsageError  # noqa: F401  (the schema's refusals)
+from utils.runtime.upstream_taylor import UPSTREAM_DEFAULTS
 
 SEED_RANGE = (0, 2**32 - 1)
 MAX_STEPS = 1000
@@ -290,7 +291,6 @@ JOB_OPTIONS += tuple(Field(f"step_cache_{name}", "step_cache_setting", getattr(S
 # (upstream's defaults apply, and a setting given without --use-taylor-cache is refused).
 def _upstream_int(name: str, meaning: str, low: int) -> Field:
     """One of upstream's --taylor-cache-* numbers, its default (upstream_taylor.UPSTREAM_DEFAULTS) in the help."""
-    from utils.runtime.upstream_taylor import UPSTREAM_DEFAULTS
     default = UPSTREAM_DEFAULTS[name]
     return Field(name, "int", None, f"upstream's: {meaning} (default {default})", low, None, optional=True,
                  example=str(default))

@@ -31,6 +31,7 @@ LAYERS = (
     ("weights.rank_slices",),               # the per-rank slice plan
     ("weights.recipe_format",),             # the recipe's folders, as the same plan
     ("weights.quantized",),                 # quantization: a plan -> a plan
+    ("weights.config_shapes",),             # what config.json implies: size fields, every tensor's shape
     ("weights.checkpoint",),                # the one checkpoint object
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
@@ -207,7 +208,7 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     graph = {"kernels.cpu": {"kernels.npu"}, "kernels.npu": {"kernels.cpu"}, "parallel.layout": {"moe.experts"},
              "moe.experts": set()}
     assert cycles(graph) == [["kernels.cpu", "kernels.npu"]]
-    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 10)"]
+    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 11)"]
 
 
 def test_no_import_cycle_anywhere_in_the_project():

@@ -23,8 +23,9 @@ Every rank must take the same form (fused or plain), or the collectives inside w
 each kernel set decides from what every rank shares (dtype, shapes, group size, the device model)
 or agrees on it by a collective (CUDA).
 
-This file is the plain form, on every device: gloo all_gather_into_tensor / reduce_scatter_tensor
-around F.linear, the reference the fused forms (npu.py, cuda.py) are tested against.
+This file is the ops' one shape and their plain form, on every device: gloo all_gather_into_tensor /
+reduce_scatter_tensor around F.linear, the reference the fused forms are tested against. A device
+set (npu.py, cuda.py) supplies only `fused_form`: its fused op and the range where it runs.
 """
 from __future__ import annotations
 
@@ -80,13 +81,31 @@ def check_shares(x: torch.Tensor, shares: list, group, rows_of_x: int) -> int:
     return share_size(shares)
 
 
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+
+
 class CollectiveMatmuls:
-    """The plain forms (a kernel set's base)."""
+    """The one shape of both ops on every device: the shares checked, padded to their common size,
+    the device's fused op if it has one for these rows (`fused_form`), else the plain collective
+    around F.linear; the padding trimmed. A device set supplies only `fused_form`."""
+
+    def fused_form(self, op: str, x: torch.Tensor, weight: torch.Tensor, group):
+        """(name, run) of the fused op this device runs `op` with for rows like x's (its range checked),
+        or (name, None) / None for the plain form (the name says why, e.g. "plain (A2)"). run(padded x,
+        weight.t(), group, ranks) returns the padded result. Every rank must answer alike."""
+        return None
+
+    def _fused_run(self, op: str, x: torch.Tensor, weight: torch.Tensor, group):
+        form = self.fused_form(op, x, weight, group)
+        return form[1] if form is not None else None
 
     def all_gather_matmul(self, x_local: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
         size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
         if size == 0:
             return x_local.new_empty(0, weight.shape[0])
+        run = self._fused_run("all_gather_matmul", x_local, weight, group)
+        if run is not None:
+            return run(pad_rows(x_local, size), weight.t(), group, len(shares))[:sum(shares)]
         gathered = x_local.new_empty(len(shares) * size, x_local.shape[1])
         all_gather_single(gathered, pad_rows(x_local, size), group)
         return F.linear(gathered[:sum(shares)], weight)
@@ -95,6 +114,9 @@ class CollectiveMatmuls:
         size = check_shares(x, shares, group, sum(shares))
         if size == 0:
             return x.new_empty(0, weight.shape[0])
+        run = self._fused_run("matmul_reduce_scatter", x, weight, group)
+        if run is not None:
+            return run(pad_rows(x, len(shares) * size), weight.t(), group, len(shares))[:shares[dist.get_rank(group)]]
         partial = pad_rows(F.linear(x, weight), len(shares) * size)
         out = partial.new_empty(size, partial.shape[1])
         _reduce_scatter_single(out, partial, group)
@@ -117,4 +139,4 @@ class CollectiveMatmuls:
 
     def collective_matmul_forms(self, x: torch.Tensor, weight: torch.Tensor, group) -> dict:
         """Which form each op takes here for rows like x's (the self-check's rows say it)."""
-        return {"all_gather_matmul": "plain", "matmul_reduce_scatter": "plain"}
+        return {op: (self.fused_form(op, x, weight, group) or ("plain", None))[0] for op in OPS}

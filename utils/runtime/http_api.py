@@ -16,8 +16,7 @@ import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
-from utils.runtime.api_bodies import (BadRequest, check_images, edit_requests, form_fields, json_images, result_item,
-                                      take_stream)
+from utils.runtime.api_bodies import BadRequest, check_images, form_fields, json_images, result_item, take_stream
 from utils.runtime.api_key import bearer
 
 MAX_BODY_BYTES = 1 << 20
@@ -99,9 +98,7 @@ def edits(http, app) -> None:
         if "mask" in body:
             raise BadRequest("mask", "is not supported", "leave it out: the prompt says what to change")
         stream = take_stream(body)
-        requests = app.parse(body)
-        images = check_images(payloads)
-        requests = edit_requests(requests, images, app.model_card()["data"][0]["capabilities"]["conditioning_images"])
+        requests = app.parse(body, check_images(payloads))
     except BadRequest as exc:
         raise ApiError.bad_request(exc) from None
     run_job(http, app, app.submit(requests), start, stream)

@@ -238,10 +238,10 @@ class ImageServer:
             self._model_card = model_card(self.checker, self.defaults, self.max_n)
         return self._model_card
 
-    def parse(self, body: dict, parse=parse_body) -> list:
-        """The body's checked ImageRequests, or BadRequest."""
+    def parse(self, body: dict, images=()) -> list:
+        """The body's checked ImageRequests (an edit's: carrying its `images`), or BadRequest."""
         with self.check_lock:                    # the tokenizer is shared by the handler threads
-            return parse(body, self.defaults, self.checker, self.max_n)
+            return parse_body(body, self.defaults, self.checker, self.max_n, images)
 
     def submit(self, requests: list) -> Job:
         """Queue a job, or ApiError 503 (stopping, still loading, queue full)."""

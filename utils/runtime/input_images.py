@@ -123,7 +123,11 @@ def request_images(request, dist=None) -> list:
     compared their images' digests (`same_on_every_rank`)."""
     if getattr(request, "image_problem", None):
         raise InputImageError(request.image_problem)
-    inputs = request.image_inputs or ()
+    return decoded_images(request.image_inputs or (), dist)
+
+
+def decoded_images(inputs, dist=None) -> list:
+    """Every rank: `inputs` (InputImage) decoded, after the ranks compared their digests."""
     same_on_every_rank(dist, inputs)
     return [decode(image) for image in inputs]
 

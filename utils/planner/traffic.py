@@ -204,7 +204,7 @@ def forward_lines(sizes: Sizes, layout, phase: str, seq: int, tp_rank: int = 0, 
     if n > 1 and not runs.sequence_sharded:
         out.append(Line(phase, "attention TP all-reduce", "all_reduce", n, tokens * hidden_row, sizes.layers))
     if n > 1 and runs.sequence_sharded:
-        out += _sharded_attention_lines(sizes, runs, phase, tokens, tp_rank)
+        out += _sharded_attention_lines(sizes, runs, phase, tokens, tp_rank, split)
     if n > 1 and layout.moe_mode == "tp" and sizes.moe_layers:
         if runs.sequence_sharded:
             out.append(Line(phase, "MoE TP all-gather", "all_gather", n, max(split.shares) * hidden_row,
@@ -227,18 +227,15 @@ def forward_lines(sizes: Sizes, layout, phase: str, seq: int, tp_rank: int = 0, 
     return out
 
 
-def _sharded_attention_lines(sizes: Sizes, runs, phase: str, tokens: int, tp_rank: int) -> list:
-    """Attention on sequence shares (`runs`: the layout as the design runs it): the attention-TP
-    group's shares gathered into qkv_proj and o_proj reduce-scattered back (each padded to the
-    group's common share); under Ulysses the head all-to-alls of this rank's group chunk out and
-    every row of its heads back."""
-    split = runs.sequence_split(tokens, tp_rank)
-    tp_attn, ulysses = runs.attention_tp, runs.ulysses
-    hidden_row = sizes.hidden * BF16
-    members = split.attention_shares
+def _sharded_attention_lines(sizes: Sizes, runs, phase: str, tokens: int, tp_rank: int, split) -> list:
+    """Attention on sequence shares (`runs`: the layout as the design runs it; `split`: its answer for
+    this forward): the attention-TP group's shares gathered into qkv_proj and o_proj reduce-scattered
+    back (each padded to the group's common share); under Ulysses the head all-to-alls of this rank's
+    group chunk out and every row of its heads back."""
+    tp_attn, ulysses, members = runs.attention_tp, runs.ulysses, split.attention_shares
     out = []
     if tp_attn > 1 and max(members):
-        what = "Ulysses TP" if ulysses > 1 else "attention"
+        what, hidden_row = "Ulysses TP" if ulysses > 1 else "attention", sizes.hidden * BF16
         out.append(Line(phase, f"{what} all-gather before qkv_proj", "all_gather", tp_attn,
                         max(members) * hidden_row, sizes.layers))
         out.append(Line(phase, f"{what} reduce-scatter after o_proj", "reduce_scatter", tp_attn,

@@ -27,6 +27,7 @@ LAYERS = (
     ("parallel.shards", "parallel.layout"),  # what one rank holds of a layer; the one Layout
     ("parallel.collectives", "parallel.context", "parallel.cfg_split", "parallel.vae_bands", "parallel.sequence",
      "parallel.ulysses"),
+    ("weights.regular_files",),             # every file read before the weights: a regular one
     ("weights.safetensors_io",),            # bytes and headers
     ("weights.rank_slices",),               # the per-rank slice plan
     ("weights.recipe_format",),             # the recipe's folders, as the same plan
@@ -208,7 +209,7 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     graph = {"kernels.cpu": {"kernels.npu"}, "kernels.npu": {"kernels.cpu"}, "parallel.layout": {"moe.experts"},
              "moe.experts": set()}
     assert cycles(graph) == [["kernels.cpu", "kernels.npu"]]
-    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 11)"]
+    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 12)"]
 
 
 def test_no_import_cycle_anywhere_in_the_project():

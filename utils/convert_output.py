@@ -15,7 +15,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from adaptor_patches.weights.checkpoint import MANIFEST_FILE, MANIFEST_FORMAT
+from adaptor_patches.weights.checkpoint import MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError, check_regular_files
 from utils.safetensors_stream import write_json
 
 
@@ -88,6 +88,10 @@ def overlaps(a: Path, b: Path) -> bool:
 def check_paths(source: Path, out: Path, overwrite: bool) -> None:
     """source and out are resolved. Nothing the converter writes, renames or deletes (OUT,
     OUT.partial, OUT.old) may touch the checkpoint, and only its own earlier work is replaced."""
+    try:
+        check_regular_files(source)
+    except CheckpointError as exc:
+        raise ConvertError(exc.for_field("model-path")) from None
     if not (source / "config.json").is_file():
         raise ConvertError(f"model-path: {source} has no config.json; pass a HunyuanImage-3 checkpoint directory")
     for path in (out, sibling(out, PARTIAL_SUFFIX), sibling(out, OLD_SUFFIX)):

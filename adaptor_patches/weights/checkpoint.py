@@ -36,7 +36,8 @@ from .config_shapes import config_problem, converted_shape_problem, key_problem,
 from .quantized import quantize_tensors
 from .rank_slices import EXPERT_STACK, rank_tensors, stacks_format
 from .recipe_format import RECONVERT, is_recipe_folder, read_recipe_folder, recipe_folder_format, recipe_rank_tensors
-from .safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles, HeaderError, LoadingError,
+from .regular_files import read_regular_text, regular_file_problem
+from .safetensors_io import (INDEX_FILE, RANK_DIR, SINGLE_FILE, CheckpointFiles, HeaderError, LoadingError,
                              rank_dir_name, read_header, read_index)
 
 MANIFEST_FILE = "manifest.json"
@@ -61,7 +62,7 @@ class CheckpointError(LoadingError):
 
 def read_json_object(path: Path, fix: str = REDOWNLOAD) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular_text(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing", fix) from None
     except (OSError, ValueError, UnicodeDecodeError) as exc:
@@ -84,7 +85,7 @@ def read_manifest(path: Path) -> tuple:
     CheckpointError for one cut off, of the wrong shape, listing no files or a file outside."""
     fix = "the conversion is damaged, convert again"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(read_regular_text(path))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"{path}: is not readable JSON ({exc})", fix) from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
@@ -103,6 +104,20 @@ def read_manifest(path: Path) -> tuple:
     except (LayoutError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{path}: has no valid {LAYOUT_KEY} block ({exc!r})", fix) from None
     return manifest, records, layout
+
+
+def check_regular_files(directory) -> None:
+    """Every file of a checkpoint folder and of its rank folders is a regular file (or a link to one):
+    the loader, the tokenizer and transformers read them before any weight, and a named pipe among
+    them would stop the job there for good. CheckpointError naming the first that is not."""
+    directory = Path(directory)
+    folders = [directory] + sorted(p for p in directory.iterdir() if RANK_DIR.match(p.name) and p.is_dir()) \
+        if directory.is_dir() else []
+    for folder in folders:
+        for path in sorted(folder.iterdir()):
+            problem = None if path.is_dir() else regular_file_problem(path)
+            if problem:
+                raise CheckpointError(f"{path} {problem}", "replace it with the checkpoint's file (" + REDOWNLOAD + ")")
 
 
 def manifest_record(layout_block: dict, source: Path, files: dict, expert_format: Optional[str]) -> dict:
@@ -198,7 +213,7 @@ class Checkpoint:
         if layout.cfg == 1 or not path.is_file():
             return
         try:
-            generation = json.loads(path.read_text(encoding="utf-8"))
+            generation = json.loads(read_regular_text(path))
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path} is not readable JSON ({exc})", "repair it or download it again") from None
         if not isinstance(generation, dict):
@@ -336,6 +351,7 @@ class Checkpoint:
 def _detect(directory: Path) -> Checkpoint:
     """The Checkpoint's format, config and weight layout from the JSON files alone (a recipe folder:
     also its rank-00 headers, which the object keeps)."""
+    check_regular_files(directory)
     config = read_config(directory / "config.json", complete=False)
     if (directory / MANIFEST_FILE).is_file():
         fix = "convert it again with utils/convert_model.py"

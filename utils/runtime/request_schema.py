@@ -38,6 +38,31 @@ MAX_GUIDANCE = 100.0
 IMAGE_SIZE = re.compile(r"([0-9]+)[x:]([0-9]+)\Z")
 
 
+ESCAPED_COMMA = "\\,"          # in an --image value: a comma inside a file name, not between two
+UNESCAPED_COMMA = re.compile(r"(?<!\\),")
+
+
+class ImagePaths(tuple):
+    """Image file names and `given`, the text they were split from (None: a list, never split), so
+    that a refusal can name the argument as the user wrote it."""
+
+    def __new__(cls, paths, given=None):
+        self = super().__new__(cls, paths)
+        self.given = given
+        return self
+
+
+def split_image_names(text: str) -> list:
+    """upstream's "a.png,b.png": the names between the commas, a backslash-escaped comma (\\,) kept
+    in its name: "fox\\,hat.png" is one file, fox,hat.png."""
+    return [part.replace(ESCAPED_COMMA, ",") for part in UNESCAPED_COMMA.split(text)]
+
+
+def join_image_names(paths) -> str:
+    """split_image_names' inverse: one --image value naming `paths` (the launcher's YAML lists)."""
+    return ",".join(path.replace(",", ESCAPED_COMMA) for path in paths)
+
+
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -162,9 +187,10 @@ class Field:
         return value
 
     def check_images(self, value, name: str) -> tuple:
-        """Image file names: "a.png,b.png" (upstream's --image) or a list; each stripped, empty ones
-        dropped (as upstream does); 1..MAX_IMAGES of them. The files are input_images.py's to check."""
-        items = value.split(",") if isinstance(value, str) else value
+        """Image file names: "a.png,b.png" (upstream's --image; `\\,` a comma inside a name) or a list;
+        each stripped, empty ones dropped (as upstream does); 1..MAX_IMAGES of them, as ImagePaths. The
+        files are input_images.py's to check."""
+        items = split_image_names(value) if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
             self.refuse(f"{value!r} is not a file name or a list of them", field=name)
         paths = []
@@ -180,7 +206,7 @@ class Field:
         if len(paths) > MAX_IMAGES:
             self.refuse(f"{len(paths)} images; the Instruct model takes 1 to {MAX_IMAGES}", "give at most "
                         f"{MAX_IMAGES} (upstream's limit)", field=name)
-        return tuple(paths)
+        return ImagePaths(paths, value if isinstance(value, str) else None)
 
     def rename_note(self, value) -> Optional[str]:
         """One `note:` line when `value` is an old name of a choice, else None."""

@@ -192,6 +192,12 @@ class ImageServer:
                                                                   steps=steps))
 
     def deliver(self, results) -> None:
+        """The running job's results to its client; an image every rank ended without is one log line
+        with each rank's own words (a cancel: the denoising step each rank stopped before)."""
+        for i, result in enumerate(results, 1):
+            if not result.ok:
+                self.log(f"image {i} of {len(results)} ended without an image on every rank: "
+                         + "; ".join(f"rank {rank}: {words}" for rank, words in enumerate(result.every_rank)))
         job, self.running = self.running, None
         self.unanswered = [j for j in self.unanswered if not j.answered.is_set()] + [job]
         job.finish(results)

@@ -43,12 +43,10 @@ def gemm_rates(threads: int) -> dict:
 
 
 def child(args) -> None:
-    sys.path.insert(0, str(ROOT))
     import torch
     from torch.profiler import ProfilerActivity, profile
     from utils.runtime.rank_model import load_rank_model
 
-    torch.set_num_threads(args.threads)
     if args.adaptor == "full-plain-storage":        # the CPU kernel set as it stored experts before
         from adaptor_patches.kernels.cpu import CpuKernels
         from adaptor_patches.kernels.torch_kernels import LoopKernels
@@ -103,12 +101,10 @@ def child(args) -> None:
 
 def storage_ab(args) -> None:
     """One adaptor process, the experts' storage switched between generations: kernel set's vs plain."""
-    sys.path.insert(0, str(ROOT))
     import torch
     from adaptor_patches.moe.experts import GroupedExperts
     from utils.runtime.rank_model import load_rank_model
 
-    torch.set_num_threads(args.threads)
     with torch.no_grad():
         model, _ = load_rank_model(args.model, "cpu", text_to_image_only=True)
         experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
@@ -158,10 +154,11 @@ def main():
     args = p.parse_args()
     if not 1 <= args.profile_step <= args.steps:
         sys.exit(f"error: --profile-step: {args.profile_step} is not in 1..{args.steps}; pick a step of the run")
-    if args.adaptor:
-        return child(args)
-    if args.storage_ab:
-        return storage_ab(args)
+    if args.adaptor or args.storage_ab:        # a measured process: the project importable, the threads asked
+        sys.path.insert(0, str(ROOT))
+        import torch
+        torch.set_num_threads(args.threads)
+        return child(args) if args.adaptor else storage_ab(args)
     sys.path.insert(0, str(ROOT / "bench"))
     from e2e import ensure_model
     ensure_model(args.model)

@@ -95,32 +95,31 @@ class CollectiveMatmuls:
         weight.t(), group, ranks) returns the padded result. Every rank must answer alike."""
         return None
 
-    def _fused_run(self, op: str, x: torch.Tensor, weight: torch.Tensor, group):
-        form = self.fused_form(op, x, weight, group)
-        return form[1] if form is not None else None
-
     def all_gather_matmul(self, x_local: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
-        size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
-        if size == 0:
-            return x_local.new_empty(0, weight.shape[0])
-        run = self._fused_run("all_gather_matmul", x_local, weight, group)
-        if run is not None:
-            return run(pad_rows(x_local, size), weight.t(), group, len(shares))[:sum(shares)]
-        gathered = x_local.new_empty(len(shares) * size, x_local.shape[1])
-        all_gather_single(gathered, pad_rows(x_local, size), group)
-        return F.linear(gathered[:sum(shares)], weight)
+        return self._collective_matmul("all_gather_matmul", x_local, weight, group, shares)
 
     def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
-        size = check_shares(x, shares, group, sum(shares))
+        return self._collective_matmul("matmul_reduce_scatter", x, weight, group, shares)
+
+    def _collective_matmul(self, op: str, x: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
+        """Both ops: x is this rank's share (the gather) or every row (the scatter), padded to the
+        common share size (every rank's: n of them); the result every row or this rank's share."""
+        gather, mine = op == "all_gather_matmul", shares[dist.get_rank(group)]
+        size = check_shares(x, shares, group, mine if gather else sum(shares))
         if size == 0:
             return x.new_empty(0, weight.shape[0])
-        run = self._fused_run("matmul_reduce_scatter", x, weight, group)
-        if run is not None:
-            return run(pad_rows(x, len(shares) * size), weight.t(), group, len(shares))[:shares[dist.get_rank(group)]]
-        partial = pad_rows(F.linear(x, weight), len(shares) * size)
+        kept, padded = (sum(shares), pad_rows(x, size)) if gather else (mine, pad_rows(x, len(shares) * size))
+        form = self.fused_form(op, x, weight, group)
+        if form is not None and form[1] is not None:
+            return form[1](padded, weight.t(), group, len(shares))[:kept]
+        if gather:
+            gathered = padded.new_empty(len(shares) * size, padded.shape[1])
+            all_gather_single(gathered, padded, group)
+            return F.linear(gathered[:kept], weight)
+        partial = F.linear(padded, weight)          # the padding rows are zero: so are their partial sums
         out = partial.new_empty(size, partial.shape[1])
         _reduce_scatter_single(out, partial, group)
-        return out[:shares[dist.get_rank(group)]]
+        return out[:kept]
 
     def all_gather_shares(self, x_local: torch.Tensor, group, shares: list) -> torch.Tensor:
         size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])

@@ -61,6 +61,7 @@ class RankJob:
     server: object                   # --serve on rank 0: the ImageServer, listening
     started: float                   # perf_counter before the device was set up (load_s counts from it)
     images: tuple = ()               # --image's files (InputImage): rank 0's bytes, on every rank
+    pictures: tuple = ()             # those decoded once, after the ranks compared them (--prompt's every round)
 
     @property
     def args(self):
@@ -127,15 +128,16 @@ def prepare(job: CheckedJob, rank: int, phase: JobPhase) -> RankJob:
     phase.name = "agreeing on the seed"
     seed = shared_seed(dist, args.seed)
     phase.name = "receiving the conditioning images from rank 0"
-    from utils.runtime.input_images import share_images
+    from utils.runtime.input_images import decoded_images, share_images
     images = share_images(dist, job.images) if args.image else ()
+    pictures = tuple(decoded_images(images, dist)) if images else ()
     if args.reproduce:
         import torch
         set_reproducibility(torch, seed)
     log(f"device={device.torch_device} world_size={layout.world_size} adaptor={args.adaptor} "
         f"cfg={layout.cfg} tp={layout.tp} moe={layout.moe_mode} experts={expert_format or 'bf16'} seed={seed}")
     return RankJob(job, rank, checkpoint, expert_format, device, context, dist, owns_group, seed, log, server, started,
-                   images)
+                   images, pictures)
 
 
 def implementations(args, device_kind: str, kernel_set: str) -> tuple:
@@ -222,10 +224,11 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
 
 # ---------------------------------------------------------------- the job
 
-def generate(model, args, request, rank):
+def generate(model, args, request, rank, images=None):
     """One image; the text phase's record is left on model.last_text_phase (text_phase.py). The
-    Instruct model takes the request's images (decoded alike on every rank) and returns
-    (cot_text, images); its text is on last_text_phase as the base model's."""
+    Instruct model takes the request's images (decoded alike on every rank; `images`: already
+    decoded, --prompt's for every round) and returns (cot_text, images); its text is on
+    last_text_phase as the base model's."""
     from adaptor_patches.model_family import takes_conditioning_images
     instruct = takes_conditioning_images(model)
     kwargs = dict(prompt=request.prompt, seed=request.seed, image_size=request.image_size,
@@ -235,7 +238,7 @@ def generate(model, args, request, rank):
     if instruct:                        # upstream's own --image and --infer-align-image-size
         import torch.distributed as dist
         from utils.runtime.input_images import request_images
-        images = request_images(request, dist if dist.is_initialized() else None)
+        images = request_images(request, dist if dist.is_initialized() else None) if images is None else list(images)
         kwargs.update(image=images or None, infer_align_image_size=bool(images) and args.infer_align_image_size)
     else:                               # the Instruct model streams its text itself (verbose >= 2)
         kwargs["stream"] = args.verbose > 0 and rank == 0
@@ -284,7 +287,7 @@ def one_image(rank_job: RankJob, model, load_s: float, phase: JobPhase) -> Round
     request = replace(default_request(args), seed=rank_job.seed, image_inputs=rank_job.images)
     for i in range(args.warmup):
         phase.name = f"warm-up generation {i + 1}"
-        generate(model, args, request, rank)
+        generate(model, args, request, rank, rank_job.pictures)
         log(f"warmup {i + 1}/{args.warmup} done")
     device.reset_peak_memory()
     records, image = [], None
@@ -293,7 +296,7 @@ def one_image(rank_job: RankJob, model, load_s: float, phase: JobPhase) -> Round
             timer.reset()
         phase.name = f"generation {i + 1} (text phase, denoising or VAE decode)"
         start = time.perf_counter()
-        image = generate(model, args, request, rank)
+        image = generate(model, args, request, rank, rank_job.pictures)
         device.synchronize()
         text = model.last_text_phase.summary()
         phases = timer.summary() if timer else {}

@@ -32,16 +32,19 @@ class DenoiseWatch:
     cancelled: Optional[Callable[[], bool]] = None               # rank 0's: has the request been cancelled?
     agree: bool = True                                           # broadcast rank 0's decision to every rank
     step: int = -1
+    done: int = 0                                                # denoising forwards this rank finished
 
     def begin_step(self, context, first_step: bool) -> None:
-        """Before a denoising forward: every rank learns rank 0's cancel decision; progress on the first."""
+        """Before a denoising forward: every rank learns rank 0's cancel decision; progress on the first.
+        A cancel names the steps this rank ran (the server logs every rank's: image_server.deliver)."""
         self.step = 0 if first_step else self.step + 1
         if self._cancel_agreed(context):
-            raise DenoiseCancelled(f"cancelled before denoising step {self.step + 1} of {self.steps}")
+            raise DenoiseCancelled(f"cancelled after {self.done} of {self.steps} denoising steps")
         if first_step and self.on_step is not None:
             self.on_step(0, self.steps)
 
     def end_step(self) -> None:
+        self.done += 1
         if self.on_step is not None:
             self.on_step(self.step + 1, self.steps)
 

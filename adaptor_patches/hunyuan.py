@@ -42,7 +42,7 @@ from .parallel import cfg_split
 from .parallel.context import building, components_left_out, context_being_built
 from .parallel.layout import per_layer
 from .parallel.sequence import SequenceShards, SequenceSlot, gather_rows, shard_rows
-from .parallel.ulysses import HeadExchange
+from .parallel.ulysses import head_exchange
 from .weights.load import from_pretrained_by_slices
 
 
@@ -208,8 +208,7 @@ def attention_init(original, device):
         layout = context.layout
         self.rank_context, self.kernels = context, context.kernels
         self.head_shard = layout.heads(config, context.tp_rank)
-        self.exchange = HeadExchange(layout, config, context.tp_rank, context.device.torch_device) \
-            if layout.ulysses > 1 else None
+        self.exchange = head_exchange(context, config)          # Ulysses: one per model, every layer's
         if layout.tp == 1:
             return
         context.require_process_group("attention-tp" if layout.ulysses == 1 else "ulysses")

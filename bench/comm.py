@@ -60,18 +60,12 @@ def dispatch_of(experts) -> str:
 
 def load_rank_model(rank: int, world_size: int, model_dir, layout_args: tuple, device=None, experts=None):
     """(model, context) of this rank, loaded as run_image_gen loads it (`experts`: expert_kernels)."""
-    import model_adaptor
     from adaptor_patches.kernels.device import Device
-    from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import load_model
-    device = model_adaptor.apply(device or Device("cpu"))
+    from utils.runtime import rank_model
     kernels, expert_format = expert_kernels(experts)
-    context = RankContext(Layout(world_size, *layout_args), rank, device, text_to_image_only=True, kernels=kernels,
-                          expert_format=expert_format)
-    model = load_model(model_dir, context)
-    model.pipeline.set_progress_bar_config(disable=True)
-    return model, context
+    return rank_model.load_rank_model(model_dir, device or Device("cpu"), layout=Layout(world_size, *layout_args),
+                                      rank=rank, text_to_image_only=True, kernels=kernels, expert_format=expert_format)
 
 
 def generate(model, size: int, steps: int, step_cache=None):
@@ -173,10 +167,8 @@ def main(argv=None) -> int:
     from utils.planner.comm_recorder import compare
     sys.path.insert(0, str(ROOT / "tests"))
     from multirank import close_pools, run_ranks
-    if not (args.model / "config.json").is_file():
-        from utils.make_tiny_model import make_tiny_model
-        print(f"building the tiny model at {args.model} ...", file=sys.stderr)
-        make_tiny_model(args.model)
+    from utils.make_tiny_model import ensure_tiny_model
+    ensure_tiny_model(args.model)
     results, raw_counts = {}, {}
     try:
         for name in args.layouts:

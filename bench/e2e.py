@@ -33,11 +33,9 @@ LAYOUTS = {"adaptor TP2 + MoE EP2, 2 ranks": (2, ["--moe-ep"]),
 
 
 def ensure_model(path: Path) -> Path:
-    if not (path / "config.json").exists():
-        from utils.make_tiny_model import make_tiny_model
-        print(f"building mid-size model at {path} ...", file=sys.stderr)
-        make_tiny_model(path, **MID_SIZES)
-    return path
+    """The mid-size benchmark checkpoint at `path` (built on first use)."""
+    from utils.make_tiny_model import ensure_tiny_model
+    return ensure_tiny_model(path, **MID_SIZES)
 
 
 def launcher(nproc: int) -> list:

@@ -37,12 +37,8 @@ INPUTS = {"one": ["input_0_0.png"], "two": ["input_2_0.png", "input_2_2.png"]}  
 
 
 def ensure_model(variant: str) -> Path:
-    path = ROOT / "models" / MODELS[variant]
-    if not (path / "config.json").exists():
-        from utils.make_tiny_model import make_tiny_model
-        print(f"building {path} ...", file=sys.stderr, flush=True)
-        make_tiny_model(path, variant=variant, **SIZES)
-    return path
+    from utils.make_tiny_model import ensure_tiny_model
+    return ensure_tiny_model(ROOT / "models" / MODELS[variant], variant, **SIZES)
 
 
 class Run:
@@ -63,14 +59,10 @@ class Run:
 
 
 def load(variant: str):
-    import model_adaptor
     from adaptor_patches.metrics import PhaseTimer
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.weights.load import load_model
-    device = model_adaptor.apply("cpu")
-    model = load_model(ensure_model(variant), RankContext(device=device))
-    model.pipeline.set_progress_bar_config(disable=True)
-    timer = PhaseTimer(device).attach(model)
+    from utils.runtime.rank_model import load_rank_model
+    model, rank_context = load_rank_model(ensure_model(variant), "cpu")
+    timer = PhaseTimer(rank_context.device).attach(model)
     context = []
     model.model.register_forward_pre_hook(
         lambda _m, _a, kw: context.append(kw["inputs_embeds"].shape[1]) if kw.get("mode") == "gen_image"

@@ -72,9 +72,8 @@ def main(argv=None) -> int:
         args.nproc, args.steps, args.rounds, args.warmup, args.size = args.nproc or 2, 2, 1, 0, 64
         if args.model == ROOT / "models" / "mid":
             args.model = ROOT / "models" / "tiny"
-        if not (args.model / "config.json").exists():
-            from utils.make_tiny_model import make_tiny_model
-            make_tiny_model(args.model)
+        from utils.make_tiny_model import ensure_tiny_model
+        ensure_tiny_model(args.model)
     nproc = args.nproc or device_count(args.device)
     if nproc < 2 and args.nproc is None:
         print(f"skipped: {nproc} {args.device} device(s) here; the layouts need at least 2")

@@ -149,9 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    if not (args.model / "config.json").is_file():
-        from utils.make_tiny_model import make_tiny_model
-        make_tiny_model(args.model)
+    from utils.make_tiny_model import ensure_tiny_model
+    ensure_tiny_model(args.model)
     from utils.planner.traffic import distinct_ranks
     routing = real_routing(args.model)
     shape = real_shape_bytes()

@@ -34,12 +34,10 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
     import torch
-    import model_adaptor
-    from adaptor_patches.parallel.context import RankContext
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import load_model
     from utils.planner.memory_plan import plan, read_config
     from utils.planner.plan import parse_size
+    from utils.runtime.rank_model import load_rank_model
     if args.model == "mid":
         from e2e import ensure_model
         model_dir = ensure_model(Path(tempfile.gettempdir()) / "hunyuan_mid_bench")
@@ -49,10 +47,8 @@ def main():
         model_dir = Path(args.model)
     torch.set_num_threads(1)
     libc = ctypes.CDLL("libc.so.6")
-    device = model_adaptor.apply("cpu")
     with torch.no_grad():
-        model = load_model(model_dir, RankContext(device=device, text_to_image_only=True))
-        model.pipeline.set_progress_bar_config(disable=True)
+        model, _ = load_rank_model(model_dir, "cpu", text_to_image_only=True)
         model.generate_image(prompt="warm-up", seed=1, image_size="64x64", diff_infer_steps=1)   # VAE -> fp32 once
         rows = []
         for size in args.sizes.split(","):

@@ -43,24 +43,19 @@ def gemm_rates(threads: int) -> dict:
 
 
 def child(args) -> None:
-    sys.path.insert(0, str(ROOT))
     import torch
-    import model_adaptor
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.weights.load import load_model
     from torch.profiler import ProfilerActivity, profile
+    from utils.runtime.rank_model import load_rank_model
 
-    torch.set_num_threads(args.threads)
     if args.adaptor == "full-plain-storage":        # the CPU kernel set as it stored experts before
         from adaptor_patches.kernels.cpu import CpuKernels
         from adaptor_patches.kernels.torch_kernels import LoopKernels
         CpuKernels.expert_weight_storage = LoopKernels.expert_weight_storage
-    device = model_adaptor.apply("cpu", shims_only=args.adaptor == "shims")
-    context = RankContext(device=device, text_to_image_only=args.adaptor != "shims")
     result = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "gemm_gflops": gemm_rates(args.threads), "generations": []}
     with torch.no_grad():
-        model = load_model(args.model, context, "sdpa", "eager", per_rank=args.adaptor != "shims")
+        model, _ = load_rank_model(args.model, "cpu", shims_only=args.adaptor == "shims",
+                                   text_to_image_only=args.adaptor != "shims")
         result["dtype"] = str(next(model.model.layers.parameters()).dtype)
         state = {"step": 0, "prof": None, "start": 0.0, "cpu": 0.0, "times": [], "cpu_times": []}
 
@@ -106,17 +101,12 @@ def child(args) -> None:
 
 def storage_ab(args) -> None:
     """One adaptor process, the experts' storage switched between generations: kernel set's vs plain."""
-    sys.path.insert(0, str(ROOT))
     import torch
-    import model_adaptor
     from adaptor_patches.moe.experts import GroupedExperts
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.weights.load import load_model
+    from utils.runtime.rank_model import load_rank_model
 
-    torch.set_num_threads(args.threads)
-    device = model_adaptor.apply("cpu")
     with torch.no_grad():
-        model = load_model(args.model, RankContext(device=device, text_to_image_only=True), "sdpa", "eager")
+        model, _ = load_rank_model(args.model, "cpu", text_to_image_only=True)
         experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
         storages = {"[out, in]-major (CpuKernels)": [(e.w13.data, e.w2.data) for e in experts],
                     "[in, out]-major (before)": [(e.w13.data.contiguous(), e.w2.data.contiguous()) for e in experts]}
@@ -164,10 +154,11 @@ def main():
     args = p.parse_args()
     if not 1 <= args.profile_step <= args.steps:
         sys.exit(f"error: --profile-step: {args.profile_step} is not in 1..{args.steps}; pick a step of the run")
-    if args.adaptor:
-        return child(args)
-    if args.storage_ab:
-        return storage_ab(args)
+    if args.adaptor or args.storage_ab:        # a measured process: the project importable, the threads asked
+        sys.path.insert(0, str(ROOT))
+        import torch
+        torch.set_num_threads(args.threads)
+        return child(args) if args.adaptor else storage_ab(args)
     sys.path.insert(0, str(ROOT / "bench"))
     from e2e import ensure_model
     ensure_model(args.model)

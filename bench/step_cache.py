@@ -69,12 +69,10 @@ INSTRUCT_INPUT = "assets/demo_instruct_imgs/input_0_0.png"        # staged with 
 
 
 def ensure_model(path: Path, variant: str = "base") -> Path:
-    if not (path / "config.json").exists():
-        from utils.make_tiny_model import make_tiny_model
-        print(f"building the benchmark model at {path} ...", file=sys.stderr)
-        make_tiny_model(path, variant=variant, **(SMALL_SIZES if variant == "base" else
-                                                  {**SMALL_SIZES, "image_base_size": 256}))
-    return path
+    """The benchmark checkpoint at `path` (built on first use; the Instruct one at base size 256)."""
+    from utils.make_tiny_model import ensure_tiny_model
+    return ensure_tiny_model(path, variant, **(SMALL_SIZES if variant == "base" else
+                                               {**SMALL_SIZES, "image_base_size": 256}))
 
 
 def upstream_settings(flags: list) -> tuple:
@@ -95,17 +93,14 @@ def instruct_main(args) -> None:
     import model_adaptor
     from adaptor_patches import step_cache
     from adaptor_patches.metrics import PhaseTimer
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.weights.load import load_model
+    from utils.runtime.rank_model import load_rank_model
 
     model_dir = ensure_model(args.model, "instruct")
     image = str(ROOT / INSTRUCT_INPUT)
 
     def load(shims_only):
-        device = model_adaptor.apply("cpu", shims_only=shims_only)
-        model = load_model(model_dir, RankContext(device=device), per_rank=not shims_only)
-        model.pipeline.set_progress_bar_config(disable=True)
-        return model, PhaseTimer(device).attach(model)
+        model, context = load_rank_model(model_dir, "cpu", shims_only=shims_only)
+        return model, PhaseTimer(context.device).attach(model)
 
     def edit(model, timer, steps, settings=None, **upstream):
         """(image, denoising seconds, full forwards)."""
@@ -182,22 +177,17 @@ def main():
         instruct_main(args)
         print(f"\n{time.perf_counter() - started:.0f}s", flush=True)
         return
-    import model_adaptor
     import run_image_gen
     from adaptor_patches.kernels.device import resolve
     from adaptor_patches.metrics import PhaseTimer
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import load_model
     from utils.runtime.image_requests import ImageRequest
+    from utils.runtime.rank_model import load_rank_model
 
     model_dir = ensure_model(args.model)
-    device = model_adaptor.apply(resolve("cpu", 0))
     cli = SimpleNamespace(use_system_prompt=None, system_prompt=None, verbose=0, max_new_tokens=None)
     with torch.no_grad():
-        model = load_model(model_dir, RankContext(Layout(), 0, device, text_to_image_only=True))
-        model.pipeline.set_progress_bar_config(disable=True)
-        timer = PhaseTimer(device).attach(model)
+        model, context = load_rank_model(model_dir, resolve("cpu", 0), text_to_image_only=True)
+        timer = PhaseTimer(context.device).attach(model)
 
         def run(steps, settings):
             request = ImageRequest("a lighthouse at dusk", seed=args.seed, image_size=f"{args.size}x{args.size}",

@@ -34,10 +34,8 @@ PROMPTS = ["a red fox in the snow", "a lighthouse at dusk", "a bowl of ramen", "
 
 def model_dir(name: str, work: Path) -> Path:
     if name == "tiny":
-        path = ROOT / "models" / "tiny"
-        if not (path / "config.json").is_file():
-            subprocess.run([sys.executable, "utils/make_tiny_model.py", "--out", str(path)], cwd=ROOT, check=True)
-        return path
+        from utils.make_tiny_model import ensure_tiny_model
+        return ensure_tiny_model(ROOT / "models" / "tiny")
     if name == "mid":
         from e2e import ensure_model
         return ensure_model(Path(tempfile.gettempdir()) / "hunyuan_mid_bench")

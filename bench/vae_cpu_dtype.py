@@ -28,9 +28,8 @@ def main() -> None:
 
     import torch
     import model_adaptor
-    if not (args.model / "config.json").exists():
-        from utils.make_tiny_model import make_tiny_model
-        make_tiny_model(args.model)
+    from utils.make_tiny_model import ensure_tiny_model
+    ensure_tiny_model(args.model)
     torch.set_num_threads(args.threads)
     model_adaptor.apply("cpu", shims_only=True)
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM

@@ -83,7 +83,7 @@ def gained_model(tiny_model, tmp_path_factory):
     with o_proj alone gained, MoE TP without its all-reduce 49.5 dB, EP rows meeting the wrong local
     expert 49.9 dB) and passed the 40 dB bound. Gained, every correct layout stays at 50-55 dB on
     both stacks while a broken split drops to 21-37 dB (tests/test_layouts.py lists them), and the
-    routed experts decide enough of the image that 8-bit errors in them show (tests/test_quant.py).
+    routed experts decide enough of the image that 8-bit errors in them show (tests/test_quant_images.py).
     MOE_GAIN 16 separated a little more (broken <= 35 dB) but on the compat stack (torch 2.7.1) put
     the MoE layouts' latent error at 2.2e-2 and let bf16 noise flip a think token on TP4 layouts."""
     from generation import scaled_checkpoint

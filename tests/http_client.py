@@ -24,3 +24,15 @@ def health(url):
         return error.code, json.loads(error.read())
     except (urllib.error.URLError, ConnectionError):
         return None, {}
+
+
+def steps_before_cancel(log_text: str) -> list:
+    """[{rank: denoising steps it ran}] of each image the server's log says every rank ended by a
+    cancel (image_server.deliver: every rank's own words, gathered by the rank loop)."""
+    import re
+    found = []
+    for line in log_text.splitlines():
+        if "ended without an image on every rank" in line:
+            ranks = re.findall(r"rank (\d+): DenoiseCancelled: cancelled after (\d+) of \d+ denoising steps", line)
+            found.append({int(rank): int(steps) for rank, steps in ranks})
+    return found

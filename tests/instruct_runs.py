@@ -70,15 +70,11 @@ def load(model_dir, shims_only: bool, layout=None, rank: int = 0, quantize: Opti
     """The checkpoint under the adaptor (applied here): the full one reads this rank's slices of
     `layout` (default: one process), upstream eager its own from_pretrained. `quantize`: the
     experts' 8-bit format, as --quantize."""
-    import model_adaptor
     from adaptor_patches.metrics import PhaseTimer
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.weights.load import load_model
-    device = model_adaptor.apply("cpu", shims_only=shims_only)
-    context = RankContext(layout or Layout(), rank, device, expert_format=quantize)
-    model = load_model(model_dir, context, per_rank=not shims_only)
-    model.phase_timer = PhaseTimer(device).attach(model)        # final latents and step count of each image
+    from utils.runtime.rank_model import load_rank_model
+    model, context = load_rank_model(model_dir, "cpu", shims_only=shims_only, layout=layout, rank=rank,
+                                     expert_format=quantize)
+    model.phase_timer = PhaseTimer(context.device).attach(model)        # final latents and step count of each image
     model.batch_recorder = BatchRecorder(model)
     return model
 

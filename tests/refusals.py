@@ -2,10 +2,13 @@
 stderr it gives and its exit code.
 
 A case names its entry point (`cli`: run_image_gen.main, `launcher`: run.sh's launcher main,
-`planner`, `selfcheck`, `convert`), its argv and environment, the checkpoint it runs on and what is
+`planner`, `selfcheck`, `convert`, `server`: one raw HTTP request, argv ["{model}", request], to a
+server on that checkpoint in this process, its JSON error's message recorded as the `error:` line
+and its status as the code), its argv and environment, the checkpoint it runs on and what is
 done to a copy of it first (`copy`: the copy's folder name; `damage`: a named damage of the checkpoint
-tests; `edit_json`: keys set in a JSON file of it; `model_files`: files written into it; `drop`: files
-or folders removed), the files, folders and symlinks it needs under its own
+tests; `edit_json`: keys set in a JSON file of it; `model_files`: files written into it; `model_fifos`:
+files replaced by named pipes; `drop`: files or folders removed), the files, folders, symlinks and
+named pipes (`fifos`: a reader of one would wait for a writer for good) it needs under its own
 temporary folder, and for the launcher the YAML (`yaml`: an object, `yaml_text`: text). A long text
 may be written as a list of [piece, times] pairs ([["[", 5000], ["]", 5000]]). Strings hold
 placeholders, replaced before the run and put back into what it printed: {tmp} (the case's folder),
@@ -157,6 +160,9 @@ def prepare(case: dict, tmp: Path, models: Models) -> Path | None:
             (model / file).write_text(json.dumps({**data, **changes}))
         for file, text in case.get("model_files", {}).items():
             (model / file).write_text(text)
+        for file in case.get("model_fifos", []):
+            (model / file).unlink(missing_ok=True)
+            os.mkfifo(model / file)
         for file in case.get("drop", []):
             target = model / file
             shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -172,6 +178,8 @@ def write_inputs(case: dict, tmp: Path, names: dict) -> None:
         path.write_bytes(substitute(text_of(text), names).encode("utf-8", "surrogateescape"))
     for name, target in case.get("links", {}).items():
         (tmp / name).symlink_to(substitute(target, names))
+    for name in case.get("fifos", []):
+        os.mkfifo(tmp / substitute(name, names))
     if "yaml" in case or "yaml_text" in case:
         import yaml
         text = text_of(case["yaml_text"]) if "yaml_text" in case else None
@@ -180,8 +188,31 @@ def write_inputs(case: dict, tmp: Path, names: dict) -> None:
         (tmp / "job.yaml").write_text(substitute(text, names), encoding="utf-8")
 
 
+def server_answer(model_dir: str, request: str) -> tuple:
+    """(HTTP status, "", "error: <its JSON error's message>") of one raw request to a server on
+    `model_dir` started in this process (no model: a refused request never reaches the rank loop)."""
+    import http.client
+    from utils.runtime.image_requests import ImageRequest, RequestChecker
+    from utils.runtime.image_server import ImageServer
+    defaults = ImageRequest(prompt="", seed=None, image_size="64x64", diff_infer_steps=2)
+    server = ImageServer("127.0.0.1", 0, defaults, RequestChecker(model_dir), 2, 2, lambda line: None, client_timeout=5.0)
+    server.loaded.set()
+    server.start()
+    try:
+        with socket.create_connection(server.httpd.server_address[:2], timeout=60) as sock:
+            sock.sendall(request.encode("utf-8", "surrogateescape"))
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            body = response.read()
+    finally:
+        server.close()
+    return response.status, "", f"error: {json.loads(body)['error']['message']}\n"
+
+
 def call(entry: str, argv: list, env: dict) -> tuple:
     """(exit code, stdout, stderr) of one entry point's main(argv), in this process."""
+    if entry == "server":
+        return server_answer(*argv)
     if entry == "cli":
         from generation import run_cli_in_process
         proc = run_cli_in_process(argv, env=env)

@@ -1,15 +1,23 @@
-"""Imports inside adaptor_patches/ point down the layers of docs/ARCHITECTURE.md, and never in a circle.
+"""Imports inside adaptor_patches/ point down the layers of docs/ARCHITECTURE.md, and nowhere in the
+project do modules import each other in a circle.
 
 Read statically (ast), every import counted wherever it sits (a function's lazy import is as much a
 dependency as a top-level one). `LAYERS` is the order, bottom first; a module may import modules of
 a lower layer, or of its own layer where that layer is a group (several files, no order between
 them); the graph may hold no cycle at all. A module that is in no layer fails the test: a new file
 is placed in the order when it is added.
+
+The cycle check covers the whole project's own Python (PROJECT: adaptor_patches/, utils/, bench/,
+model_adaptor.py, run_image_gen.py; not the upstream files staged beside them, .upstream_staged,
+nor tests/): a circle between two tools (utils/runtime/request_schema.py and upstream_taylor.py
+had one) fails as one inside the adaptor does.
 """
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "adaptor_patches"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "adaptor_patches"
+PROJECT = ("adaptor_patches", "utils", "bench", "model_adaptor.py", "run_image_gen.py")
 
 # Bottom first. A tuple is one layer; its members may import each other (but not in a circle).
 LAYERS = (
@@ -19,10 +27,12 @@ LAYERS = (
     ("parallel.shards", "parallel.layout"),  # what one rank holds of a layer; the one Layout
     ("parallel.collectives", "parallel.context", "parallel.cfg_split", "parallel.vae_bands", "parallel.sequence",
      "parallel.ulysses"),
+    ("weights.regular_files",),             # every file read before the weights: a regular one
     ("weights.safetensors_io",),            # bytes and headers
     ("weights.rank_slices",),               # the per-rank slice plan
     ("weights.recipe_format",),             # the recipe's folders, as the same plan
     ("weights.quantized",),                 # quantization: a plan -> a plan
+    ("weights.config_shapes",),             # what config.json implies: size fields, every tensor's shape
     ("weights.checkpoint",),                # the one checkpoint object
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
@@ -117,6 +127,64 @@ def cycles(graph: dict) -> list:
     return found
 
 
+# ---------------------------------------------------------------- the whole project
+
+def staged_upstream() -> set:
+    """Paths (from the root) utils/stage_upstream.sh copied in (its stamp lists them): upstream's, not ours."""
+    stamp = ROOT / ".upstream_staged"
+    lines = stamp.read_text(encoding="utf-8").splitlines() if stamp.is_file() else []
+    return set(lines[2:]) if lines[:1] and lines[0].startswith("commit ") else set()
+
+
+def project_modules() -> dict:
+    """{dotted name: path} of the project's own modules (PROJECT); a package's own file is `pkg.__init__`."""
+    staged, paths = staged_upstream(), []
+    for entry in PROJECT:
+        path = ROOT / entry
+        paths += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return {".".join(path.relative_to(ROOT).with_suffix("").parts): path for path in paths
+            if path.relative_to(ROOT).as_posix() not in staged}
+
+
+def project_imports(name: str, source: str, modules: dict) -> set:
+    """The project's modules that module `name` (its text: `source`) imports, at any depth of the file.
+    Absolute names under PROJECT's packages, relative ones, and the bare names a script imports from
+    its own folder (bench/throughput.py's `from e2e import ...`: bench/ is on sys.path when it runs)."""
+    package = name.split(".")[:-1]
+    roots = {entry.removesuffix(".py") for entry in PROJECT}
+
+    def resolve(parts: list):
+        dotted = ".".join(parts)
+        return dotted if dotted in modules else f"{dotted}.__init__" if f"{dotted}.__init__" in modules else None
+
+    def absolute(parts: list) -> list:
+        if parts[0] in roots:
+            return parts
+        return package + parts if resolve(package + parts[:1]) else []      # a sibling, or not ours
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            bases = [absolute(alias.name.split(".")) for alias in node.names]
+            targets = [resolve(base) for base in bases if base]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module.split(".") if node.module else []
+            base = package[:len(package) - node.level + 1] + module if node.level else absolute(module)
+            if not base:
+                continue
+            # `from pkg import submodule` depends on the submodule; `from module import name` on the module
+            targets = [resolve(base + [alias.name]) or resolve(base) for alias in node.names]
+        else:
+            continue
+        found.update(target for target in targets if target is not None and target != name)
+    return found
+
+
+def project_graph() -> dict:
+    modules = project_modules()
+    return {name: project_imports(name, path.read_text(encoding="utf-8"), modules) for name, path in modules.items()}
+
+
 def test_every_module_has_a_layer():
     layers = layer_of()
     unplaced = sorted(set(module_names()) - set(layers))
@@ -141,4 +209,43 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     graph = {"kernels.cpu": {"kernels.npu"}, "kernels.npu": {"kernels.cpu"}, "parallel.layout": {"moe.experts"},
              "moe.experts": set()}
     assert cycles(graph) == [["kernels.cpu", "kernels.npu"]]
-    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 10)"]
+    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 12)"]
+
+
+def test_no_import_cycle_anywhere_in_the_project():
+    found = cycles(project_graph())
+    assert not found, f"import cycles: {found}"
+
+
+def test_the_project_check_covers_every_root_and_leaves_upstream_out():
+    modules = project_modules()
+    for name in ("model_adaptor", "run_image_gen", "utils.runtime.request_schema", "bench.e2e",
+                 "adaptor_patches.kernels.cpu", "utils.selfcheck.checks.__init__"):
+        assert name in modules, name
+    assert not any(name.startswith(("tests.", "hunyuan_image_3.")) for name in modules)
+    if (ROOT / "utils" / "import_utils.py").is_file():          # upstream's, staged beside ours
+        assert "utils.import_utils" not in modules
+
+
+def test_the_project_check_finds_the_old_request_schema_upstream_taylor_circle():
+    """upstream_taylor.with_step_cache_flags once read the schema's defaults by a lazy
+    `from utils.runtime.request_schema import JOB` while request_schema imported upstream_taylor's
+    UPSTREAM_DEFAULTS: put that import back and the check names the two."""
+    modules, graph = project_modules(), project_graph()
+    name = "utils.runtime.upstream_taylor"
+    old = modules[name].read_text(encoding="utf-8") + "\n\ndef old():\n    from utils.runtime.request_schema import JOB\n"
+    graph[name] = project_imports(name, old, modules)
+    assert cycles(graph) == [["utils.runtime.request_schema", name]]
+
+
+def test_the_project_imports_are_read_as_python_resolves_them():
+    modules = {name: None for name in ("bench.e2e", "bench.throughput", "utils.__init__", "utils.runtime.__init__",
+                                       "utils.runtime.errors", "adaptor_patches.kernels.cpu",
+                                       "adaptor_patches.kernels.__init__", "model_adaptor")}
+    source = ("import torch\nfrom e2e import ensure_model\nimport model_adaptor\n"
+              "def f():\n    from utils.runtime import errors\n    from adaptor_patches.kernels import cpu\n"
+              "    from utils import _LazyModule\n    from numpy import e2e\n")
+    assert project_imports("bench.throughput", source, modules) == {
+        "bench.e2e", "model_adaptor", "utils.runtime.errors", "adaptor_patches.kernels.cpu", "utils.__init__"}
+    assert project_imports("adaptor_patches.kernels.cpu", "from . import __init__\nfrom .. import kernels\n",
+                           modules) == {"adaptor_patches.kernels.__init__"}

@@ -75,14 +75,34 @@ def test_no_output_flag_lands_on_a_conditioning_image(instruct_config, tmp_path,
 
 
 def test_an_image_the_os_will_not_read_is_one_line(instruct_config, tmp_path):
-    """A socket file exists and is no directory, but open() fails (ENXIO), even for root."""
+    """A socket file exists and is no directory, but open() would fail (ENXIO), even for root: it is
+    refused as what it is, before any read (a named pipe likewise: tests/data/refusals.json)."""
     path = tmp_path / "a.png"
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(path))
         proc = run_cli_in_process(["--prompt", "x", "--model-id", instruct_config, "--device", "cpu",
                                    "--save", tmp_path / "out.png", "--image", path])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: image: cannot read {path} (No such device or address); fix its permissions or copy it"], proc.stderr
+        f"error: image: {path} is a socket, not a regular file; name an image file"], proc.stderr
+
+
+def test_a_comma_inside_an_image_name_is_written_escaped(instruct_config, tmp_path):
+    """upstream's --image a.png,b.png splits at the commas; `\\,` keeps a comma inside a name, on the
+    command line as in a YAML or prompts-line string, and the launcher escapes a YAML list's items
+    for the ranks' command line (an unescaped one is refused naming the argument: refusals.json)."""
+    from run_image_gen import parse_args
+    from utils.launcher.launch import flags
+    from utils.runtime.job_check import check_job
+    fox, other = tmp_path / "fox,hat.png", tmp_path / "b.png"
+    fox.write_bytes(png_bytes())
+    other.write_bytes(png_bytes((16, 16)))
+    common = ["--prompt", "x", "--model-id", str(instruct_config), "--device", "cpu", "--save", str(tmp_path / "o.png")]
+    args = parse_args([*common, "--image", str(tmp_path / "fox\\,hat.png")])
+    job = check_job(args, world_size=1, env={}, writes_outputs=True)
+    assert list(args.image) == [str(fox)] and [image.name for image in job.images] == [str(fox)]
+    ranks_argv = flags({"image": [str(fox), str(other)]})           # the launcher's YAML list
+    assert ranks_argv == ["--image", f"{tmp_path}/fox\\,hat.png,{other}"]
+    assert list(parse_args([*common, *ranks_argv]).image) == [str(fox), str(other)]
 
 
 def test_a_prompts_line_finds_its_images_beside_the_prompts_file(instruct_config, tmp_path):

@@ -135,3 +135,17 @@ def test_attention_on_shares_and_ulysses_returns_upstreams_rows():
                              (["all_gather", "reduce_scatter"] if attention_tp > 1 else []))
             assert kinds[:2] == [sharded, sharded], (what, kinds)
             assert kinds[2] == ["all_reduce"], (what, kinds)              # the decode: every row, one all-reduce
+
+
+def test_one_head_exchange_serves_every_attention_layer_of_a_model(tiny_model):
+    """Every layer holds the same heads under Ulysses: the model's layers share one HeadExchange
+    (built once for the rank), whose receivers are the layout's attention_heads of the group."""
+    from utils.planner.memory_plan import build_meta_model, read_config
+    config, raw = read_config(tiny_model)
+    layout = Layout(4, 1, "ep", ulysses=2)
+    model = build_meta_model(config, raw, layout, 1)
+    exchanges = [layer.self_attn.exchange for layer in model.model.layers]
+    assert len(exchanges) == config.num_hidden_layers >= 2 and all(e is exchanges[0] for e in exchanges)
+    assert exchanges[0].heads == layout.attention_heads(config, 1)
+    assert [h.query_heads() for h in layout.ulysses_heads(config, 1)] == \
+        [layout.attention_heads(config, r).query_heads() for r in (1, 3)]      # tp rank 1's group: 1 and 3

@@ -150,9 +150,9 @@ def multipart(fields: dict, files: list) -> tuple:
 
 EDITS = {   # body (JSON dict, or (form fields, files)) -> (param, words of the problem)
     "base_checkpoint_json": ({"prompt": "make it blue", "image": base64.b64encode(png()).decode()},
-                             ("image", "this checkpoint takes no conditioning images")),
+                             ("image", "this checkpoint (HunyuanImage-3.0, text to image) takes no conditioning images")),
     "base_checkpoint_form": (({"prompt": "make it blue", "steps": "2"}, [("image[]", png()), ("image[]", png())]),
-                             ("image", "this checkpoint takes no conditioning images")),
+                             ("image", "takes no conditioning images")),
     "data_url": ({"prompt": "x", "image": ["data:image/png;base64," + base64.b64encode(png()).decode()]},
                  ("image", "takes no conditioning images")),
     "no_image": ({"prompt": "x"}, ("image", "0 images")),

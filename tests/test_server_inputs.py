@@ -75,6 +75,8 @@ MALFORMED = {
                                  "step_cache.interval"),
     "size_too_large": (post_raw(b'{"prompt": "x", "size": "99999x99999"}'), 400, "size"),
     "unknown_path": (b"GET /admin HTTP/1.1\r\nHost: x\r\n\r\n", 404, None),
+    "header_value_with_nul": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\x00b\r\n\r\n", 400, None),   # RFC 9110 5.5
+    "authorization_with_nul": (post_raw(b'{"prompt": "x"}', b"Authorization: Bearer k\x00ey\r\n"), 400, None),
 }
 
 
@@ -90,6 +92,24 @@ def test_every_malformed_request_gets_a_json_4xx_and_serving_goes_on(server, cas
     code, payload, _ = exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert code == 200 and payload["status"] == "ok"
     assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["/", "/page.js", "/health", "/v1/models", "/metrics", "/admin"])
+def test_head_answers_as_get_does_without_the_body(server, path):
+    """HEAD wherever GET is served (RFC 9110 9.3.2): GET's status and headers, Content-Length
+    included, and no body; then the connection serves the next request as usual."""
+    host, port = server.httpd.server_address[:2]
+    with socket.create_connection((host, port), timeout=60) as sock:
+        answers = []
+        for method in ("HEAD", "GET"):
+            sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            response = http.client.HTTPResponse(sock, method=method)
+            response.begin()
+            answers.append((response.status, response.getheader("Content-Type"),
+                            int(response.getheader("Content-Length")), response.read()))
+    (head_status, head_type, head_length, head_body), (status, content_type, length, body) = answers
+    assert (head_status, head_type, head_length, head_body) == (status, content_type, len(body), b""), answers
+    assert (status == 404) == (path == "/admin")
 
 
 def test_slow_and_half_open_clients_are_timed_out_in_one_line_each(server, capfd):

@@ -1,9 +1,14 @@
 """The server on two real gloo ranks (torchrun), a real HTTP client: progress, cancel, a lost rank.
 
-One server start for every check, in order: a streamed request's progress events; a request
-cancelled mid-denoising (its client closes the stream) after which the ranks still agree (the next
-image equals the CLI's); then rank 1 is SIGKILLed while a request runs, and that request's client
-still gets a JSON 5xx saying the job lost a rank before the server exits."""
+One server start for every check, in order: a streamed request's progress events; a request of
+1000 steps cancelled mid-denoising (its client closes the stream): every rank's own count of the
+steps it ran, gathered into rank 0's log line, is the same and below 1000 (whatever the machine's
+speed), after which the ranks still agree (the next image equals the CLI's); then rank 1 is
+SIGKILLed while a request runs, and that request's client still gets a JSON 5xx saying the job lost
+a rank before the server exits.
+
+Mutations checked: rank 1 ignoring the agreed cancel (the ranks' collectives part; the server dies),
+no rank stopping (no cancel line; the request runs on): each fails the cancel check."""
 import base64
 import io
 import json
@@ -19,12 +24,13 @@ import pytest
 from PIL import Image
 
 from generation import ROOT
-from http_client import health, post
+from http_client import health, post, steps_before_cancel
 from multirank import free_port
 from utils.launcher.launch import child_processes
 
 pytestmark = pytest.mark.slow
 STEPS = 3
+LONG = 1000                 # the most steps a request may ask (request_schema.MAX_STEPS): a cancel stops it early
 
 
 def stream(url, body):
@@ -103,17 +109,23 @@ def test_two_rank_server_streams_progress_cancels_on_every_rank_and_answers_a_lo
         code, plain = post(url, {"prompt": "a red fox", "seed": 11, "steps": STEPS})
         assert code == 200 and np.array_equal(pixels(plain["data"][0]["b64_json"]), streamed)
 
-        # Cancel: the client closes a long stream mid-denoising; every rank stops at the next step ...
-        connection, events = stream(url, {"prompt": "a long one", "seed": 3, "steps": 1000})
+        # Cancel: the client closes a long stream mid-denoising; every rank stops at the next step, as
+        # each rank's own count of the steps it ran says (the log line carries every rank's words) ...
+        connection, events = stream(url, {"prompt": "a long one", "seed": 3, "steps": LONG})
         for name, data in events:
             if name == "progress" and data["step"] >= 2:
+                seen = data["step"]
                 break
         connection.close()
-        deadline = time.time() + 30
-        while health(url)[1].get("busy"):
-            assert time.time() < deadline, "the cancelled request still runs"
+        deadline = time.time() + 120
+        while health(url)[1].get("busy") or not steps_before_cancel(log_path.read_text()):
+            assert time.time() < deadline and server.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.1)
         assert "its request is cancelled at the next denoising step" in log_path.read_text()
+        stopped = steps_before_cancel(log_path.read_text())
+        print(f"cancel: denoising steps each rank ran {stopped[0]} of {LONG} (the client left after step {seen})")
+        assert len(stopped) == 1 and sorted(stopped[0]) == [0, 1], stopped         # both ranks reported
+        assert len(set(stopped[0].values())) == 1 and seen <= stopped[0][0] < LONG, (seen, stopped)
         # ... and still agree: the same request as before gives the same image
         code, again = post(url, {"prompt": "a red fox", "seed": 11, "steps": STEPS})
         assert code == 200 and np.array_equal(pixels(again["data"][0]["b64_json"]), streamed)

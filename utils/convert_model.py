@@ -26,7 +26,7 @@ of the same source bytes meet in the page cache. Atomic against the process dyin
 OUT.partial and renamed to OUT at the end; a killed run leaves no OUT, the next run starts
 OUT.partial afresh, a failing, interrupted (Ctrl-C: exit 130) or terminated (SIGTERM: exit 143) run removes it.
 
-Never loses a checkpoint: paths are compared as real paths (symlinks, `..`, same inode), and
+Never loses a checkpoint (utils/convert_output.py): paths are compared as real paths (symlinks, `..`, same inode), and
 none of OUT, OUT.partial, OUT.old may overlap the source; the converter deletes or replaces only
 directories it made (they carry `.convert_model_run.json`, or an OUT from before that marker its
 manifest) — `--overwrite` refuses a directory of anyone else's, and a user's own OUT.partial or
@@ -38,14 +38,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import math
-import os
 import shutil
 import signal
 import sys
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,23 +55,17 @@ if __name__ == "__main__":      # run by its documented path (python utils/conve
 
 from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402
 from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_EXPERT_FORMAT, MANIFEST_FILE,  # noqa: E402
-                                                MANIFEST_FORMAT, ORIGINAL, Checkpoint, CheckpointError,
-                                                manifest_record, open_checkpoint, read_manifest)
+                                                ORIGINAL, Checkpoint, CheckpointError, manifest_record,
+                                                open_checkpoint, read_manifest)
 from adaptor_patches.weights.safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles,  # noqa: E402
                                                     LoadingError, rank_dir_name)
+from utils.convert_output import (PARTIAL_SUFFIX, ConvertError, check_paths, commit, sibling,  # noqa: E402
+                                  start_work_dir)
 from utils.safetensors_stream import (ByteBudget, StreamingWriter, copy_file, copy_with_sha256,  # noqa: E402
                                       file_sha256, write_json)
 
 GB = 10 ** 9
 SHARD_SIZE_RANGE_GB = (0.001, 1000.0)      # 1 MB .. 1 TB: smaller makes a shard per tensor, larger is no cap
-
-
-class ConvertError(Exception):
-    """One `field: problem; fix` line; `exit_code` 2 for bad input, 1 for a failed verification."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 # ---------------------------------------------------------------- planning
@@ -227,92 +218,7 @@ def run_jobs(jobs: list, files: CheckpointFiles, out: Path, workers: int, budget
     return {rel: (size, sha) for rel, size, sha in results}
 
 
-def commit(partial: Path, out: Path) -> None:
-    """Move the finished partial directory into place (replacing an old OUT, if --overwrite: checked
-    before anything was written to be a conversion of ours, or empty)."""
-    if not out.exists():
-        partial.rename(out)
-        return
-    old = sibling(out, OLD_SUFFIX)
-    remove_own_work_dir(old)
-    out.rename(old)
-    partial.rename(out)
-    shutil.rmtree(old)
-
-
-# ---------------------------------------------------------------- what the converter may delete
-# It deletes or replaces only what it made: its work dirs carry WORK_MARKER (the run's identity),
-# which a finished OUT keeps; an OUT from before the marker is recognised by its manifest's format.
-
-WORK_MARKER = ".convert_model_run.json"
-PARTIAL_SUFFIX, OLD_SUFFIX = ".partial", ".old"
-
-
-def sibling(out: Path, suffix: str) -> Path:
-    return out.with_name(out.name + suffix)
-
-
-def made_by_converter(path: Path) -> bool:
-    if (path / WORK_MARKER).is_file():
-        return True
-    try:
-        return json.loads((path / MANIFEST_FILE).read_text()).get("format") == MANIFEST_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def remove_own_work_dir(path: Path) -> None:
-    """Remove a work dir an earlier run left (it carries WORK_MARKER); refuse to touch anything else."""
-    if not os.path.lexists(path):
-        return
-    if path.is_symlink() or not path.is_dir() or not made_by_converter(path):
-        raise ConvertError(f"output-path: {path} exists and was not made by convert_model.py; move it away "
-                           f"or choose another --output-path (nothing was written)")
-    shutil.rmtree(path)
-
-
-def start_work_dir(partial: Path, source: Path) -> None:
-    remove_own_work_dir(partial)
-    partial.mkdir(parents=True)
-    run = {"tool": "utils/convert_model.py", "run_id": uuid.uuid4().hex, "pid": os.getpid(), "source": str(source)}
-    write_json(partial / WORK_MARKER, run)
-
-
 # ---------------------------------------------------------------- convert
-
-def _overlaps(a: Path, b: Path) -> bool:
-    """Real paths (symlinks and `..` resolved): a is b (also by inode, e.g. on a case-insensitive
-    file system or through a hard-linked dir), or one contains the other."""
-    if a == b or a in b.parents or b in a.parents:
-        return True
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _check_paths(source: Path, out: Path, overwrite: bool) -> None:
-    """source and out are resolved. Nothing the converter writes, renames or deletes (OUT,
-    OUT.partial, OUT.old) may touch the checkpoint, and only its own earlier work is replaced."""
-    if not (source / "config.json").is_file():
-        raise ConvertError(f"model-path: {source} has no config.json; pass a HunyuanImage-3 checkpoint directory")
-    for path in (out, sibling(out, PARTIAL_SUFFIX), sibling(out, OLD_SUFFIX)):
-        if _overlaps(path, source):
-            raise ConvertError(f"output-path: {path} overlaps the checkpoint {source} (real paths compared); "
-                               f"choose a directory outside it")
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"output-path: {out} exists and is not a directory; remove it or choose another path")
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ConvertError(f"output-path: {out} already exists; pass --overwrite or choose another path")
-        if not made_by_converter(out):
-            raise ConvertError(f"output-path: {out} is not a conversion made by convert_model.py, and --overwrite "
-                               f"replaces only those; choose another path (nothing was written)")
-    for path in (sibling(out, PARTIAL_SUFFIX), sibling(out, OLD_SUFFIX)):
-        if os.path.lexists(path) and (path.is_symlink() or not path.is_dir() or not made_by_converter(path)):
-            raise ConvertError(f"output-path: {path} exists and was not made by convert_model.py; move it away "
-                               f"or choose another --output-path (nothing was written)")
-
 
 def _check_numbers(args) -> None:
     low, high = SHARD_SIZE_RANGE_GB
@@ -334,7 +240,7 @@ def validate(args) -> tuple:
     except LayoutError as exc:
         raise ConvertError(str(exc)) from None
     _check_numbers(args)
-    _check_paths(source, out, args.overwrite)
+    check_paths(source, out, args.overwrite)
     try:
         checkpoint = open_checkpoint(source)
         if checkpoint.format != ORIGINAL:

@@ -294,6 +294,27 @@ def make_tiny_model(out_dir, overwrite=False, variant="base", **sizes):
     return _make(out_dir, overwrite, variant, **sizes)[0]
 
 
+def ensure_tiny_model(out_dir, variant="base", **sizes) -> Path:
+    """`out_dir` as a tiny checkpoint, written first when it holds no config.json yet (the benchmarks'
+    and the self-check's models): by this file run as a program, in a fresh interpreter, since a
+    process that applied the adaptor would write its patched module tree, not upstream's. Its path;
+    RuntimeError with the tool's last line when it fails."""
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    flags = [] if variant == "base" else [f"--{variant}"]
+    for name, value in sizes.items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    print(f"building the tiny {variant} checkpoint at {out} ...", file=sys.stderr, flush=True)
+    import subprocess
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", str(out), *flags],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()] or ["no output"]
+        raise RuntimeError(f"utils/make_tiny_model.py failed (exit {proc.returncode}): {lines[-1][:200]}")
+    return out
+
+
 def _make(out_dir, overwrite=False, variant="base", **sizes):
     s = resolve_sizes(variant, **sizes)
     out = Path(out_dir).absolute()

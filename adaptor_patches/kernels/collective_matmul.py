@@ -23,8 +23,9 @@ Every rank must take the same form (fused or plain), or the collectives inside w
 each kernel set decides from what every rank shares (dtype, shapes, group size, the device model)
 or agrees on it by a collective (CUDA).
 
-This file is the plain form, on every device: gloo all_gather_into_tensor / reduce_scatter_tensor
-around F.linear, the reference the fused forms (npu.py, cuda.py) are tested against.
+This file is the ops' one shape and their plain form, on every device: gloo all_gather_into_tensor /
+reduce_scatter_tensor around F.linear, the reference the fused forms are tested against. A device
+set (npu.py, cuda.py) supplies only `fused_form`: its fused op and the range where it runs.
 """
 from __future__ import annotations
 
@@ -80,25 +81,45 @@ def check_shares(x: torch.Tensor, shares: list, group, rows_of_x: int) -> int:
     return share_size(shares)
 
 
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+
+
 class CollectiveMatmuls:
-    """The plain forms (a kernel set's base)."""
+    """The one shape of both ops on every device: the shares checked, padded to their common size,
+    the device's fused op if it has one for these rows (`fused_form`), else the plain collective
+    around F.linear; the padding trimmed. A device set supplies only `fused_form`."""
+
+    def fused_form(self, op: str, x: torch.Tensor, weight: torch.Tensor, group):
+        """(name, run) of the fused op this device runs `op` with for rows like x's (its range checked),
+        or (name, None) / None for the plain form (the name says why, e.g. "plain (A2)"). run(padded x,
+        weight.t(), group, ranks) returns the padded result. Every rank must answer alike."""
+        return None
 
     def all_gather_matmul(self, x_local: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
-        size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
-        if size == 0:
-            return x_local.new_empty(0, weight.shape[0])
-        gathered = x_local.new_empty(len(shares) * size, x_local.shape[1])
-        all_gather_single(gathered, pad_rows(x_local, size), group)
-        return F.linear(gathered[:sum(shares)], weight)
+        return self._collective_matmul("all_gather_matmul", x_local, weight, group, shares)
 
     def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
-        size = check_shares(x, shares, group, sum(shares))
+        return self._collective_matmul("matmul_reduce_scatter", x, weight, group, shares)
+
+    def _collective_matmul(self, op: str, x: torch.Tensor, weight: torch.Tensor, group, shares: list) -> torch.Tensor:
+        """Both ops: x is this rank's share (the gather) or every row (the scatter), padded to the
+        common share size (every rank's: n of them); the result every row or this rank's share."""
+        gather, mine = op == "all_gather_matmul", shares[dist.get_rank(group)]
+        size = check_shares(x, shares, group, mine if gather else sum(shares))
         if size == 0:
             return x.new_empty(0, weight.shape[0])
-        partial = pad_rows(F.linear(x, weight), len(shares) * size)
+        kept, padded = (sum(shares), pad_rows(x, size)) if gather else (mine, pad_rows(x, len(shares) * size))
+        form = self.fused_form(op, x, weight, group)
+        if form is not None and form[1] is not None:
+            return form[1](padded, weight.t(), group, len(shares))[:kept]
+        if gather:
+            gathered = padded.new_empty(len(shares) * size, padded.shape[1])
+            all_gather_single(gathered, padded, group)
+            return F.linear(gathered[:kept], weight)
+        partial = F.linear(padded, weight)          # the padding rows are zero: so are their partial sums
         out = partial.new_empty(size, partial.shape[1])
         _reduce_scatter_single(out, partial, group)
-        return out[:shares[dist.get_rank(group)]]
+        return out[:kept]
 
     def all_gather_shares(self, x_local: torch.Tensor, group, shares: list) -> torch.Tensor:
         size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
@@ -117,4 +138,4 @@ class CollectiveMatmuls:
 
     def collective_matmul_forms(self, x: torch.Tensor, weight: torch.Tensor, group) -> dict:
         """Which form each op takes here for rows like x's (the self-check's rows say it)."""
-        return {"all_gather_matmul": "plain", "matmul_reduce_scatter": "plain"}
+        return {op: (self.fused_form(op, x, weight, group) or ("plain", None))[0] for op in OPS}

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .collective_matmul import check_shares, pad_rows, process_group
+from .collective_matmul import process_group
 from .quant import quantize_per_token
 from .torch_kernels import GroupedMmKernels
 
@@ -88,28 +88,17 @@ class CudaKernels(GroupedMmKernels):
         self._fused_by_group[group] = ops
         return ops
 
-    def collective_matmul_forms(self, x, weight, group) -> dict:
-        fused = self._symm_mem(x, group) is not None
-        return {"all_gather_matmul": "symm_mem fused_all_gather_matmul" if fused else "plain",
-                "matmul_reduce_scatter": "symm_mem fused_matmul_reduce_scatter" if fused else "plain"}
-
-    def all_gather_matmul(self, x_local, weight, group, shares):
-        size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
-        ops = self._symm_mem(x_local, group) if size else None
+    def fused_form(self, op, x, weight, group):
+        ops = self._symm_mem(x, group)
         if ops is None:
-            return super().all_gather_matmul(x_local, weight, group, shares)
+            return None
         name = process_group(group).group_name
-        _, outputs = ops.fused_all_gather_matmul(pad_rows(x_local, size), [weight.t()], 0, name, return_A=False)
-        return outputs[0][:sum(shares)]
-
-    def matmul_reduce_scatter(self, x, weight, group, shares):
-        size = check_shares(x, shares, group, sum(shares))
-        ops = self._symm_mem(x, group) if size else None
-        if ops is None:
-            return super().matmul_reduce_scatter(x, weight, group, shares)
-        name = process_group(group).group_name
-        out = ops.fused_matmul_reduce_scatter(pad_rows(x, len(shares) * size), weight.t(), "sum", 0, name)
-        return out[:shares[dist.get_rank(group)]]
+        if op == "all_gather_matmul":
+            return ("symm_mem fused_all_gather_matmul",
+                    lambda padded, wt, _group, _ranks: ops.fused_all_gather_matmul(padded, [wt], 0, name,
+                                                                                   return_A=False)[1][0])
+        return ("symm_mem fused_matmul_reduce_scatter",
+                lambda padded, wt, _group, _ranks: ops.fused_matmul_reduce_scatter(padded, wt, "sum", 0, name))
 
     def fp8_gemm(self, device: torch.device):
         """The fp8 grouped GEMM usable on `device`, or None (probed once per device)."""

@@ -51,7 +51,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from .collective_matmul import check_shares, pad_rows, process_group
+from .collective_matmul import process_group
 from .quant import dispatch_format, format_of, pack_rows
 from .torch_kernels import LoopKernels
 
@@ -99,27 +99,18 @@ class NpuKernels(LoopKernels):
             self._hcom[group] = self.comm_name(group)
         return self._hcom[group]
 
-    def collective_matmul_forms(self, x, weight, group) -> dict:
-        fits = self._fused_fits(x, weight, group)
-        return {"all_gather_matmul": "npu_all_gather_base_mm" if fits else "plain",
-                "matmul_reduce_scatter": "npu_mm_reduce_scatter_base" if fits and self.soc == "A3"
-                else f"plain ({self.soc})" if fits else "plain"}
-
-    def all_gather_matmul(self, x_local, weight, group, shares):
-        size = check_shares(x_local, shares, group, shares[dist.get_rank(group)])
-        if size == 0 or not self._fused_fits(x_local, weight, group):
-            return super().all_gather_matmul(x_local, weight, group, shares)
-        out, _ = self.npu.npu_all_gather_base_mm(pad_rows(x_local, size), weight.t(), self._group_name(group),
-                                                 len(shares), gather_index=0, gather_output=False, comm_turn=0)
-        return out[:sum(shares)]
-
-    def matmul_reduce_scatter(self, x, weight, group, shares):
-        size = check_shares(x, shares, group, sum(shares))
-        if size == 0 or self.soc == "A2" or not self._fused_fits(x, weight, group):
-            return super().matmul_reduce_scatter(x, weight, group, shares)
-        out = self.npu.npu_mm_reduce_scatter_base(pad_rows(x, len(shares) * size), weight.t(), self._group_name(group),
-                                                  len(shares), reduce_op="sum", comm_turn=0)
-        return out[:shares[dist.get_rank(group)]]
+    def fused_form(self, op, x, weight, group):
+        if not self._fused_fits(x, weight, group):
+            return None
+        if op == "all_gather_matmul":
+            return ("npu_all_gather_base_mm",
+                    lambda padded, wt, group, ranks: self.npu.npu_all_gather_base_mm(
+                        padded, wt, self._group_name(group), ranks, gather_index=0, gather_output=False, comm_turn=0)[0])
+        if self.soc == "A2":                # the recipe's own split on A2: a plain matmul + reduce-scatter
+            return ("plain (A2)", None)
+        return ("npu_mm_reduce_scatter_base",
+                lambda padded, wt, group, ranks: self.npu.npu_mm_reduce_scatter_base(
+                    padded, wt, self._group_name(group), ranks, reduce_op="sum", comm_turn=0))
 
     def expert_weight_storage(self, w):
         return self.npu.npu_format_cast(w, ACL_FORMAT_FRACTAL_NZ)

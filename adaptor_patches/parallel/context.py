@@ -48,6 +48,7 @@ class RankContext:
     planning: bool = False                   # built on the meta device to be measured (utils/planner/plan.py), never run
     expert_format: Optional[str] = None      # routed experts in 8 bit: "int8" / "fp8" (kernels/quant.py); None: bf16
     _mesh: object = field(default=None, repr=False)      # made at the first collective (group())
+    _shared: dict = field(default_factory=dict, init=False, repr=False)     # shared(): one per key
 
     def __post_init__(self):
         if not 0 <= self.rank < self.layout.world_size:
@@ -100,6 +101,13 @@ class RankContext:
     def group_ranks(self, purpose: str) -> list:
         """The global ranks this rank shares its `purpose` group with (no process group needed)."""
         return self.layout.group_ranks(purpose, self.rank)
+
+    def shared(self, key, make):
+        """One object per `key` for every module built for this context (`make()` at the first ask):
+        what the layers of its model hold alike, e.g. Ulysses' head exchange (parallel/ulysses.py)."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def shared_mlp_stream(self):
         """A side stream for the shared MLP, or None (multi-stream off, or a device without streams)."""

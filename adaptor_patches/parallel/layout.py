@@ -9,11 +9,12 @@
         the other tp / N (hunyuan.py, parallel/ulysses.py).
     layout.heads(config, tp_rank)     -> HeadShard: which attention heads' weights a rank keeps
     layout.attention_heads(config, tp_rank) -> HeadShard: the heads it computes attention for
-    layout.token_shares(rows) / token_share(rows, tp_rank)
-                                      -> which rows of the sequence a rank holds between layers
-    layout.attention_tp_shares(rows, tp_rank) / ulysses_chunks(rows)
-                                      -> the shares of a rank's attention-TP group; the rows each
-                                         Ulysses rank projects q / k / v for
+    layout.sequence_split(rows, tp_rank) -> SequenceSplit, one forward's rows worked out once:
+                                         every rank's share between layers and this rank's, its
+                                         attention-TP group's shares, the rows each Ulysses rank
+                                         projects q / k / v for (token_shares, token_share,
+                                         attention_tp_shares, ulysses_chunks: one answer each)
+    layout.ulysses_heads(config, tp_rank) -> the heads each rank of its Ulysses group attends to
     layout.moe_shard(experts, tp_rank) -> MoeShard: which experts, or which intermediate slice
     layout.token_chunks(rows)         -> the contiguous per-rank token chunks of an EP layer
     layout.weights                    -> the part of the layout a checkpoint's split depends on
@@ -140,6 +141,16 @@ def moe_layers(config) -> dict:
         shared = inter * per_layer(_get(config, "num_shared_expert", 1), layer) if _get(config, "use_mixed_mlp_moe") else 0
         layers[layer] = MoeLayerSizes(per_layer(experts, layer), inter, shared)
     return layers
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """One forward's `rows` (a branch's batch rows flattened) as a rank of a branch holds them
+    (Layout.sequence_split): one answer, worked out once per forward."""
+    shares: tuple               # every rank's rows between layers, in tp-rank order
+    local: slice                # this rank's rows of the sequence
+    attention_shares: tuple     # the shares of this rank's attention-TP group, in its group order
+    ulysses_chunks: tuple       # the rows each Ulysses rank projects q / k / v for, in Ulysses-rank order
 
 
 # ---------------------------------------------------------------- the layout
@@ -316,6 +327,12 @@ class Layout:
         rank = self.attention_tp_rank(tp_rank) * self.ulysses + self.ulysses_rank(tp_rank)
         return HeadShard(sizes.heads, sizes.kv_heads, sizes.head_dim, rank, self.tp)
 
+    def ulysses_heads(self, config, tp_rank: int) -> list:
+        """attention_heads of every rank of `tp_rank`'s Ulysses group (the same attention-TP shard),
+        in Ulysses-rank order: which of its shard's heads each one computes attention for."""
+        shard_rank = self.attention_tp_rank(tp_rank)
+        return [self.attention_heads(config, u * self.attention_tp + shard_rank) for u in range(self.ulysses)]
+
     def moe_shard(self, num_experts: int, tp_rank: int) -> MoeShard:
         if self.moe_mode == "ep":
             if num_experts % self.tp:
@@ -337,27 +354,34 @@ class Layout:
         tp-rank order: every row on every rank, or under sequence sharding the recipe's padded
         shares (padded_shares: ceil(rows / tp) each, the trailing ones short). Inside Ulysses
         attention a rank holds every row of its heads instead (attention_heads)."""
-        return padded_shares(rows, self.tp) if self.sequence_sharded else [rows] * self.tp
+        return list(self.sequence_split(rows, 0).shares)
+
+    def sequence_split(self, rows: int, tp_rank: int) -> SequenceSplit:
+        """What a rank of a branch holds of one forward's `rows`: the shares computed once and every
+        answer read from them. Its own rows: all of them without sequence sharding, else its share;
+        its attention-TP group's shares (what the all-gather before qkv_proj and the reduce-scatter
+        after o_proj move; the whole branch without Ulysses); each Ulysses group's shares together
+        (the split sizes of the head all-to-alls)."""
+        shares = padded_shares(rows, self.tp) if self.sequence_sharded else [rows] * self.tp
+        start = sum(shares[:tp_rank])
+        local = slice(start, start + shares[tp_rank]) if self.sequence_sharded else slice(0, rows)
+        size = self.attention_tp
+        group = self.ulysses_rank(tp_rank) * size
+        chunks = tuple(sum(shares[u * size:(u + 1) * size]) for u in range(self.ulysses))
+        return SequenceSplit(tuple(shares), local, tuple(shares[group:group + size]), chunks)
 
     def token_share(self, rows: int, tp_rank: int) -> slice:
         """The rows of the sequence (positions [start, stop)) this rank holds between layers."""
-        if not self.sequence_sharded:
-            return slice(0, rows)
-        shares = self.token_shares(rows)
-        start = sum(shares[:tp_rank])
-        return slice(start, start + shares[tp_rank])
+        return self.sequence_split(rows, tp_rank).local
 
     def attention_tp_shares(self, rows: int, tp_rank: int) -> list:
-        """token_shares of the ranks of `tp_rank`'s attention-TP group, in its group order (all of the
-        branch without Ulysses): what its all-gather before qkv_proj and reduce-scatter after o_proj move."""
-        first = self.ulysses_rank(tp_rank) * self.attention_tp
-        return self.token_shares(rows)[first:first + self.attention_tp]
+        """token_shares of the ranks of `tp_rank`'s attention-TP group, in its group order."""
+        return list(self.sequence_split(rows, tp_rank).attention_shares)
 
     def ulysses_chunks(self, rows: int) -> list:
         """The rows each Ulysses rank projects q / k / v for (its attention-TP group's shares
-        together), in Ulysses-rank order: the split sizes of the head all-to-alls."""
-        shares = self.token_shares(rows)
-        return [sum(shares[u * self.attention_tp:(u + 1) * self.attention_tp]) for u in range(self.ulysses)]
+        together), in Ulysses-rank order."""
+        return list(self.sequence_split(rows, 0).ulysses_chunks)
 
     def ulysses_share(self, rows: int, tp_rank: int) -> slice:
         """The rows a rank projects q / k / v for under Ulysses: its attention-TP group's shares

@@ -3,11 +3,11 @@
 Under a sequence-sharded layout (layout.sequence_sharded: MoE EP, or Ulysses) every forward of more
 than one position (layout.shards_forward: denoising steps, text prefill) keeps, between its decoder
 layers, only this rank's contiguous share of the branch's rows (the batch's rows flattened, batch
-major: layout.token_shares, the recipe's padded shares). The patched HunyuanImage3Model.forward
-(hunyuan.py) cuts the share before the first layer and gathers the rows after the last one; in
-between, attention gathers the rows it needs before qkv_proj and reduce-scatters after o_proj, and
-the MoE works on the local rows (hunyuan.py, moe/dispatch.py). The one-token text decode keeps
-every row on every rank (today's path).
+major: the recipe's padded shares, layout.sequence_split, worked out once per forward). The patched
+HunyuanImage3Model.forward (hunyuan.py) cuts the share before the first layer and gathers the rows
+after the last one; in between, attention gathers the rows it needs before qkv_proj and
+reduce-scatters after o_proj, and the MoE works on the local rows (hunyuan.py, moe/dispatch.py).
+The one-token text decode keeps every row on every rank (today's path).
 
     SequenceSlot                  shared by a model and its layers (like the step cache's slot): the
                                   forward's SequenceShards while it runs, else None
@@ -35,10 +35,9 @@ class SequenceShards:
     def __init__(self, layout, tp_rank: int, batch: int, seq: int):
         self.layout, self.tp_rank, self.batch, self.seq = layout, tp_rank, batch, seq
         self.rows = batch * seq
-        self.shares = layout.token_shares(self.rows)
-        self.local = layout.token_share(self.rows, tp_rank)
-        self.attention_shares = layout.attention_tp_shares(self.rows, tp_rank)
-        self.ulysses_chunks = layout.ulysses_chunks(self.rows)
+        split = layout.sequence_split(self.rows, tp_rank)        # the shares, worked out once per forward
+        self.shares, self.local = list(split.shares), split.local
+        self.attention_shares, self.ulysses_chunks = list(split.attention_shares), list(split.ulysses_chunks)
 
     @property
     def local_rows(self) -> int:

@@ -24,20 +24,28 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .shards import HeadShard
+from .layout import attention_sizes
+
+
+def head_exchange(context, config) -> "HeadExchange | None":
+    """The rank's HeadExchange under Ulysses (None without): every attention layer of a model has
+    the same heads, so one is made for the rank context (and the model's attention sizes) and
+    shared by all its layers."""
+    if context.layout.ulysses == 1:
+        return None
+    return context.shared(("head_exchange", attention_sizes(config)),
+                          lambda: HeadExchange(context.layout, config, context.tp_rank, context.device.torch_device))
 
 
 class HeadExchange:
-    """Which of shard t's heads go to each rank of the Ulysses group, for one attention layer."""
+    """Which of shard t's heads go to each rank of the Ulysses group (the same for every attention layer)."""
 
     def __init__(self, layout, config, tp_rank: int, device=None):
         """`config`: the model's sizes; `device`: where the index tensors live (the rank's device)."""
         self.degree = layout.ulysses
         self.rank = layout.ulysses_rank(tp_rank)
         self.shard = layout.heads(config, tp_rank)
-        t = layout.attention_tp_rank(tp_rank)
-        receivers = [HeadShard(self.shard.num_heads, self.shard.num_kv_heads, self.shard.head_dim,
-                               t * self.degree + j, layout.tp) for j in range(self.degree)]
+        receivers = layout.ulysses_heads(config, tp_rank)      # the layout's answer: each rank's part of shard t
         self.heads = receivers[self.rank]                      # what this rank computes attention for
         shard_q, shard_kv = self.shard.query_heads(), self.shard.key_value_heads()
         q_index = [shard_q.index(h) for r in receivers for h in r.query_heads()]

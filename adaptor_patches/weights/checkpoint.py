@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import Optional
 
 from ..kernels.quant import FORMATS
-from ..parallel.layout import Layout, LayoutError, attention_sizes, moe_layers
+from ..parallel.layout import Layout, LayoutError
+from .config_shapes import config_problem, converted_shape_problem, key_problem, required_keys
 from .quantized import quantize_tensors
-from .rank_slices import EXPERT_KEY, EXPERT_STACK, LAYER_KEY, rank_tensors, stacks_format
+from .rank_slices import EXPERT_STACK, rank_tensors, stacks_format
 from .recipe_format import RECONVERT, is_recipe_folder, read_recipe_folder, recipe_folder_format, recipe_rank_tensors
-from .safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles, HeaderError, LoadingError, StoredTensor,
+from .regular_files import read_regular_text, regular_file_problem
+from .safetensors_io import (INDEX_FILE, RANK_DIR, SINGLE_FILE, CheckpointFiles, HeaderError, LoadingError,
                              rank_dir_name, read_header, read_index)
 
 MANIFEST_FILE = "manifest.json"
@@ -45,15 +47,6 @@ LAYOUT_KEY = "parallel_layout"
 REDOWNLOAD = "download or copy the checkpoint again"
 ORIGINAL, CONVERTED, RECIPE = "original", "converted", "recipe"
 QUANTIZE_CHOICES = ("none",) + FORMATS
-
-# config.json's fields the split and the checks compute with: (may be absent, may be one per layer, least value)
-CONFIG_NUMBERS = {"hidden_size": (False, False, 1), "num_attention_heads": (False, False, 1),
-                  "num_hidden_layers": (False, False, 1), "vocab_size": (False, False, 1),
-                  "num_key_value_heads": (True, False, 1), "attention_head_dim": (True, False, 1),
-                  "num_experts": (True, True, 1), "moe_intermediate_size": (True, True, 1),
-                  "intermediate_size": (True, True, 1), "num_shared_expert": (True, True, 0),
-                  "moe_topk": (True, True, 1), "moe_layer_num_skipped": (True, False, 0)}
-
 
 class CheckpointError(LoadingError):
     """A checkpoint this run cannot use; str() is one `model-id: problem; fix` line."""
@@ -69,7 +62,7 @@ class CheckpointError(LoadingError):
 
 def read_json_object(path: Path, fix: str = REDOWNLOAD) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular_text(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing", fix) from None
     except (OSError, ValueError, UnicodeDecodeError) as exc:
@@ -77,23 +70,6 @@ def read_json_object(path: Path, fix: str = REDOWNLOAD) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} is a JSON {type(data).__name__}, not an object", fix)
     return data
-
-
-def config_problem(config: dict, complete: bool = True) -> Optional[str]:
-    """The first of config.json's size fields that is of the wrong type or range (or, if `complete`,
-    missing), as a phrase. A partial config (the launcher's fit check) is held to the types alone."""
-    layers = config.get("num_hidden_layers")
-    for name, (optional, per_layer, least) in CONFIG_NUMBERS.items():
-        value = config.get(name)
-        if value is None and (optional or not complete and name not in config):
-            continue
-        values = value if per_layer and isinstance(value, list) else [value]
-        if not all(type(v) is int and v >= least for v in values):
-            kind = "an integer" + (" (or a list of one per layer)" if per_layer else "")
-            return f"{name} is {json.dumps(value)[:60]}, but must be {kind} >= {least}"
-        if isinstance(value, list) and type(layers) is int and len(value) < layers:
-            return f"{name} lists {len(value)} values for {layers} layers (num_hidden_layers)"
-    return None
 
 
 def read_config(path: Path, complete: bool = True) -> dict:
@@ -109,7 +85,7 @@ def read_manifest(path: Path) -> tuple:
     CheckpointError for one cut off, of the wrong shape, listing no files or a file outside."""
     fix = "the conversion is damaged, convert again"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(read_regular_text(path))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"{path}: is not readable JSON ({exc})", fix) from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
@@ -130,6 +106,20 @@ def read_manifest(path: Path) -> tuple:
     return manifest, records, layout
 
 
+def check_regular_files(directory) -> None:
+    """Every file of a checkpoint folder and of its rank folders is a regular file (or a link to one):
+    the loader, the tokenizer and transformers read them before any weight, and a named pipe among
+    them would stop the job there for good. CheckpointError naming the first that is not."""
+    directory = Path(directory)
+    folders = [directory] + sorted(p for p in directory.iterdir() if RANK_DIR.match(p.name) and p.is_dir()) \
+        if directory.is_dir() else []
+    for folder in folders:
+        for path in sorted(folder.iterdir()):
+            problem = None if path.is_dir() else regular_file_problem(path)
+            if problem:
+                raise CheckpointError(f"{path} {problem}", "replace it with the checkpoint's file (" + REDOWNLOAD + ")")
+
+
 def manifest_record(layout_block: dict, source: Path, files: dict, expert_format: Optional[str]) -> dict:
     """The manifest.json utils/convert_model.py writes (`files`: {relpath: (size, sha256)});
     read_manifest reads it back."""
@@ -138,101 +128,6 @@ def manifest_record(layout_block: dict, source: Path, files: dict, expert_format
     if expert_format:
         manifest[MANIFEST_EXPERT_FORMAT] = expert_format
     return manifest
-
-
-# ---------------------------------------------------------------- what config.json implies
-
-def expected_shape(key: str, config: dict) -> Optional[tuple]:
-    """The shape config.json implies for `key` of an original checkpoint, or None where it implies none we check."""
-    hidden = config["hidden_size"]
-    if key in ("model.wte.weight", "lm_head.weight"):
-        return config["vocab_size"], hidden
-    match = LAYER_KEY.match(key)
-    if not match:
-        return None
-    layer, rest = int(match[1]), match[2]
-    heads = attention_sizes(config)
-    qkv_rows = (heads.heads + 2 * heads.kv_heads) * heads.head_dim
-    shapes = {"self_attn.qkv_proj.weight": (qkv_rows, hidden), "self_attn.qkv_proj.bias": (qkv_rows,),
-              "self_attn.o_proj.weight": (hidden, heads.heads * heads.head_dim),
-              "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
-    moe = moe_layers(config).get(layer)
-    if moe is not None:
-        shapes.update({"mlp.gate.wg.weight": (moe.experts, hidden),
-                       "mlp.shared_mlp.gate_and_up_proj.weight": (2 * moe.shared_intermediate, hidden),
-                       "mlp.shared_mlp.down_proj.weight": (hidden, moe.shared_intermediate)})
-        expert = EXPERT_KEY.match(rest)
-        if expert:
-            return (2 * moe.intermediate, hidden) if expert[2] == "gate_and_up_proj" else (hidden, moe.intermediate)
-    return shapes.get(rest)
-
-
-def required_keys(config: dict) -> list:
-    """The tensors the split reads in every decoder layer."""
-    keys = []
-    for layer in range(config["num_hidden_layers"]):
-        keys += [f"model.layers.{layer}.self_attn.qkv_proj.weight", f"model.layers.{layer}.self_attn.o_proj.weight"]
-    for layer, moe in moe_layers(config).items():
-        keys += [f"model.layers.{layer}.mlp.experts.{e}.{kind}.weight"
-                 for e in range(moe.experts) for kind in ("gate_and_up_proj", "down_proj")]
-    return keys
-
-
-def key_problem(key: str, stored, config: dict) -> Optional[str]:
-    mismatch = "the weights and config.json do not belong together"
-    match = LAYER_KEY.match(key)
-    if match and int(match[1]) >= config["num_hidden_layers"]:
-        return f"{key} is beyond config.json's {config['num_hidden_layers']} layers; {mismatch}"
-    expert = EXPERT_KEY.match(match[2]) if match else None
-    moe = moe_layers(config).get(int(match[1])) if match else None
-    if expert and moe and int(expert[1]) >= moe.experts:
-        return f"{key} is beyond config.json's {moe.experts} experts; {mismatch}"
-    shape = expected_shape(key, config)
-    if shape is not None and tuple(stored.shape) != tuple(shape):
-        turned = " (stored transposed?)" if tuple(stored.shape) == tuple(shape)[::-1] else ""
-        return f"{key} in {stored.file.name} has shape {list(stored.shape)}{turned} but config.json implies {list(shape)}; {mismatch}"
-    return None
-
-
-class _ShapesOnly(CheckpointFiles):
-    """An original checkpoint as config.json describes it (shapes only, nothing to read): what
-    rank_tensors plans a converted rank's tensors from."""
-
-    def __init__(self, rank_files: CheckpointFiles, config: dict):
-        infos = {}
-        for key in rank_files.keys():
-            stored = rank_files.info(key)
-            match = EXPERT_STACK.match(key)
-            if match:
-                experts = moe_layers(config)[int(match[1])].experts
-                kind = "gate_and_up_proj" if match[2] == "w13" else "down_proj"
-                for e in range(experts):
-                    name = f"model.layers.{match[1]}.mlp.experts.{e}.{kind}.weight"
-                    infos[name] = expected_shape(name, config), stored.dtype
-            else:
-                infos[key] = expected_shape(key, config) or stored.shape, stored.dtype
-        self.directory, self.weight_map = rank_files.directory, dict.fromkeys(infos, "")
-        self._infos = {name: StoredTensor(Path(""), dtype, tuple(shape), i, 0)
-                       for i, (name, (shape, dtype)) in enumerate(infos.items())}
-
-    def info(self, key: str) -> StoredTensor:
-        return self._infos[key]
-
-
-def converted_shape_problem(rank_files: CheckpointFiles, config: dict, layout: Layout, tp_rank: int) -> Optional[str]:
-    """The first tensor of our converted rank folder whose shape is not what config.json and the
-    layout plan for it (rank_slices.rank_tensors, as the converter wrote it)."""
-    try:
-        planned = {t.name: tuple(t.shape) for t in rank_tensors(_ShapesOnly(rank_files, config), config, layout, tp_rank)}
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        return f"{rank_files.directory} does not hold the tensors config.json implies ({exc!r})"
-    for key in rank_files.keys():
-        stored = rank_files.info(key)
-        if key in planned and tuple(stored.shape) != planned[key]:
-            turned = " (stored transposed?)" if tuple(stored.shape) == planned[key][::-1] else ""
-            return (f"{key} in {stored.file.name} has shape {list(stored.shape)}{turned} but config.json and the "
-                    f"layout {layout} imply {list(planned[key])}")
-    return None
 
 
 # ---------------------------------------------------------------- the experts' format
@@ -318,7 +213,7 @@ class Checkpoint:
         if layout.cfg == 1 or not path.is_file():
             return
         try:
-            generation = json.loads(path.read_text(encoding="utf-8"))
+            generation = json.loads(read_regular_text(path))
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path} is not readable JSON ({exc})", "repair it or download it again") from None
         if not isinstance(generation, dict):
@@ -456,6 +351,7 @@ class Checkpoint:
 def _detect(directory: Path) -> Checkpoint:
     """The Checkpoint's format, config and weight layout from the JSON files alone (a recipe folder:
     also its rank-00 headers, which the object keeps)."""
+    check_regular_files(directory)
     config = read_config(directory / "config.json", complete=False)
     if (directory / MANIFEST_FILE).is_file():
         fix = "convert it again with utils/convert_model.py"

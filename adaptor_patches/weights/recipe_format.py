@@ -43,6 +43,7 @@ import torch
 
 from ..parallel.layout import HeadShard, Layout, LayoutError, attention_sizes, moe_layers
 from .rank_slices import LAYER_KEY, RankTensor, cut_tensor, pair_rows, scale_name, stacks_format, whole_tensor
+from .regular_files import read_regular_text
 from .safetensors_io import RANK_DIR, CheckpointFiles, LoadingError, rank_dir_name
 
 STACKED_EXPERTS = re.compile(r"^mlp\.experts\.(w13|w2)_(weight|scale)$")
@@ -70,7 +71,7 @@ def _read_first_rank(model_dir: Path) -> tuple:
     """(config.json, CheckpointFiles) of rank-00, or one error line."""
     first = model_dir / rank_dir_name(0)
     try:
-        config = json.loads((first / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(read_regular_text(first / "config.json"))
         files = CheckpointFiles(first)
         files.keys()
     except (OSError, ValueError, KeyError, UnicodeDecodeError) as exc:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ..parallel.layout import LayoutError
+from .regular_files import open_regular, read_regular_text
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -88,7 +89,7 @@ def read_header(path: Path) -> dict:
     """{name: StoredTensor} of one safetensors file (reads only its header). The header's size is
     bounded before it is read, and every entry is checked: a known dtype, a shape, offsets that
     match dtype x shape, lie inside the file and do not overlap. HeaderError otherwise."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         file_size = os.fstat(f.fileno()).st_size
         if file_size < 8:
             raise _unreadable(path, f"has {file_size} bytes, too few for a safetensors header")
@@ -120,7 +121,7 @@ def read_header(path: Path) -> dict:
 def read_index(path: Path) -> dict:
     """{tensor name: shard file name} of a model.safetensors.index.json; HeaderError if malformed."""
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        index = json.loads(read_regular_text(path))
     except (UnicodeDecodeError, ValueError) as exc:
         raise HeaderError(f"{path} is not a valid index (not JSON: {exc})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

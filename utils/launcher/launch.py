@@ -32,6 +32,7 @@ from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, Rendezv
 from utils.runtime.api_key import LAUNCHER_ENV
 from utils.runtime.errors import FieldError
 from utils.runtime.rank_console import RANK_LOG_DIR
+from utils.runtime.request_schema import join_image_names
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
 USAGE = ("usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB] | "
@@ -53,7 +54,7 @@ def flags(margs: dict) -> list[str]:
             continue
         out.append(f"--{key}")
         if key == "image" and isinstance(val, list):        # upstream's --image takes one comma-separated value
-            out.append(",".join(env_string(v) for v in val))
+            out.append(join_image_names(env_string(v) for v in val))         # a comma in a name escaped
         elif isinstance(val, list):
             out.extend(env_string(v) for v in val)
         elif val is not True:

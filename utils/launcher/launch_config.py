@@ -112,10 +112,14 @@ def load_config(path: Path) -> dict:
         raise ConfigError(".".join(path) or "config", f"aliases expand {what} to more than {MAX_YAML_NODES} values "
                           f"(line {line})", "write the values out; drop the aliases")
 
+    from adaptor_patches.weights.regular_files import read_regular_text, regular_file_problem
+    problem = regular_file_problem(path)
+    if problem:                                 # a named pipe would keep the read waiting for good
+        raise ConfigError("config", f"'{path}' {problem}", "pass a YAML file (see config/)")
     if not path.is_file():
         raise ConfigError("config", f"'{path}' does not exist", "pass an existing YAML file (see config/)")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+        data = yaml.load(read_regular_text(path), Loader=UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -315,18 +319,20 @@ def model_config(model_id, build_tiny: bool) -> dict | None:
         if not (ROOT / TINY_MODEL_SCRIPT).is_file():
             raise ConfigError("build_tiny_model", f"{TINY_MODEL_SCRIPT} is missing", "point model-id at a checkpoint")
         return None
+    open_model(path, regular_files_only=True)
     if not (path / "config.json").is_file():
         raise ConfigError(field, f"'{model_id}' is not a directory with a config.json",
                           "point it at a HunyuanImage-3 checkpoint dir")
     return open_model(path).config
 
 
-def open_model(path: Path):
-    """The checkpoint opened once (adaptor_patches/weights/checkpoint.py), as the ranks open it."""
+def open_model(path: Path, regular_files_only: bool = False):
+    """The checkpoint opened once (adaptor_patches/weights/checkpoint.py), as the ranks open it;
+    `regular_files_only`: only its files checked to be regular ones (nothing read)."""
     from adaptor_patches.parallel.layout import LayoutError
-    from adaptor_patches.weights.checkpoint import open_checkpoint
+    from adaptor_patches.weights.checkpoint import check_regular_files, open_checkpoint
     try:
-        return open_checkpoint(path)
+        return check_regular_files(path) if regular_files_only else open_checkpoint(path)
     except LayoutError as e:
         raise _config_error(e) from None
 

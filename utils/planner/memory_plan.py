@@ -96,19 +96,17 @@ def conditioning_tokens(config, raw: dict, images: int = None) -> int:
     return images * (image_tokens(config, (base, base)) + vit_tokens)
 
 
-def build_meta_model(config, layout, tp_rank: int, quantize=None):
+def build_meta_model(config, raw: dict, layout, tp_rank: int, quantize=None):
     """The patched model of global rank `tp_rank` (CFG branch 0) on the meta device, of the model
-    file `config` belongs to (the Instruct model keeps its vision tower and VAE encoder)."""
-    import importlib
+    file that runs the checkpoint whose config.json is `raw` (adaptor_patches/model_family.py, as the
+    loader asks; the Instruct model keeps its vision tower and VAE encoder)."""
     import torch
     from transformers.initialization import no_init_weights
     import model_adaptor
     from adaptor_patches.kernels.device import Device
-    from adaptor_patches.model_family import BASE_MODULE, INSTRUCT_MODULE
+    from adaptor_patches.model_family import model_class
     from adaptor_patches.parallel.context import RankContext, building
-    instruct = importlib.import_module(INSTRUCT_MODULE).HunyuanImage3ForCausalMM
-    model_cls = instruct if isinstance(config, instruct.config_class) else \
-        importlib.import_module(BASE_MODULE).HunyuanImage3ForCausalMM
+    model_cls = model_class(raw)
     was_applied = model_adaptor.is_applied()           # leave the process as it was (the launcher, tests)
     if not was_applied:
         model_adaptor.apply(Device("cpu"))
@@ -265,7 +263,7 @@ def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None,
     context = TEXT_TOKENS + conditioning_tokens(config, raw, conditioning_images)
     roles = []
     for tp_rank in sorted({0, layout.tp - 1}):
-        model = build_meta_model(config, layout, tp_rank, quantize)
+        model = build_meta_model(config, raw, layout, tp_rank, quantize)
         params = parameter_bytes(model)
         same = next((r for r in roles if r.params == params), None)
         if same is None:

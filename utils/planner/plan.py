@@ -279,6 +279,8 @@ def main(argv=None) -> int:
     try:
         from adaptor_patches.parallel.layout import Layout, LayoutError
         from utils.planner.memory_plan import read_config
+        from adaptor_patches.weights.checkpoint import check_regular_files
+        check_regular_files(args.model_id)
         if not (Path(args.model_id) / "config.json").is_file():
             raise PlanError(f"model-id: {args.model_id} has no config.json; pass a checkpoint or config/real_model")
         config, raw = read_config(args.model_id)

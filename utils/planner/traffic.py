@@ -133,6 +133,18 @@ def design_layout(design: Design, layout):
     return replace(layout, ulysses=for_layout(design, layout).ulysses)
 
 
+def runs_as(design: Design, layout):
+    """The Layout whose answers (sequence shares, Ulysses chunks, heads per rank) `design`'s lines
+    are computed from: `layout` with the design's Ulysses degree and sequence shares. A design the
+    layout cannot run that way (sequence shares under MoE TP without Ulysses) is refused."""
+    design = for_layout(design, layout)
+    runs = replace(layout, ulysses=design.ulysses, sequence_shares=design.sequence_sharded)
+    if runs.tp > 1 and runs.sequence_sharded != design.sequence_sharded:
+        raise ValueError(f"design: {design.name!r} holds sequence shares, which the layout {layout} ({layout.moe_mode} "
+                         f"MoE, Ulysses {design.ulysses}) does not; plan it on an MoE EP or Ulysses layout")
+    return runs
+
+
 def for_layout(design: Design, layout) -> Design:
     """ulysses=-1 means every rank of a branch (N = tp)."""
     return replace(design, ulysses=layout.tp) if design.ulysses == -1 else design
@@ -176,81 +188,67 @@ def image_tokens(config, image_size) -> int:
     return (height // (down[0] * config.patch_size)) * (width // (down[1] * config.patch_size))
 
 
-def padded_share(rows: int, parts: int) -> int:
-    return -(-rows // parts)
-
-
 # ---------------------------------------------------------------- one forward's lines
 
 def forward_lines(sizes: Sizes, layout, phase: str, seq: int, tp_rank: int = 0, design: Design = TODAY,
                   prediction_bytes: int = 0) -> list:
-    """The collectives of one forward over `seq` positions of each of this rank's batch rows."""
-    from adaptor_patches.parallel.layout import split_evenly
-    design = for_layout(design, layout)
+    """The collectives of one forward over `seq` positions of each of this rank's batch rows; the rows
+    each rank holds are the layout's answers (runs_as: the layout as the design runs it)."""
+    runs = runs_as(design, layout)
     batch = sizes.branches // layout.cfg                 # the [cond ; uncond] rows this branch holds
     tokens = batch * seq
+    split = runs.sequence_split(tokens, tp_rank)
     hidden_row = sizes.hidden * BF16
     n = layout.tp
     out = []
-    if n > 1 and not design.sequence_sharded:
+    if n > 1 and not runs.sequence_sharded:
         out.append(Line(phase, "attention TP all-reduce", "all_reduce", n, tokens * hidden_row, sizes.layers))
-    if n > 1 and design.sequence_sharded:
-        out += _sharded_attention_lines(sizes, layout, phase, tokens, tp_rank, design)
+    if n > 1 and runs.sequence_sharded:
+        out += _sharded_attention_lines(sizes, runs, phase, tokens, tp_rank, split)
     if n > 1 and layout.moe_mode == "tp" and sizes.moe_layers:
-        if design.sequence_sharded:
-            out.append(Line(phase, "MoE TP all-gather", "all_gather", n, padded_share(tokens, n) * hidden_row,
+        if runs.sequence_sharded:
+            out.append(Line(phase, "MoE TP all-gather", "all_gather", n, max(split.shares) * hidden_row,
                             sizes.moe_layers))
             out.append(Line(phase, "MoE TP reduce-scatter", "reduce_scatter", n,
-                            n * padded_share(tokens, n) * hidden_row, sizes.moe_layers))
+                            n * max(split.shares) * hidden_row, sizes.moe_layers))
         else:
             out.append(Line(phase, "MoE TP all-reduce", "all_reduce", n, tokens * hidden_row, sizes.moe_layers))
     if n > 1 and layout.moe_mode == "ep" and sizes.moe_layers:
-        if design.sequence_sharded:
-            from adaptor_patches.parallel.layout import padded_shares
-            rows = padded_shares(tokens, n)[tp_rank]
-        else:
-            rows = split_evenly(tokens, n)[tp_rank]
+        chunks = runs.token_chunks(tokens)                # rows replicated: each EP rank routes its chunk
+        rows = split.shares[tp_rank] if runs.sequence_sharded else chunks[tp_rank]
         out += _expert_parallel_lines(sizes, layout, phase, rows, design)
-        if not design.sequence_sharded:
-            longest = max(split_evenly(tokens, n))
+        if not runs.sequence_sharded:
             out.append(Line(phase, "MoE EP all-gather (rows replicated again)", "all_gather", n,
-                            longest * hidden_row, sizes.moe_layers))
-    if n > 1 and design.sequence_sharded:
-        out.append(Line(phase, "all-gather after the last layer", "all_gather", n,
-                        padded_share(tokens, n) * hidden_row))
+                            max(chunks) * hidden_row, sizes.moe_layers))
+    if n > 1 and runs.sequence_sharded:
+        out.append(Line(phase, "all-gather after the last layer", "all_gather", n, max(split.shares) * hidden_row))
     if layout.cfg > 1:
         out.append(Line(phase, "CFG all-gather of the prediction", "all_gather", layout.cfg, prediction_bytes))
     return out
 
 
-def _sharded_attention_lines(sizes: Sizes, layout, phase: str, tokens: int, tp_rank: int, design: Design) -> list:
-    """Attention on sequence shares: the attention-TP group's shares gathered into qkv_proj and
-    o_proj reduce-scattered back (each padded to the group's common share); under Ulysses the head
-    all-to-alls of this rank's group chunk out and every row of its heads back."""
-    from adaptor_patches.parallel.layout import padded_shares
-    n, ulysses = layout.tp, design.ulysses
-    tp_attn = n // ulysses
-    hidden_row = sizes.hidden * BF16
-    shares = padded_shares(tokens, n)
-    ulysses_rank = tp_rank // tp_attn
-    members = shares[ulysses_rank * tp_attn:(ulysses_rank + 1) * tp_attn]
+def _sharded_attention_lines(sizes: Sizes, runs, phase: str, tokens: int, tp_rank: int, split) -> list:
+    """Attention on sequence shares (`runs`: the layout as the design runs it; `split`: its answer for
+    this forward): the attention-TP group's shares gathered into qkv_proj and o_proj reduce-scattered
+    back (each padded to the group's common share); under Ulysses the head all-to-alls of this rank's
+    group chunk out and every row of its heads back."""
+    tp_attn, ulysses, members = runs.attention_tp, runs.ulysses, split.attention_shares
     out = []
     if tp_attn > 1 and max(members):
-        what = "Ulysses TP" if ulysses > 1 else "attention"
+        what, hidden_row = "Ulysses TP" if ulysses > 1 else "attention", sizes.hidden * BF16
         out.append(Line(phase, f"{what} all-gather before qkv_proj", "all_gather", tp_attn,
                         max(members) * hidden_row, sizes.layers))
         out.append(Line(phase, f"{what} reduce-scatter after o_proj", "reduce_scatter", tp_attn,
                         tp_attn * max(members) * hidden_row, sizes.layers))
     if ulysses > 1:
-        chunks = [sum(shares[u * tp_attn:(u + 1) * tp_attn]) for u in range(ulysses)]
-        q_heads = sizes.heads // tp_attn
-        kv_of_shard = max(sizes.kv_heads // tp_attn, 1)
-        kv_per_rank = max(kv_of_shard // ulysses, 1)          # replicated when N exceeds the shard's KV heads
-        head_row = sizes.head_dim * BF16
-        qkv = chunks[ulysses_rank] * (q_heads + 2 * kv_per_rank * ulysses) * head_row
+        heads = {"num_attention_heads": sizes.heads, "num_key_value_heads": sizes.kv_heads,
+                 "attention_head_dim": sizes.head_dim}
+        shard, mine = runs.heads(heads, tp_rank), runs.attention_heads(heads, tp_rank)
+        head_row = sizes.head_dim * BF16                    # KV heads replicated when N exceeds the shard's
+        qkv = split.ulysses_chunks[runs.ulysses_rank(tp_rank)] * (shard.heads + 2 * mine.kv_heads * ulysses) * head_row
         out.append(Line(phase, "Ulysses q/k/v all-to-all (heads)", "all_to_all", ulysses, qkv, sizes.layers))
         out.append(Line(phase, "Ulysses output all-to-all (rows)", "all_to_all", ulysses,
-                        tokens * (q_heads // ulysses) * head_row, sizes.layers))
+                        tokens * mine.heads * head_row, sizes.layers))
     return out
 
 

@@ -27,8 +27,11 @@ class BadRequest(FieldError):
         return self.field                        # a setting inside an object: step_cache.interval
 
 
-def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int) -> list:
-    """The ImageRequests of one API body (n of them, seeds seed, seed+1, ...) or BadRequest."""
+def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int, images=()) -> list:
+    """The ImageRequests of one API body (n of them, seeds seed, seed+1, ...) or BadRequest. `images`:
+    an edit's conditioning images (check_images), which each request carries to the rank loop (it
+    broadcasts them with it) and which the checker holds against the checkpoint (model_rules: the
+    base model takes none), as it does a prompts line's."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise BadRequest(unknown[0], f"unknown field '{unknown[0]}'", f"fields: {', '.join(FIELDS[:8])}")
@@ -54,7 +57,8 @@ def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int) -> lis
     try:
         if body.get("step_cache") is not None:       # a mode or an object of settings over the server's
             fields["step_cache"] = REQUEST["step_cache"].check(body["step_cache"], base=defaults.step_cache)
-        request = replace(defaults, **fields, save=None, save_text=None)
+        request = replace(defaults, **fields, save=None, save_text=None,
+                          **({"image_inputs": tuple(images)} if images else {}))
         problem = checker.problem(request)
     except FieldError as exc:
         problem = exc
@@ -175,13 +179,3 @@ def check_images(payloads: list) -> list:
     return images
 
 
-def edit_requests(requests: list, images: list, limit: int) -> list:
-    """The hand-off from the HTTP side to the model: each request carries the images' bytes, which the
-    rank loop broadcasts with it (every rank decodes them alike). A checkpoint that takes none (limit
-    0, the base model) is refused."""
-    if limit == 0:
-        raise BadRequest("image", "this checkpoint takes no conditioning images",
-                         "use POST /v1/images/generations, or serve an Instruct checkpoint")
-    if len(images) > limit:
-        raise BadRequest("image", f"{len(images)} images; this checkpoint takes at most {limit}", f"send 1 to {limit}")
-    return [replace(request, image_inputs=tuple(images)) for request in requests]

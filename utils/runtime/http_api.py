@@ -16,8 +16,7 @@ import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
-from utils.runtime.api_bodies import (BadRequest, check_images, edit_requests, form_fields, json_images, result_item,
-                                      take_stream)
+from utils.runtime.api_bodies import BadRequest, check_images, form_fields, json_images, result_item, take_stream
 from utils.runtime.api_key import bearer
 
 MAX_BODY_BYTES = 1 << 20
@@ -99,9 +98,7 @@ def edits(http, app) -> None:
         if "mask" in body:
             raise BadRequest("mask", "is not supported", "leave it out: the prompt says what to change")
         stream = take_stream(body)
-        requests = app.parse(body)
-        images = check_images(payloads)
-        requests = edit_requests(requests, images, app.model_card()["data"][0]["capabilities"]["conditioning_images"])
+        requests = app.parse(body, check_images(payloads))
     except BadRequest as exc:
         raise ApiError.bad_request(exc) from None
     run_job(http, app, app.submit(requests), start, stream)
@@ -171,7 +168,7 @@ ROUTES = {           # (method, path) -> (endpoint, needs the key)
 
 
 def not_found(method: str, path: str) -> ApiError:
-    if method == "GET":
+    if method in ("GET", "HEAD"):
         return ApiError(404, f"no such path {path}; use POST /v1/images/generations, GET /v1/models, GET /health, "
                              f"GET /metrics, or the page at /", kind="not_found")
     return ApiError(404, f"no such path {path}", kind="not_found")
@@ -195,17 +192,32 @@ class ApiHandler(BaseHTTPRequestHandler):
     def do_GET(self):
         self.route()
 
+    def do_HEAD(self):                  # GET's answer without its body (send_body), wherever GET is served
+        self.route()
+
     def do_POST(self):
         self.route()
 
     def method_not_allowed(self):
-        self.send_error(405, f"method {self.command} is not allowed; use GET or POST")
+        self.send_error(405, f"method {self.command} is not allowed; use GET, HEAD or POST")
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = method_not_allowed
 
+    def parse_request(self) -> bool:
+        """http.server's parse, then RFC 9110 5.5: a field value holding a NUL byte is refused (400)."""
+        if not super().parse_request():
+            return False
+        bad = next((name for name, value in self.headers.items() if "\0" in value or "\0" in name), None)
+        if bad is not None:
+            self.send_error(400, f"{ascii(bad)[1:-1]}: the header's value holds a NUL byte; send it without one "
+                                 f"(RFC 9110 5.5)")
+            return False
+        return True
+
     def route(self) -> None:
         self.route_path = self.path.split("?", 1)[0]
-        endpoint, needs_key = ROUTES.get((self.command, self.route_path), (None, False))
+        method = "GET" if self.command == "HEAD" else self.command
+        endpoint, needs_key = ROUTES.get((method, self.route_path), (None, False))
         try:
             if endpoint is None:
                 raise not_found(self.command, self.path)
@@ -321,15 +333,15 @@ class ApiHandler(BaseHTTPRequestHandler):
         self.send_body(code, text.encode(), content_type)
 
     def send_body(self, code: int, data: bytes, content_type: str, headers=()) -> None:
-        if self.command == "HEAD":
-            data = b""
+        """The response; to HEAD the same status and headers (the body's length included), no body."""
         self.send_response(code)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for name, value in headers:
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def error(self, code: int, message: str, param=None, kind="invalid_request_error", headers=(), refusal=None):
         """OpenAI's error shape; a schema refusal also carries its problem and fix apart."""
@@ -350,7 +362,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         self.close_connection = True
         kind = "method_not_allowed" if code == 405 else "invalid_request_error"
         text = message or self.responses.get(code, ("error",))[0]
-        headers = [("Allow", "GET, POST"), ("Connection", "close")] if code == 405 else [("Connection", "close")]
+        headers = [("Allow", "GET, HEAD, POST"), ("Connection", "close")] if code == 405 else [("Connection", "close")]
         if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":     # unparsed: no status line
             self.request_version = "HTTP/1.0"
         self.error(code, text, kind=kind, headers=headers)

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+from adaptor_patches.weights.regular_files import read_regular_bytes, regular_file_problem
 from utils.runtime.output_rule import OutputRule, prompts_file_save
 from utils.runtime.request_schema import REQUEST, REQUEST_FIELDS, FieldError, is_int, request_type  # noqa: F401
 
@@ -148,8 +149,12 @@ def _parse_line(text: str, number: int, jsonl: bool) -> dict:
 
 
 def read_lines(path: Path) -> list:
+    problem = regular_file_problem(path)
+    if problem:                                    # a named pipe would keep the read waiting for good
+        raise RequestError("prompts", f"{path} {problem}", "pass a prompts file (one prompt, or one JSON object, "
+                                                          "per line)")
     try:
-        data = path.read_bytes()
+        data = read_regular_bytes(path)
     except (OSError, ValueError) as exc:           # ValueError: a path with a NUL byte
         reason = getattr(exc, "strerror", None) or exc
         raise RequestError("prompts", f"cannot read {path} ({reason})", "pass a readable file") from None
@@ -166,11 +171,11 @@ def read_lines(path: Path) -> list:
 def line_images(paths: tuple, folder: Path, rule: OutputRule, number: int) -> tuple:
     """A line's image files, relative to the prompts file's folder: each checked (read whole, then
     dropped: rank 0 reads it again when the line runs) and an input no output may land on."""
-    from utils.runtime.input_images import read_image
+    from utils.runtime.input_images import read_image, split_from
     resolved = []
     for given in paths:
         image = folder / given                  # an absolute `given` stays itself
-        read_image(image)
+        read_image(image, split_from=split_from(paths))
         rule.add_input("image", image, f"conditioning image of line {number}")
         resolved.append(str(image))
     return tuple(resolved)

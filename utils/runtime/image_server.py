@@ -192,6 +192,12 @@ class ImageServer:
                                                                   steps=steps))
 
     def deliver(self, results) -> None:
+        """The running job's results to its client; an image every rank ended without is one log line
+        with each rank's own words (a cancel: the denoising step each rank stopped before)."""
+        for i, result in enumerate(results, 1):
+            if not result.ok:
+                self.log(f"image {i} of {len(results)} ended without an image on every rank: "
+                         + "; ".join(f"rank {rank}: {words}" for rank, words in enumerate(result.every_rank)))
         job, self.running = self.running, None
         self.unanswered = [j for j in self.unanswered if not j.answered.is_set()] + [job]
         job.finish(results)
@@ -238,10 +244,10 @@ class ImageServer:
             self._model_card = model_card(self.checker, self.defaults, self.max_n)
         return self._model_card
 
-    def parse(self, body: dict, parse=parse_body) -> list:
-        """The body's checked ImageRequests, or BadRequest."""
+    def parse(self, body: dict, images=()) -> list:
+        """The body's checked ImageRequests (an edit's: carrying its `images`), or BadRequest."""
         with self.check_lock:                    # the tokenizer is shared by the handler threads
-            return parse(body, self.defaults, self.checker, self.max_n)
+            return parse_body(body, self.defaults, self.checker, self.max_n, images)
 
     def submit(self, requests: list) -> Job:
         """Queue a job, or ApiError 503 (stopping, still loading, queue full)."""

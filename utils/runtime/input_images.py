@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from adaptor_patches.weights.regular_files import read_regular_bytes, regular_file_problem
 from utils.runtime.errors import FieldError
 from utils.runtime.request_schema import MAX_IMAGES  # noqa: F401  (the count rule is the schema's)
 
@@ -62,21 +63,27 @@ def bytes_problem(data: bytes) -> Optional[tuple]:
     return None
 
 
-def read_image(path, field: str = "image") -> InputImage:
-    """One image file, read whole and checked; FieldError naming `field` (missing, a folder,
-    unreadable, not an image, too large)."""
+def read_image(path, field: str = "image", split_from: Optional[str] = None) -> InputImage:
+    """One image file, read whole and checked; FieldError naming `field` (missing, a folder, not a
+    regular file, unreadable, not an image, too large). `split_from`: the argument it was cut from
+    at a comma, named when the file is missing (the comma may have been meant as part of a name)."""
     path = Path(path)
     shown = os.fspath(path)
     if not path.exists():
-        raise FieldError(field, f"{shown} does not exist", "check the path (relative paths: see docs/CLI.md)")
+        split = "" if split_from is None else \
+            f" (a name split from {split_from!r} at its commas; a comma inside a file name is written \\,)"
+        raise FieldError(field, f"{shown} does not exist{split}", "check the path (relative paths: see docs/CLI.md)")
     if path.is_dir():
         raise FieldError(field, f"{shown} is a directory", "name an image file")
+    problem = regular_file_problem(path)
+    if problem:                             # a named pipe would keep the read waiting for good
+        raise FieldError(field, f"{shown} {problem}", "name an image file")
     try:
         size = path.stat().st_size
         if size > MAX_IMAGE_BYTES:          # not read: a 2 GB file would be, whole
             raise FieldError(field, f"{shown} has {size} bytes, more than {MAX_IMAGE_BYTES} ({MAX_IMAGE_BYTES >> 20} "
                                     f"MiB)", "use a smaller file")
-        data = path.read_bytes()
+        data = read_regular_bytes(path)
     except OSError as exc:
         raise FieldError(field, f"cannot read {shown} ({exc.strerror or exc})", "fix its permissions or copy it") from None
     problem = bytes_problem(data)
@@ -86,7 +93,14 @@ def read_image(path, field: str = "image") -> InputImage:
 
 
 def read_images(paths, field: str = "image") -> tuple:
-    return tuple(read_image(path, field) for path in paths or ())
+    """`paths` (request_schema.ImagePaths: with the argument they were split from) read and checked."""
+    return tuple(read_image(path, field, split_from(paths)) for path in paths or ())
+
+
+def split_from(paths) -> Optional[str]:
+    """The one argument `paths` were cut from at its commas, if they were (ImagePaths.given)."""
+    given = getattr(paths, "given", None)
+    return given if given is not None and len(paths) > 1 else None
 
 
 def decode(image: InputImage):
@@ -123,7 +137,11 @@ def request_images(request, dist=None) -> list:
     compared their images' digests (`same_on_every_rank`)."""
     if getattr(request, "image_problem", None):
         raise InputImageError(request.image_problem)
-    inputs = request.image_inputs or ()
+    return decoded_images(request.image_inputs or (), dist)
+
+
+def decoded_images(inputs, dist=None) -> list:
+    """Every rank: `inputs` (InputImage) decoded, after the ranks compared their digests."""
     same_on_every_rank(dist, inputs)
     return [decode(image) for image in inputs]
 

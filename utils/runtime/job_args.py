@@ -87,7 +87,8 @@ def from_model_args(margs: dict, resolve: Optional[Callable] = None) -> argparse
         if name == "multi_stream":
             value = ON_OFF.get(value, value)
         elif name == "image":                   # a list or "a.png,b.png", each path resolved
-            value = tuple(str(resolve(p)) if resolve is not None else p for p in schema.REQUEST["image"].check(value))
+            names = schema.REQUEST["image"].check(value)
+            value = schema.ImagePaths([str(resolve(p)) if resolve is not None else p for p in names], names.given)
         elif name in PATH_FLAGS and resolve is not None and isinstance(value, str):
             value = str(resolve(value))
         setattr(args, name, value)

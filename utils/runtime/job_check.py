@@ -50,7 +50,9 @@ class ModelFiles:
     """The checkpoint's JSON files the checks read, each read once."""
 
     def __init__(self, model_id):
+        from adaptor_patches.weights.checkpoint import check_regular_files
         self.directory = Path(model_id)
+        check_regular_files(self.directory)          # a named pipe among them would stop the job for good
         if not (self.directory / "config.json").is_file():
             raise FieldError("model-id", f"{self.directory} has no config.json", "pass a HunyuanImage-3 checkpoint dir "
                              "(utils/make_tiny_model.py --out DIR makes a tiny one)")

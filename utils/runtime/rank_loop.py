@@ -32,6 +32,7 @@ class ImageResult:
     error: Optional[str] = None          # "ErrorType: message" when every rank failed alike
     text_phase: Optional[dict] = None    # model.last_text_phase.summary()
     step_cache: Optional[dict] = None    # StepCacheRun.summary() when the image ran with a step cache
+    every_rank: tuple = ()               # on failure: each rank's own "ErrorType: message", in rank order
 
     @property
     def ok(self) -> bool:
@@ -79,7 +80,8 @@ class RankLoop:
         kinds = {o[0] for o in outcomes if o is not None}
         if len(kinds) == 1 and all(o is not None for o in outcomes):
             first = outcomes[0]
-            return ImageResult(request, None, seconds, f"{first[0]}: {first[1]}")
+            return ImageResult(request, None, seconds, f"{first[0]}: {first[1]}",
+                               every_rank=tuple(f"{kind}: {message}" for kind, message in outcomes))
         bad = next(r for r, o in enumerate(outcomes) if o is not None)
         raise RankFailure(f"rank {bad} failed on {request.label} ({outcomes[bad][0]}: {outcomes[bad][1]}) while "
                           f"{sum(o is None for o in outcomes)} rank(s) succeeded; the ranks cannot go on together")

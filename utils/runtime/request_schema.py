@@ -26,6 +26,7 @@ from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS
     StepCacheSettings, settings_from_value
 from utils.runtime.api_key import ENV_NAME, key_problem
 from utils.runtime.errors import FieldError, UsageError  # noqa: F401  (the schema's refusals)
+from utils.runtime.upstream_taylor import UPSTREAM_DEFAULTS
 
 SEED_RANGE = (0, 2**32 - 1)
 MAX_STEPS = 1000
@@ -35,6 +36,31 @@ BOT_TASKS = ("image", "auto", "think", "recaption", "think_recaption")     # thi
 MAX_IMAGES = 3                  # conditioning images upstream's Instruct model takes (utils/runtime/input_images.py)
 MAX_GUIDANCE = 100.0
 IMAGE_SIZE = re.compile(r"([0-9]+)[x:]([0-9]+)\Z")
+
+
+ESCAPED_COMMA = "\\,"          # in an --image value: a comma inside a file name, not between two
+UNESCAPED_COMMA = re.compile(r"(?<!\\),")
+
+
+class ImagePaths(tuple):
+    """Image file names and `given`, the text they were split from (None: a list, never split), so
+    that a refusal can name the argument as the user wrote it."""
+
+    def __new__(cls, paths, given=None):
+        self = super().__new__(cls, paths)
+        self.given = given
+        return self
+
+
+def split_image_names(text: str) -> list:
+    """upstream's "a.png,b.png": the names between the commas, a backslash-escaped comma (\\,) kept
+    in its name: "fox\\,hat.png" is one file, fox,hat.png."""
+    return [part.replace(ESCAPED_COMMA, ",") for part in UNESCAPED_COMMA.split(text)]
+
+
+def join_image_names(paths) -> str:
+    """split_image_names' inverse: one --image value naming `paths` (the launcher's YAML lists)."""
+    return ",".join(path.replace(",", ESCAPED_COMMA) for path in paths)
 
 
 def is_int(value) -> bool:
@@ -161,9 +187,10 @@ class Field:
         return value
 
     def check_images(self, value, name: str) -> tuple:
-        """Image file names: "a.png,b.png" (upstream's --image) or a list; each stripped, empty ones
-        dropped (as upstream does); 1..MAX_IMAGES of them. The files are input_images.py's to check."""
-        items = value.split(",") if isinstance(value, str) else value
+        """Image file names: "a.png,b.png" (upstream's --image; `\\,` a comma inside a name) or a list;
+        each stripped, empty ones dropped (as upstream does); 1..MAX_IMAGES of them, as ImagePaths. The
+        files are input_images.py's to check."""
+        items = split_image_names(value) if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
             self.refuse(f"{value!r} is not a file name or a list of them", field=name)
         paths = []
@@ -179,7 +206,7 @@ class Field:
         if len(paths) > MAX_IMAGES:
             self.refuse(f"{len(paths)} images; the Instruct model takes 1 to {MAX_IMAGES}", "give at most "
                         f"{MAX_IMAGES} (upstream's limit)", field=name)
-        return tuple(paths)
+        return ImagePaths(paths, value if isinstance(value, str) else None)
 
     def rename_note(self, value) -> Optional[str]:
         """One `note:` line when `value` is an old name of a choice, else None."""
@@ -290,7 +317,6 @@ JOB_OPTIONS += tuple(Field(f"step_cache_{name}", "step_cache_setting", getattr(S
 # (upstream's defaults apply, and a setting given without --use-taylor-cache is refused).
 def _upstream_int(name: str, meaning: str, low: int) -> Field:
     """One of upstream's --taylor-cache-* numbers, its default (upstream_taylor.UPSTREAM_DEFAULTS) in the help."""
-    from utils.runtime.upstream_taylor import UPSTREAM_DEFAULTS
     default = UPSTREAM_DEFAULTS[name]
     return Field(name, "int", None, f"upstream's: {meaning} (default {default})", low, None, optional=True,
                  example=str(default))

@@ -86,15 +86,16 @@ def upstream_step_cache(values: Callable[[str], object]) -> Optional[StepCacheSe
 
 def with_step_cache_flags(values: Callable[[str], object], taylor: StepCacheSettings) -> Callable[[str], object]:
     """`values` with --step-cache and its warm-up / interval / order set from `taylor`; FieldError when
-    the job gives --step-cache or one of those settings too (two answers to one question)."""
-    from utils.runtime.request_schema import JOB
+    the job gives --step-cache or one of those settings too (two answers to one question). A setting
+    left at its default (StepCacheSettings', which the schema's --step-cache-* flags declare) is not given."""
+    defaults = StepCacheSettings()
     mode = values("step_cache")
     if getattr(mode, "mode", mode) not in (None, "none"):
         raise FieldError("use-taylor-cache", f"runs as --step-cache taylor, and --step-cache "
                                              f"{getattr(mode, 'mode', mode)} is given too", "pass one of them")
     for name in MAPPED_SETTINGS:
         value = values(f"step_cache_{name}")
-        if value is not None and value != JOB[f"step_cache_{name}"].default:
+        if value is not None and value != getattr(defaults, name):
             raise FieldError(f"step-cache-{name}", "--use-taylor-cache sets it from upstream's flags",
                              "pass one of them")
     mapped = {"step_cache": taylor.mode, **{f"step_cache_{n}": getattr(taylor, n) for n in MAPPED_SETTINGS}}

@@ -24,16 +24,13 @@ def run_one(model_dir: Path, image: str, steps: int, out: Path, name: str, kind:
     import model_adaptor
     from adaptor_patches.kernels.device import resolve
     from adaptor_patches.metrics import PhaseTimer
-    from adaptor_patches.parallel.context import RankContext
-    from adaptor_patches.weights.load import load_model
     from utils.runtime.outputs import write_atomically
-    device = model_adaptor.apply(resolve(kind, 0, cpu_noise=True), shims_only=adaptor == "shims")
-    device.make_current()
+    from utils.runtime.rank_model import load_rank_model
     try:
         with torch.no_grad():
-            model = load_model(model_dir, RankContext(device=device), per_rank=adaptor == "full")
-            model.pipeline.set_progress_bar_config(disable=True)
-            timer = PhaseTimer(device).attach(model)
+            model, context = load_rank_model(model_dir, resolve(kind, 0, cpu_noise=True), shims_only=adaptor == "shims",
+                                             per_rank=adaptor == "full")
+            timer = PhaseTimer(context.device).attach(model)
             _, images = model.generate_image(prompt=PROMPT, image=image, seed=SEED, image_size="256x256",
                                              bot_task="image", use_system_prompt="None", diff_infer_steps=steps)
         write_atomically(out / f"{name}.png", lambda tmp: images[0].save(tmp, format="PNG"))

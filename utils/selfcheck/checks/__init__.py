@@ -39,3 +39,24 @@ def judged(section: str, check: str, value: float, limit: float, detail: str = "
     """pass when value <= limit (at_most) or value >= limit (not at_most), else fail."""
     ok = value <= limit if at_most else value >= limit
     return Result(section, check, "pass" if ok else "fail", value, limit, detail, data)
+
+
+def slowest_median(dist, device, fn, iterations: int, warmup: int = 2) -> float:
+    """Seconds of one fn() on a group of ranks: each call between a barrier and the device's syncs,
+    the median of `iterations` after `warmup`, then the slowest rank's (a MAX all-reduce of float32:
+    HCCL documents no float64 on A2 / A3). `device`: the rank's Device; every rank calls it alike."""
+    import statistics
+    import time
+    import torch
+    samples = []
+    for i in range(warmup + iterations):
+        dist.barrier()
+        device.synchronize()
+        begin = time.perf_counter()
+        fn()
+        device.synchronize()
+        if i >= warmup:
+            samples.append(time.perf_counter() - begin)
+    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float32, device=device.torch_device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)

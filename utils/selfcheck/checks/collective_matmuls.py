@@ -10,12 +10,9 @@ the fused torch_npu ops (A3; on A2 the gather only), on CUDA symmetric memory wh
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
-from . import Result, judged
+from . import Result, judged, slowest_median
 
 SECTION = "collectives"
 LIMIT = 2e-2                      # of the largest value: bf16 products and partial sums
@@ -53,20 +50,8 @@ def measure(dist, device, kernels, rank: int, n: int, shape: dict, iterations: i
     for name, (args, want) in ops.items():
         fused, plain = getattr(kernels, name), getattr(CollectiveMatmuls, name).__get__(kernels)
         error = _error(fused(*args), want)
-        times = {}
-        for label, fn in (("fused_s", fused), ("plain_s", plain)):
-            samples = []
-            for i in range(iterations + 2):
-                dist.barrier()
-                device.synchronize()
-                begin = time.perf_counter()
-                fn(*args)
-                device.synchronize()
-                if i >= 2:
-                    samples.append(time.perf_counter() - begin)
-            slowest = torch.tensor([statistics.median(samples)], dtype=torch.float32, device=dev)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            times[label] = float(slowest)
+        times = {label: slowest_median(dist, device, lambda fn=fn: fn(*args), iterations)
+                 for label, fn in (("fused_s", fused), ("plain_s", plain))}
         worst = torch.tensor([error], dtype=torch.float32, device=dev)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         out[name] = {"error": float(worst), "form": forms[name], **times, "rows": rows, "shares": shares}

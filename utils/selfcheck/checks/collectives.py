@@ -14,13 +14,11 @@ import datetime
 import json
 import os
 import socket
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from . import Result
+from . import Result, slowest_median
 
 SECTION = "collectives"
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -71,18 +69,7 @@ def bandwidth(dist, device_obj, rank: int, n: int, size: int, iterations: int) -
            "all_to_all": (lambda: dist.all_to_all_single(out, buf), elems * 2)}
     result = {}
     for name, (op, nbytes) in ops.items():
-        times = []
-        for i in range(iterations + 2):
-            dist.barrier()
-            device_obj.synchronize()
-            start = time.perf_counter()
-            op()
-            device_obj.synchronize()
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float32, device=dev)   # HCCL documents no float64 on A2/A3
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        seconds = slowest.item()
+        seconds = slowest_median(dist, device_obj, op, iterations)
         result[name] = {"bytes": nbytes, "seconds": seconds,
                         "busbw_gbps": nbytes / seconds * BUS_FACTOR[name](n) / 1e9}
     return result

@@ -94,18 +94,13 @@ def _generate(out_dir: Path, name: str, kind: str, nproc: int, flags=(), steps: 
     return png, latents
 
 
-def ensure_tiny_model() -> None:
-    if not (TINY / "config.json").is_file():
-        subprocess.run([sys.executable, "utils/make_tiny_model.py", "--out", str(TINY)], cwd=ROOT, check=True,
-                       capture_output=True)
-
-
 def generation_checks(kind: str, nproc: int, out_dir: Path, steps: int = 4) -> list:
+    from utils.make_tiny_model import ensure_tiny_model
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        ensure_tiny_model()
-    except subprocess.CalledProcessError as exc:
-        return [Result(SECTION, "tiny model", "fail", detail=f"make_tiny_model.py failed: {exc.stderr[-200:]}")]
+        ensure_tiny_model(TINY)
+    except RuntimeError as exc:
+        return [Result(SECTION, "tiny model", "fail", detail=str(exc))]
     config = json.loads((TINY / "config.json").read_text())
     runs = [("cpu-1rank", "cpu", 1, ())]
     if kind != "cpu":

@@ -20,7 +20,7 @@ from .generation import latent_rel_err, psnr
 
 SECTION = "instruct"
 ROOT = Path(__file__).resolve().parents[3]
-CHECKPOINTS = {"instruct-edit": ("tiny_instruct", "--instruct"), "distil-edit": ("tiny_distil", "--distil")}
+CHECKPOINTS = {"instruct-edit": ("tiny_instruct", "instruct"), "distil-edit": ("tiny_distil", "distil")}
 INPUT = ROOT / "assets" / "demo_instruct_imgs" / "input_0_0.png"       # staged with upstream
 # Final-latent relative error a correct run stays within: another device's bf16 kernels (as the
 # generation section's), or on the CPU upstream eager (tests/test_instruct.py's bound: 7.5e-3 to
@@ -29,12 +29,9 @@ LATENT_LIMIT = {"device": 0.05, "eager": 0.02}
 
 
 def ensure_checkpoint(name: str) -> Path:
-    folder, flag = CHECKPOINTS[name]
-    path = ROOT / "models" / folder
-    if not (path / "config.json").is_file():
-        subprocess.run([sys.executable, "utils/make_tiny_model.py", "--out", str(path), flag], cwd=ROOT, check=True,
-                       capture_output=True, text=True)
-    return path
+    from utils.make_tiny_model import ensure_tiny_model
+    folder, variant = CHECKPOINTS[name]
+    return ensure_tiny_model(ROOT / "models" / folder, variant)
 
 
 def runs_for(kind: str) -> list:
@@ -60,9 +57,8 @@ def instruct_checks(kind: str, out_dir: Path, steps: int = 2, timeout: float = 9
     for name in CHECKPOINTS:
         try:
             model = ensure_checkpoint(name)
-        except subprocess.CalledProcessError as exc:
-            results.append(Result(SECTION, f"{name} checkpoint", "fail",
-                                  detail=f"make_tiny_model.py failed: {exc.stderr[-200:]}"))
+        except RuntimeError as exc:
+            results.append(Result(SECTION, f"{name} checkpoint", "fail", detail=str(exc)))
             continue
         folder = out_dir / name
         cmd = [sys.executable, "-m", "utils.selfcheck.instruct_generate", "--model", str(model), "--image",

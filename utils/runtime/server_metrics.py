@@ -1,11 +1,13 @@
 """The server's counters, kept for weeks: requests by status code, images, denoising forwards, a latency
-histogram. Prometheus text on GET /metrics, one summary line when the server stops."""
+histogram, the requests per forward batch. Prometheus text on GET /metrics, one summary line when the
+server stops."""
 from __future__ import annotations
 
 import collections
 import threading
 
 LATENCY_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Metrics:
@@ -17,6 +19,7 @@ class Metrics:
         self.buckets, self.latency_sum, self.latency_count = [0] * len(LATENCY_BUCKETS), 0.0, 0
         self.recent = collections.deque(maxlen=20)
         self.forwards, self.forwards_cached = 0, 0
+        self.batch_buckets, self.batch_sum, self.batch_count, self.largest_batch = [0] * len(BATCH_BUCKETS), 0, 0, 0
 
     def count(self, code: int, seconds=None, images: int = 0, forwards=(0, 0)) -> None:
         with self.lock:
@@ -30,11 +33,24 @@ class Metrics:
                 self.latency_count += 1
                 self.recent.append(seconds)
 
+    def count_batches(self, sizes: list) -> None:
+        """One made image's forward batch size per entry (a forward of B requests appears B times)."""
+        with self.lock:
+            for size in sorted(set(sizes)):
+                forwards = sizes.count(size) // size
+                self.batch_buckets = [n + forwards * (size <= bound) for n, bound in zip(self.batch_buckets,
+                                                                                         BATCH_BUCKETS)]
+                self.batch_sum += forwards * size
+                self.batch_count += forwards
+                self.largest_batch = max(self.largest_batch, size)
+
     def summary(self) -> str:
         with self.lock:
             saved = self.forwards_cached / self.forwards if self.forwards else 0.0
-            return (f"{self.images} image(s), {self.forwards} denoising steps, {self.forwards_cached} of them "
-                    f"cached by the step cache ({saved:.0%} of the forwards saved)")
+            batches = f", {self.batch_count} forward batch(es), the largest {self.largest_batch}" \
+                if self.batch_count else ""
+            return (f"{self.images} image(s){batches}, {self.forwards} denoising steps, {self.forwards_cached} of "
+                    f"them cached by the step cache ({saved:.0%} of the forwards saved)")
 
     def mean_latency(self) -> float:
         with self.lock:
@@ -62,5 +78,15 @@ class Metrics:
                       for bound, n in zip(LATENCY_BUCKETS, self.buckets)]
             lines += [f'hunyuan_request_seconds_bucket{{le="+Inf"}} {self.latency_count}',
                       f"hunyuan_request_seconds_sum {self.latency_sum:.6f}",
-                      f"hunyuan_request_seconds_count {self.latency_count}"]
+                      f"hunyuan_request_seconds_count {self.latency_count}",
+                      "# HELP hunyuan_batch_requests Requests (images) per forward batch of the denoising loop.",
+                      "# TYPE hunyuan_batch_requests histogram"]
+            lines += [f'hunyuan_batch_requests_bucket{{le="{bound}"}} {n}'
+                      for bound, n in zip(BATCH_BUCKETS, self.batch_buckets)]
+            lines += [f'hunyuan_batch_requests_bucket{{le="+Inf"}} {self.batch_count}',
+                      f"hunyuan_batch_requests_sum {self.batch_sum}",
+                      f"hunyuan_batch_requests_count {self.batch_count}",
+                      "# HELP hunyuan_largest_batch The most requests one forward batch has made.",
+                      "# TYPE hunyuan_largest_batch gauge",
+                      f"hunyuan_largest_batch {self.largest_batch}"]
         return "\n".join(lines) + "\n"

@@ -78,7 +78,8 @@ class Job:
             return self.version
 
     def finish(self, results=None, refusal=None) -> None:
-        self.results, self.refusal = results, refusal
+        self.results = results if results is not None else self.results
+        self.refusal = refusal
         self.done.set()
         self.touch()
 
@@ -276,7 +277,8 @@ class ImageServer:
     def deliver(self, results) -> None:
         members, self.running = self.running, []
         for (job, index), result in zip(members, results):
-            job.results[index] = result
+            if not job.done.is_set():                        # a job that left mid-batch: its image is dropped
+                job.results[index] = result
         self.metrics.count_batches([r.batch_size for r in results if r.ok])
         for job in dict.fromkeys(job for job, _ in members):
             if job.done.is_set() or job.taken < len(job.requests) or any(r is None for r in job.results):

@@ -300,7 +300,7 @@ class ApiHandler(BaseHTTPRequestHandler):
             event = ("progress", {"type": "progress", **job.progress})
         elif app.is_running(job):
             event = ("progress", {"type": "progress", "image": 1, "images": len(job.requests), "step": 0,
-                                  "steps": job.requests[0].diff_infer_steps})
+                                  "steps": job.requests[0].diff_infer_steps, "batch": len(app.running)})
         else:
             event = None
         if event is not None and event != self.last_event:

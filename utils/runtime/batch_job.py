@@ -49,6 +49,8 @@ def image_record(result) -> dict:
         record["batch_size"] = result.batch_size
         phase = result.text_phase or {}
         record["text_tokens"] = phase.get("tokens_generated", 0)
+        if record["text_tokens"]:
+            record["text_phase_s"] = phase.get("text_phase_s", 0.0)
         if result.step_cache:
             record["step_cache"] = result.step_cache
     else:

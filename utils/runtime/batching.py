@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-DEFAULT_MAX_BATCH = 4       # docs/SERVING.md, docs/BENCHMARKS.md: images per hour against B on the tiny checkpoint
+DEFAULT_MAX_BATCH = 4       # bench/throughput.py (docs/BENCHMARKS.md, 2026-12-02): 4 ranks gain most at 4, one rank ties 2
 
 
 def compatibility_key(request, snap: Optional[Callable] = None) -> tuple:

@@ -17,9 +17,13 @@ The base model's file (conftest's gained checkpoint with the text phase's LM hea
 The Instruct model: two edits with different conditioning images (96x80 and 64x64: different
 token counts per row), one batch under CFG parallel. Instruct-Distil (one branch, one guidance value
 per row): two lines under attention TP.
-Measured (this checkpoint and seeds): one process 50.5-54.1 dB (taylor pair 52.6 dB and bit-equal);
-TP2 49.5-52.5, CFG2 48.5-55.0 dB; Instruct edits under CFG2 55.0 / 93.3 dB; Distil under TP2 54.2 /
-54.4 dB.
+Measured (these checkpoints and seeds; each line's PSNR to its alone image): one process 50.5-51.9 dB
+for the three, 48.0 / 54.1 for the `auto` pair (it chose one size: one forward), 52.6 dB and
+bit-equal for the taylor pair; TP2 49.5-51.5, CFG2 50.7-53.1, MoE EP2 x CFG2 + VAE parallel
+49.3-51.6, Ulysses 2 x TP2 + MoE TP 49.7-50.9 dB; Instruct edits under CFG2 55.0 / 93.3 dB; Distil
+under TP2 54.2 / 54.4 dB; every other line's alone image 13-15 dB away. Broken on purpose, the
+bound caught it: the seeds reversed inside the batch (one process: 14.0 dB), each row's conditioning
+latent drawn from the first request's generator as upstream does (Instruct edits: 14.8 dB).
 """
 import json
 

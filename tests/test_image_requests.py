@@ -162,6 +162,7 @@ class Stages:
 
 
 def test_rank_loop_reports_a_request_every_rank_failed_and_goes_on():
+    from adaptor_patches.denoise_watch import DenoiseCancelled
     stages = Stages(text_fails={"bad": ValueError("no room in the context")})
     messages = iter([("run", [ImageRequest("good")]), ("tick", None), ("run", [ImageRequest("bad"), ImageRequest("ok")]),
                      ("stop", None)])
@@ -174,6 +175,10 @@ def test_rank_loop_reports_a_request_every_rank_failed_and_goes_on():
     loop = RankLoop(None, 0, Stages(image_fails=True), lambda exc: False)       # a forward batch fails as a whole
     results = loop.run_batch([ImageRequest("a"), ImageRequest("b")])
     assert [r.error for r in results] == ["ValueError: out of memory"] * 2
+    stages = Stages()
+    stages.image = lambda requests, handoffs: [("image of a", None, None, 1), DenoiseCancelled("cancelled at step 2")]
+    results = RankLoop(None, 0, stages, lambda exc: False).run_batch([ImageRequest("a"), ImageRequest("b")])
+    assert [(r.image, r.error) for r in results] == [("image of a", None), (None, "DenoiseCancelled: cancelled at step 2")]
 
 
 def test_rank_loop_stops_when_ranks_disagree_or_a_collective_failed():

@@ -65,17 +65,23 @@ class BatchStages:
 
     def image(self, requests: list, handoffs: list) -> list:
         """[(image, text phase summary, step cache summary, forward batch size) or None], one per request
-        (None where its handoff is None: it does not go on)."""
+        (None where its handoff is None: it does not go on; DenoiseCancelled for the requests of a
+        forward batch every rank stopped because all of them left: the others still run)."""
         from adaptor_patches import step_cache
-        from adaptor_patches.denoise_watch import watching
+        from adaptor_patches.denoise_watch import DenoiseCancelled, watching
         from adaptor_patches.image_batch import denoise_batch, image_batches
         out = [None] * len(requests)
         for group in image_batches(self.model, handoffs):
             members = [requests[i] for i in group]
             first = members[0]
-            with watching(self.model, self.watch_for(group, members)), \
-                    step_cache.running(self.model, first.step_cache, first.diff_infer_steps) as run:
-                images = denoise_batch(self.model, [handoffs[i] for i in group], image_call_kwargs(first))
+            try:
+                with watching(self.model, self.watch_for(group, members)), \
+                        step_cache.running(self.model, first.step_cache, first.diff_infer_steps) as run:
+                    images = denoise_batch(self.model, [handoffs[i] for i in group], image_call_kwargs(first))
+            except DenoiseCancelled as exc:          # every rank at the same step (denoise_watch.py)
+                for index in group:
+                    out[index] = exc
+                continue
             summary = run.summary() if run is not None else None
             for index, image in zip(group, images):
                 out[index] = (image, handoffs[index].text_phase.summary(), summary, len(group))

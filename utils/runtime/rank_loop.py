@@ -54,7 +54,8 @@ class RankLoop:
     def __init__(self, dist, rank: int, stages, is_collective_failure: Callable):
         self.dist, self.rank = dist, rank
         # stages.text(requests, keep_going) -> [handoff or Exception]; stages.image(requests, handoffs)
-        # -> [(image, text phase summary, step cache summary, forward batch size) or None]
+        # -> [(image, text phase summary, step cache summary, forward batch size), an Exception every
+        # rank raised alike for that request, or None]
         self.stages = stages
         self.is_collective_failure = is_collective_failure
 
@@ -108,6 +109,8 @@ class RankLoop:
         seconds = time.perf_counter() - start
         results = []
         for request, error, output in zip(requests, errors, made):
+            if isinstance(output, Exception):
+                error = error or "{}: {}".format(*outcome_of(output))
             if error or output is None:
                 results.append(ImageResult(request, None, seconds, error or "RuntimeError: no image was made"))
             else:

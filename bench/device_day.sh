@@ -53,9 +53,9 @@ if [ "$quick" = 1 ]; then
   tiny="$out/tiny_model"
   [ -f "$tiny/config.json" ] || "$py" utils/make_tiny_model.py --out "$tiny" > "$out/tiny_model.log" 2>&1
   step selfcheck 180 "$py" -m utils.selfcheck --device "$device" --nproc 1 --shapes small --repeat 2 \
-       --skip collectives,generation --out "$out/selfcheck"
+       --skip collectives,generation,instruct --out "$out/selfcheck"
   step collectives 180 "$py" -m utils.selfcheck --device "$device" --shapes small --collective-mib 4 \
-       --skip env,kernels,moe-stream,generation --out "$out/collectives"
+       --skip env,kernels,moe-stream,generation,instruct --out "$out/collectives"
   step moe_layer 480 "$py" bench/device_layer.py --device "$device" --shapes small --tokens 64 --repeat 2 \
        --json "$out/moe_layer.json"
   step e2e 300 "$py" bench/e2e.py --device "$device" --model "$tiny" --size 64 --steps 2 --rounds 1 --warmup 0
@@ -63,8 +63,8 @@ if [ "$quick" = 1 ]; then
   step instruct 300 "$py" -m utils.selfcheck --device "$device" --nproc 1 \
        --skip env,kernels,moe-stream,collectives,generation --out "$out/instruct"
 else
-  step selfcheck 240 "$py" -m utils.selfcheck --device "$device" --nproc 1 --out "$out/selfcheck"
-  step collectives 180 "$py" -m utils.selfcheck --device "$device" --skip env,kernels,moe-stream,generation \
+  step selfcheck 240 "$py" -m utils.selfcheck --device "$device" --nproc 1 --skip instruct --out "$out/selfcheck"
+  step collectives 180 "$py" -m utils.selfcheck --device "$device" --skip env,kernels,moe-stream,generation,instruct \
        --out "$out/collectives"
   step moe_layer 180 "$py" bench/device_layer.py --device "$device" --json "$out/moe_layer.json"
   step e2e 150 "$py" bench/e2e.py --device "$device" --steps 8 --rounds 2 --warmup 1

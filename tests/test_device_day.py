@@ -25,6 +25,8 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
         {name: s["tail"] for name, s in summary["steps"].items()}
     rows = summary["steps"]["moe_layer"]["result"]["rows"]
     assert {"upstream eager", "patched bf16", "patched int8 W8A16", "patched fp8 W8A16"} <= set(rows)
+    for name in ("selfcheck", "collectives"):         # the instruct section runs once, in its own step
+        assert {r["section"] for r in summary["steps"][name]["result"]["results"]}.isdisjoint({"instruct"}), name
     checks = {r["check"] for r in summary["steps"]["selfcheck"]["result"]["results"]}
     assert "8-bit routed_experts int8 W8A16" in checks and "layer time, stream on" in checks
     fused = {r["check"]: r["status"] for r in summary["steps"]["collectives"]["result"]["results"]}

@@ -18,6 +18,7 @@ from PIL import Image
 
 from generation import ROOT, run_in_pool
 from multirank import free_port
+from utils.launcher.launch import child_processes, kill_leftovers
 
 pytestmark = pytest.mark.slow
 COMMON = ["--device", "cpu", "--diff-infer-steps", "3", "--image-size", "64x64"]
@@ -142,11 +143,13 @@ def test_server_on_2_ranks_answers_like_the_cli_and_shuts_down_cleanly(tiny_mode
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
+    ranks = []
     try:
         deadline = time.time() + 300
         while get(url, "/health")[0] != 200:
             assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
             time.sleep(0.5)
+        ranks = child_processes(server.pid)        # a failed check below must not leave them serving
         # CLI reference images on the same layout, while the server is up.
         run_in_pool(2, [cli_args(tiny_model, line, tmp_path / f"cli{i}.png") for i, line in enumerate(LINES)])
 
@@ -163,9 +166,17 @@ def test_server_on_2_ranks_answers_like_the_cli_and_shuts_down_cleanly(tiny_mode
             code, payload, _ = post(url, bad if isinstance(bad, bytes) else json.dumps(bad).encode())
             assert code == 400 and payload["error"]["type"] == "invalid_request_error", (bad, payload)
 
-        # 40 steps: the first request still runs when the last of the seven arrives, even on a loaded machine
-        flood = concurrently(lambda body: post(url, body), [({"prompt": f"fox {i}", "seed": i, "steps": 40},)
-                                                           for i in range(7)])
+        # One request holds the ranks (40 steps: it still runs when the six others have arrived, even on a
+        # loaded machine); of six short ones, --queue-size 3 queues three and answers the rest 503 at once.
+        holder = []
+        thread = threading.Thread(target=lambda: holder.append(post(url, {"prompt": "fox 0", "seed": 0, "steps": 40})))
+        thread.start()
+        while '"busy": true' not in get(url, "/health")[1]:
+            time.sleep(0.02)
+        flood = concurrently(lambda body: post(url, body), [({"prompt": f"fox {i}", "seed": i, "steps": 3},)
+                                                           for i in range(1, 7)])
+        thread.join(300)
+        flood += holder
         codes = sorted(code for code, _, _ in flood)
         assert codes.count(503) >= 3 and codes.count(200) >= 3 and set(codes) == {200, 503}, codes
         assert all(int(headers["Retry-After"]) >= 1 for code, _, headers in flood if code == 503)
@@ -187,6 +198,7 @@ def test_server_on_2_ranks_answers_like_the_cli_and_shuts_down_cleanly(tiny_mode
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
+        kill_leftovers(ranks)
         log.close()
     time.sleep(1)
     with pytest.raises(ProcessLookupError):

@@ -101,6 +101,7 @@ def build_meta_model(config, layout, tp_rank: int, quantize=None):
     file `config` belongs to (the Instruct model keeps its vision tower and VAE encoder)."""
     import importlib
     import torch
+    from transformers.initialization import no_init_weights
     import model_adaptor
     from adaptor_patches.kernels.device import Device
     from adaptor_patches.model_family import BASE_MODULE, INSTRUCT_MODULE
@@ -116,7 +117,7 @@ def build_meta_model(config, layout, tp_rank: int, quantize=None):
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)           # dtype "auto": the checkpoint's bf16 (the router stays fp32)
     try:
-        with torch.device("meta"), building(context):
+        with torch.device("meta"), building(context), no_init_weights():    # meta tensors: nothing to init
             return model_cls(config)
     finally:
         torch.set_default_dtype(default)

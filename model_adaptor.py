@@ -4,8 +4,8 @@ Reading PATCHES tells a newcomer the whole story: each row rebinds one upstream 
 replacement built from `adaptor_patches/`, whose files are named after the upstream files they
 patch (hunyuan.py, autoencoder_kl_3d.py) plus the shims (compat.py; compat_base.py: the base model on
 1ea1526's pipeline; compat_instruct.py: the Instruct model on transformers 5) and the text phase
-(text_phase.py). Upstream 1ea1526 has two model files, the base model's `hunyuan.py` and the Instruct
-model's `modeling_hunyuan_image_3.py` (adaptor_patches/model_family.py picks one per checkpoint): the
+(text_phase.py) and a batch's two stages (image_batch.py). Upstream 1ea1526 has two model files, the
+base model's `hunyuan.py` and the Instruct model's `modeling_hunyuan_image_3.py` (adaptor_patches/model_family.py picks one per checkpoint): the
 same replacement functions are rebound on the same classes of both (`_model_rows`).
 `apply(device)` installs them (idempotent; nothing happens at import time), `remove()` restores every original. Which split a model is built for is not decided here: the
 loader builds each model for one RankContext (adaptor_patches/parallel/context.py).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from adaptor_patches import autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, text_phase
+from adaptor_patches import autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, text_phase
 from adaptor_patches.kernels import device as device_mod
 from adaptor_patches.kernels.device import Device
 
@@ -37,6 +37,7 @@ PINNED_UPSTREAM_SHA256 = {      # every upstream file a row of PATCHES patches (
     "hunyuan_image_3.autoencoder_kl_3d": "35a05d27e133125f048037252e8fb22acdb67a7ae4b1d7eb946430ae543997d3",
     "hunyuan_image_3.image_processor": "3ecfa426ca7796d89bed94acff96e0b0ca732b8fb9d033abca8e7a4302169e51",
     "hunyuan_image_3.tokenization_hunyuan_image_3": "c808ac9995668ed2d94ed50a2c5c6dab91406fd518ea523447b651ee27a36753",
+    "hunyuan_image_3.tokenizer_wrapper": "92b364d56cdeab08be98d0a8858fdd3fd325ac42992ceaa928d19d20e6bdc9c7",
     "hunyuan_image_3.siglip2": "e8956a331d45ab31bb169489548c983178dd0914b94b9bfe89d9553421b8d6f4",
     "hunyuan_image_3.cache_utils": "8f1e5eebc84bbb6887bdadb0956c7244e6f7d0852c78f142bf0e3dea11372374",
 }
@@ -58,6 +59,13 @@ VAE = "hunyuan_image_3.autoencoder_kl_3d"
 IMAGES = "hunyuan_image_3.image_processor"          # 1ea1526's: the Instruct model's only
 SIGLIP = "hunyuan_image_3.siglip2"
 TAYLOR = "hunyuan_image_3.cache_utils"              # upstream's own Taylor cache (the Instruct model's)
+TOKENS_BASE = "hunyuan_image_3.tokenizer_wrapper"    # the base model's tokenizer wrapper
+TOKENS_INSTRUCT = "hunyuan_image_3.tokenization_hunyuan_image_3"
+
+
+# One replacement, two jobs: the text calls seeded from the job's seed, and a batch's text stage stopped
+# where upstream prepares the image (its arguments are the handoff).
+PREPARE_MODEL_INPUTS = image_batch.stops_before_image(text_phase.prepare_model_inputs_seeded)
 
 
 def _model_rows(M: str, text_call: str) -> tuple:
@@ -83,6 +91,10 @@ def _model_rows(M: str, text_call: str) -> tuple:
               "text calls fitted to the context and recorded (tokens, time)", shim=True),
         Patch(mm, "generate_image", text_phase.generate_image_in_text_phase,
               "one TextPhase per image; its text, ratio and timing left on model.last_text_phase", shim=True),
+        Patch(mm, "prepare_model_inputs", PREPARE_MODEL_INPUTS,
+              "the text calls' conditioning latents drawn from the job's seed (upstream: Python's global random; "
+              "the base model's text calls draw none); a batch's text stage stops where upstream prepares the "
+              "image, that call's arguments its handoff (adaptor_patches/image_batch.py)", shim=True),
         Patch(mm, "__init__", hunyuan.causal_mm_init,
               "the whole model (text model, layers, VAE) built for one RankContext, kept as model.rank_context"),
         Patch(mm, "from_pretrained", hunyuan.causal_mm_from_pretrained,
@@ -145,9 +157,21 @@ PATCHES = (
           shim=True),
     Patch(TAYLOR, "reconstruction", compat_instruct.eager_not_compiled,
           "upstream's Taylor cache joins frequencies eagerly (torch.compile, as above)", shim=True),
-    Patch(f"{I}:HunyuanImage3ForCausalMM", "prepare_model_inputs", text_phase.prepare_model_inputs_seeded,
-          "the text calls' conditioning latents drawn from the job's seed (upstream: Python's global random)",
+    Patch(f"{I}:HunyuanImage3ForCausalMM", "_encode_cond_image", image_batch.cond_images_from_own_generators,
+          "a batch's conditioning latents: each row's drawn from its own request's generator (upstream: the "
+          "first request's for every row)", shim=True),
+    Patch(f"{I}:HunyuanImage3ForCausalMM", "vae_encode", image_batch.vae_encode_with_row_generator,
+          "a conditioning image of a batch row VAE-encoded with that row's generator", shim=True),
+    Patch(f"{I}:HunyuanImage3ForCausalMM", "instantiate_guidance_tokens", image_batch.guidance_per_row,
+          "Distil's one guidance value repeated to one per row of a batch (upstream reshapes it to the batch)",
           shim=True),
+    Patch(f"{I}:HunyuanImage3ForCausalMM", "instantiate_vae_image_tokens", image_batch.guidance_per_row,
+          "the same for the guidance of the steps after the first", shim=True),
+    # Both tokenizers' batched chat template (a batch of requests: adaptor_patches/image_batch.py).
+    Patch(f"{TOKENS_BASE}:TokenizerWrapper", "batch_gen_infer", image_batch.every_message_list_encoded,
+          "a batched chat template encodes every sequence (upstream's zip kept only the first)", shim=True),
+    Patch(f"{TOKENS_INSTRUCT}:HunyuanImage3TokenizerFast", "batch_gen_infer", image_batch.every_message_list_encoded,
+          "a batched chat template encodes every sequence (upstream's zip kept only the first)", shim=True),
     # The files both models share.
     Patch(PIPE, "torch", compat.device_neutral_torch,
           "autocast('cuda') in the denoise loop and VAE decode follows our device", shim=True),

@@ -228,29 +228,16 @@ def generate(model, args, request, rank, images=None):
     """One image; the text phase's record is left on model.last_text_phase (text_phase.py). The
     Instruct model takes the request's images (decoded alike on every rank; `images`: already
     decoded, --prompt's for every round) and returns (cot_text, images); its text is on
-    last_text_phase as the base model's."""
-    from adaptor_patches.model_family import takes_conditioning_images
-    instruct = takes_conditioning_images(model)
-    kwargs = dict(prompt=request.prompt, seed=request.seed, image_size=request.image_size,
-                  use_system_prompt=args.use_system_prompt, system_prompt=args.system_prompt,
-                  bot_task=request.bot_task, diff_infer_steps=request.diff_infer_steps,
-                  verbose=args.verbose if rank == 0 else 0)
-    if instruct:                        # upstream's own --image and --infer-align-image-size
-        import torch.distributed as dist
-        from utils.runtime.input_images import request_images
-        images = request_images(request, dist if dist.is_initialized() else None) if images is None else list(images)
-        kwargs.update(image=images or None, infer_align_image_size=bool(images) and args.infer_align_image_size)
-    else:                               # the Instruct model streams its text itself (verbose >= 2)
-        kwargs["stream"] = args.verbose > 0 and rank == 0
-    if request.guidance_scale is not None:      # read by the pipeline call (base: upstream's; Instruct: compat_instruct)
-        kwargs["diff_guidance_scale"] = request.guidance_scale
-    if args.max_new_tokens is not None:
-        kwargs["max_new_tokens"] = args.max_new_tokens
+    last_text_phase as the base model's. (A batch of requests, --prompts and --serve, runs the same
+    arguments through utils/runtime/batch_stages.py.)"""
     from adaptor_patches import step_cache
+    from adaptor_patches.model_family import takes_conditioning_images
+    from utils.runtime.batch_stages import generation_kwargs
+    kwargs = generation_kwargs(model, args, request, rank, images)
     with step_cache.running(model, request.step_cache, request.diff_infer_steps) as run:
         result = model.generate_image(**kwargs)
     model.last_step_cache = run.summary() if run is not None else None
-    return result[1][0] if instruct else result
+    return result[1][0] if takes_conditioning_images(model) else result
 
 
 def describe_text_phase(text: dict) -> str:
@@ -311,7 +298,7 @@ def many_images_job(rank_job: RankJob, model, phase: JobPhase) -> int:
     args = rank_job.args
     phase.name = "serving requests" if args.serve else "generating the prompts file's images"
     return many_images.run_many(args, rank_job.job.requests, model, rank_job.dist, rank_job.rank, rank_job.server,
-                                rank_job.log, generate, is_collective_failure)
+                                rank_job.log, is_collective_failure)
 
 
 # ---------------------------------------------------------------- write

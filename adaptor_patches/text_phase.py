@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .image_batch import ImagePhaseReached
+
 _SEED_STRIDE = 1_000_003            # call i of a job draws from seed + (i + 1) * stride
 
 
@@ -234,8 +236,11 @@ def generate_image_in_text_phase(original, _device):
         image_size = arguments.get("image_size", "auto")
         phase = TextPhase(seed=arguments.get("seed"), job_seed=arguments.get("seed"))
         self._active_text_phase = phase
+        stopped = None
         try:
             result = original(*bound.args, **bound.kwargs)
+        except ImagePhaseReached as reached:        # a batch's text stage: the image comes later (image_batch.py)
+            result, stopped = (reached.arguments.get("cot_text"), None), reached
         finally:
             self._active_text_phase = None
         if hasattr(self, "_tkwrapper"):
@@ -243,6 +248,8 @@ def generate_image_in_text_phase(original, _device):
         else:
             _describe_instruct(self, phase, bot_task, image_size == "auto" or bot_task == "img_ratio", result)
         self.last_text_phase = phase
+        if stopped is not None:
+            raise stopped
         return result
 
     return generate_image

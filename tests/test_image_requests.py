@@ -131,34 +131,69 @@ class CollectiveError(RuntimeError):
     pass
 
 
-def test_rank_loop_reports_an_image_every_rank_failed_and_goes_on():
-    calls = []
+class Stages:
+    """The rank loop's two stages without a model: a text phase that may fail per request, an image
+    stage that may fail for its whole forward batch."""
 
-    def generate(request):
-        calls.append(request.prompt)
-        if request.prompt == "bad":
-            raise ValueError("no room in the context")
-        return f"image of {request.prompt}", {"text": None}, None
+    def __init__(self, text_fails=(), image_fails=False):
+        self.text_fails, self.image_fails, self.calls = text_fails, image_fails, []
 
+    def text(self, requests, keep_going):
+        out = []
+        for request in requests:
+            self.calls.append(("text", request.prompt))
+            try:
+                if request.prompt in self.text_fails:
+                    raise self.text_fails[request.prompt]
+                out.append(f"handoff of {request.prompt}")
+            except Exception as exc:
+                if not keep_going(exc):
+                    raise
+                out.append(exc)
+        return out
+
+    def image(self, requests, handoffs):
+        going = [r.prompt for r, h in zip(requests, handoffs) if h is not None]
+        self.calls.append(("image", going))
+        if self.image_fails:
+            raise ValueError("out of memory")
+        return [None if h is None else (f"image of {r.prompt}", {"text": None}, None, len(going))
+                for r, h in zip(requests, handoffs)]
+
+
+def test_rank_loop_reports_a_request_every_rank_failed_and_goes_on():
+    from adaptor_patches.denoise_watch import DenoiseCancelled
+    stages = Stages(text_fails={"bad": ValueError("no room in the context")})
     messages = iter([("run", [ImageRequest("good")]), ("tick", None), ("run", [ImageRequest("bad"), ImageRequest("ok")]),
                      ("stop", None)])
     delivered = []
-    RankLoop(None, 0, generate, lambda exc: isinstance(exc, CollectiveError)).run(lambda: next(messages),
-                                                                                  delivered.append)
-    assert calls == ["good", "bad", "ok"]
-    assert [[(r.image, r.error) for r in batch] for batch in delivered] == [
-        [("image of good", None)], [(None, "ValueError: no room in the context"), ("image of ok", None)]]
+    RankLoop(None, 0, stages, lambda exc: isinstance(exc, CollectiveError)).run(lambda: next(messages),
+                                                                                delivered.append)
+    assert stages.calls == [("text", "good"), ("image", ["good"]), ("text", "bad"), ("text", "ok"), ("image", ["ok"])]
+    assert [[(r.image, r.error, r.batch_size) for r in batch] for batch in delivered] == [
+        [("image of good", None, 1)], [(None, "ValueError: no room in the context", 1), ("image of ok", None, 1)]]
+    loop = RankLoop(None, 0, Stages(image_fails=True), lambda exc: False)       # a forward batch fails as a whole
+    results = loop.run_batch([ImageRequest("a"), ImageRequest("b")])
+    assert [r.error for r in results] == ["ValueError: out of memory"] * 2
+    stages = Stages()
+    stages.image = lambda requests, handoffs: [("image of a", None, None, 1), DenoiseCancelled("cancelled at step 2")]
+    results = RankLoop(None, 0, stages, lambda exc: False).run_batch([ImageRequest("a"), ImageRequest("b")])
+    assert [(r.image, r.error) for r in results] == [("image of a", None), (None, "DenoiseCancelled: cancelled at step 2")]
 
 
 def test_rank_loop_stops_when_ranks_disagree_or_a_collective_failed():
-    loop = RankLoop(None, 0, None, lambda exc: isinstance(exc, CollectiveError))
-    loop.agree = lambda outcome: [outcome, None]           # rank 1 succeeded where rank 0 failed
-    loop.generate = lambda request: (_ for _ in ()).throw(ValueError("boom"))
+    loop = RankLoop(None, 0, Stages(text_fails={"x": ValueError("boom")}), lambda exc: isinstance(exc, CollectiveError))
+    loop.agree = lambda outcome: [outcome, [None] * len(outcome)]     # rank 1's text phase succeeded where rank 0's failed
     with pytest.raises(RankFailure, match="rank 0 failed on line 3 .ValueError: boom. while 1 rank.s. succeeded"):
-        loop.run_one(ImageRequest("x", label="line 3"))
-    loop.generate = lambda request: (_ for _ in ()).throw(CollectiveError("timed out"))
+        loop.run_batch([ImageRequest("x", label="line 3")])
+    loop = RankLoop(None, 0, Stages(image_fails=True), lambda exc: False)
+    loop.agree = lambda outcome: [outcome, None if isinstance(outcome, tuple) else outcome]
+    with pytest.raises(RankFailure, match="rank 0 failed on line 1, line 2 .ValueError: out of memory."):
+        loop.run_batch([ImageRequest("a", label="line 1"), ImageRequest("b", label="line 2")])
+    loop = RankLoop(None, 0, Stages(text_fails={"x": CollectiveError("timed out")}),
+                    lambda exc: isinstance(exc, CollectiveError))
     with pytest.raises(CollectiveError):
-        loop.run_one(ImageRequest("x"))
+        loop.run_batch([ImageRequest("x")])
 
 
 def test_serve_on_a_taken_port_is_one_line_before_the_load(tiny_model):

@@ -36,7 +36,7 @@ LAYERS = (
     ("weights.checkpoint",),                # the one checkpoint object
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
-    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "compat", "compat_base",
+    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "image_batch", "compat", "compat_base",
      "compat_instruct", "metrics"),
 )
 EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__")

@@ -138,7 +138,8 @@ def test_server_on_2_ranks_answers_like_the_cli_and_shuts_down_cleanly(tiny_mode
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "run_image_gen.py", "--serve", "--port", str(port), "--queue-size", "3", "--model-id", str(tiny_model),
-           *COMMON, "--cfg-parallel"]
+           *COMMON, "--cfg-parallel", "--max-batch", "1"]     # one image per forward: bit-equal to the CLI's
+    # (batches of compatible requests, within a PSNR bound of each alone: tests/test_server_batches.py)
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)

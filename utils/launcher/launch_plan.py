@@ -3,7 +3,9 @@
 Device memory comes from `--device-memory`, else the YAML's top-level `device_memory`, else the
 device itself (NPU / CUDA: the smallest visible device; CPU: this node's RAM shared by its ranks).
 A layout that does not fit is refused before launch with one `error: device_memory: …` line naming
-the ranks, the shortfall and the layouts that fit (`--no-plan` launches anyway). `--plan` prints
+the ranks, the shortfall and the layouts that fit (`--no-plan` launches anyway); a server's
+`max-batch` or a prompts file's `batch-size` whose activations do not fit, naming the largest
+that does. `--plan` prints
 the whole plan and stops. A tiny model still to be built, and the shims-only reference (which
 loads upstream's whole model), are not planned.
 """
@@ -38,6 +40,19 @@ def device_memory_of(kind: str, ranks_per_node: int):
     return min(memories) if memories else None
 
 
+def job_batch(margs: dict) -> tuple:
+    """(requests per forward batch, the key that set it): `serve`'s max-batch, `prompts`' batch-size, else 1."""
+    from utils.runtime.request_schema import JOB
+    if margs.get("serve"):
+        key, name = "max-batch", "max_batch"
+    elif margs.get("prompts") is not None:
+        key, name = "batch-size", "batch_size"
+    else:
+        return 1, "batch"
+    value = margs.get(key)
+    return (JOB[name].default if value is None else value), key
+
+
 def plan_job(job: dict, layout, options: dict) -> None:
     """The console gets one `plan:` line, or the refusal (third-party warnings while the config is
     read: utils/runtime/rank_console.py, as for every entry point)."""
@@ -59,12 +74,14 @@ def plan_job(job: dict, layout, options: dict) -> None:
         quantize = margs.get("quantize") if margs.get("quantize") not in (None, "none") else None
         from adaptor_patches.kernels.quant import canonical_compute
         compute = canonical_compute(margs.get("quant-compute") or "w8a16")
-        roles = planner.plan(model_dir, layout, size, kind, quantize, compute)
+        batch, batch_key = job_batch(margs)
+        roles = planner.plan(model_dir, layout, size, kind, quantize, compute, batch=batch)
         if options["plan"]:
-            print(planner.report(roles, layout, size, memory, quantize=quantize), file=sys.stderr)
+            print(planner.report(roles, layout, size, memory, quantize=quantize, batch=batch), file=sys.stderr)
             print("\n".join(planner.planned_report(model_dir, layout, size, kind, quantize)), file=sys.stderr)
         if memory:
-            planner.check_fit(roles, model_dir, layout, size, kind, memory, quantize=quantize)     # a refusal: one line
+            planner.check_fit(roles, model_dir, layout, size, kind, memory, quantize=quantize, batch=batch,
+                              batch_field=batch_key, batch_fix=f"set {batch_key}: {{}}")     # a refusal: one line
         if not options["plan"]:
             worst = max(roles, key=lambda r: r.total())
             budget = f" of {planner.gib(memory * (1 - planner.HEADROOM))} GiB usable" if memory else ""

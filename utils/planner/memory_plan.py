@@ -152,15 +152,18 @@ def checkpoint_read_bytes(model, layout, stored_itemsize: int = 2) -> int:
 
 
 def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "npu", text_tokens: int = TEXT_TOKENS,
-                     quantize=None, design: Design = TODAY):
+                     quantize=None, design: Design = TODAY, batch: int = 1):
     """Peak transient bytes of one rank: the first denoising step (the longest sequence) and the VAE
-    decode, plus the KV cache that lives through the denoising. A planned `design` (traffic.Design)
+    decode, plus the KV cache that lives through the denoising, for a forward batch of `batch`
+    requests (each its CFG pair of rows, every sequence padded to `text_tokens`; the B latents
+    decoded together). A planned `design` (traffic.Design)
     changes what is alive: sequence sharding keeps the residual stream to the rank's share (plus
     the gathered attention input), Ulysses adds the q / k / v of its rows before the all-to-all,
     int8 dispatch brings the received rows as int8 + a float32 scale."""
     bf16, fp32 = 2, 4
     heads = layout.attention_heads(raw, 0)                          # the heads a rank computes (and caches)
-    batch = branches(raw) // layout.cfg                              # CFG branches on this rank
+    requests = batch
+    batch = branches(raw) * requests // layout.cfg                   # CFG branches x requests on this rank
     seq = image_tokens(config, image_size) + text_tokens             # text_tokens: with the conditioning images
     hidden, head_dim = config.hidden_size, config.attention_head_dim
     tokens = batch * seq
@@ -191,8 +194,8 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
         group_rows = chunk * (layout.tp // design.ulysses)
         attention += group_rows * design.ulysses * (heads.heads + 2 * heads.kv_heads) * head_dim * bf16
     denoise = residual + max(attention, moe)          # image steps produce no LM logits
-    return {"KV cache": kv_cache, "denoise step": int(denoise), "VAE decode": vae_decode_bytes(raw, layout, image_size,
-                                                                                            device_kind)}
+    return {"KV cache": kv_cache, "denoise step": int(denoise),
+            "VAE decode": requests * vae_decode_bytes(raw, layout, image_size, device_kind)}
 
 
 def dequantized_expert_bytes(config, layout, hidden: int, inter_local: int) -> int:
@@ -230,12 +233,13 @@ def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
 
 
 def traffic_by_phase(config, raw: dict, layout, image_size, tp_rank: int = 0, device_kind: str = "npu",
-                     design=None, context_tokens: int = TEXT_TOKENS) -> dict:
-    """{phase: {purpose: bytes sent}} of one image on tp rank `tp_rank` of CFG branch 0 (design None:
-    the code as built, traffic.built_design); `context_tokens`: the first step's rows besides the image's."""
+                     design=None, context_tokens: int = TEXT_TOKENS, batch: int = 1) -> dict:
+    """{phase: {purpose: bytes sent}} of one forward batch of `batch` images on tp rank `tp_rank` of
+    CFG branch 0 (design None: the code as built, traffic.built_design); `context_tokens`: the first
+    step's rows besides the image's."""
     first = context_tokens + image_tokens(config, image_size)
     lines = image_lines(config, raw, layout, image_size, tp_rank, design=design, device_kind=device_kind,
-                        first_step_rows=first)
+                        first_step_rows=first, batch=batch)
     return {phase: {k: int(v) for k, v in per_step(lines, phase).items()} for phase in PHASES}
 
 
@@ -252,12 +256,13 @@ def comm_per_step(config, raw: dict, layout, image_size, tp_rank: int = 0) -> di
 
 
 def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None, quant_compute: str = "w8a16",
-         conditioning_images=None) -> list:
+         conditioning_images=None, batch: int = 1) -> list:
     """One RolePlan per distinct "tp" rank (experts in `quantize`'s 8-bit format, None: bf16, computing
     `quant_compute`). Layout.check admits only even splits, so every tp rank
     holds tensors of the same shapes (only which slice differs): rank 0 is built, and the last one
     too as a check; ranks whose numbers are equal are grouped. An Instruct checkpoint's context
-    holds `conditioning_images` images' tokens (None: the most a request brings; conditioning_tokens)."""
+    holds `conditioning_images` images' tokens (None: the most a request brings; conditioning_tokens).
+    `batch`: requests per forward batch (activations and traffic scale with it; parameters do not)."""
     config, raw = read_config(model_dir)
     design = built_design_of(layout, device_kind, quantize, quant_compute)
     context = TEXT_TOKENS + conditioning_tokens(config, raw, conditioning_images)
@@ -268,10 +273,10 @@ def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None,
         same = next((r for r in roles if r.params == params), None)
         if same is None:
             traffic = traffic_by_phase(config, raw, layout, image_size, tp_rank, device_kind, design,
-                                       context_tokens=context)
+                                       context_tokens=context, batch=batch)
             roles.append(RolePlan(tp_rank, [], params, checkpoint_read_bytes(model, layout),
                                   activation_bytes(config, raw, layout, image_size, device_kind, context,
-                                                   quantize=quantize, design=design),
+                                                   quantize=quantize, design=design, batch=batch),
                                   traffic[DENOISING_STEP], WORKSPACE_BYTES[device_kind], traffic))
     for tp_rank in range(layout.tp):            # the ranks each role stands for
         role = roles[-1] if tp_rank == layout.tp - 1 else roles[0]
@@ -289,7 +294,7 @@ def shortfall(roles: list, device_memory: int, headroom: float):
 
 
 def planned_role_bytes(config, raw: dict, layout, image_size, role: RolePlan, device_kind: str = "npu",
-                       design: Design = TODAY, quantize=None, conditioning_images=None) -> int:
+                       design: Design = TODAY, quantize=None, conditioning_images=None, batch: int = 1) -> int:
     """Per-rank bytes of `role` (planned for `layout`, the design's own: traffic.design_layout) under
     a `design` the code does not run (traffic.PLANNED's unbuilt ones): the role's parameters, the
     design's activations, the same workspace. An estimate, like every activation figure here."""
@@ -297,5 +302,29 @@ def planned_role_bytes(config, raw: dict, layout, image_size, role: RolePlan, de
     from utils.planner.traffic import for_layout
     design = for_layout(design, layout)
     context = TEXT_TOKENS + conditioning_tokens(config, raw, conditioning_images)
-    acts = activation_bytes(config, raw, layout, image_size, device_kind, context, quantize=quantize, design=design)
+    acts = activation_bytes(config, raw, layout, image_size, device_kind, context, quantize=quantize, design=design,
+                            batch=batch)
     return replace(role, activations=acts).total()
+
+
+def largest_batch(model_dir, layout, image_size, roles: list, device_memory: int, headroom: float,
+                  device_kind: str = "npu", quantize=None, quant_compute: str = "w8a16", conditioning_images=None,
+                  most: int = 1024) -> int:
+    """The most requests per forward batch whose activations fit `device_memory` beside `roles`'
+    parameters (0: not even one). Only the activations grow with the batch: the roles' parameters
+    and workspace are reused."""
+    from dataclasses import replace
+    config, raw = read_config(model_dir)
+    design = built_design_of(layout, device_kind, quantize, quant_compute)
+    context = TEXT_TOKENS + conditioning_tokens(config, raw, conditioning_images)
+
+    def fits(batch: int) -> bool:
+        acts = activation_bytes(config, raw, layout, image_size, device_kind, context, quantize=quantize,
+                                design=design, batch=batch)
+        return shortfall([replace(r, activations=acts) for r in roles], device_memory, headroom) is None
+
+    low, high = 0, most                     # fits(low) holds (0: trivially), fits(high + 1) is not tried
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low

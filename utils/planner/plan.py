@@ -2,14 +2,16 @@
 
     python -m utils.planner --model-id DIR --world-size 16 --cfg-parallel --moe-ep --vae-parallel \\
         [--ulysses N] [--image-size 1024x1024] [--device npu|cuda|cpu] [--device-memory 64GiB] [--json PATH]
-        [--quantize none|int8|fp8] [--quant-compute w8a16|w8a8]
+        [--quantize none|int8|fp8] [--quant-compute w8a16|w8a8] [--batch B]
     python -m utils.planner --model-id config/real_model --fit-table 64GiB,80GiB,141GiB [--quantize int8]
     bash run.sh CONFIG --plan                 (the same, from a launch config; run.sh plans every launch)
 
 Only the checkpoint's config.json is read (config/real_model/ holds the published model's, for
 planning without the weights). Numbers: utils/planner/memory_plan.py. Exit 2 when the layout does not fit
 the given device memory (with --device-memory), with one `error:` line naming the rank role, the
-shortfall and the layouts that fit.
+shortfall and the layouts that fit; with `--batch B` (requests per forward batch: the server's
+--max-batch, a prompts file's --batch-size) a B whose activations do not fit is refused naming the
+largest B that does.
 """
 from __future__ import annotations
 
@@ -69,10 +71,11 @@ def gib(n) -> str:
     return f"{n / GiB:.2f}"
 
 
-def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM, quantize=None) -> str:
+def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM, quantize=None, batch: int = 1) -> str:
     experts = f", routed experts {quantize}" if quantize else ""
-    lines = [f"plan: {layout.world_size} ranks, {layout_words(layout)}{experts}, image {image_size[0]}x{image_size[1]} "
-             f"(GiB per rank)"]
+    batched = f", {batch} requests per forward batch" if batch > 1 else ""
+    lines = [f"plan: {layout.world_size} ranks, {layout_words(layout)}{experts}, image {image_size[0]}x{image_size[1]}"
+             f"{batched} (GiB per rank)"]
     for role in roles:
         lines.append(f"  ranks {role.ranks} (tp rank {role.tp_rank}):")
         lines.append("    parameters  " + ", ".join(f"{k} {gib(v)}" for k, v in role.params.items() if v)
@@ -238,13 +241,23 @@ def fit_table(model_dir, memories: list, image_size, device_kind: str, world_siz
 
 
 def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_memory: int, headroom=HEADROOM,
-              quantize=None):
+              quantize=None, batch: int = 1, batch_field: str = "batch", batch_fix: str = "use --batch {}"):
     """Nothing when the planned `roles` fit; else PlanError naming the role over budget, the
-    shortfall and the layouts of the same world size that fit (planned only then)."""
+    shortfall and the layouts of the same world size that fit (planned only then); for a `batch`
+    of requests that does not fit where fewer do, the largest batch that fits, named by `batch_field`
+    (the flag or YAML key that set it) with `batch_fix` (formatted with that batch)."""
     over = shortfall(roles, device_memory, headroom)
     if over is None:
         return
     role, needed, budget = over
+    if batch > 1:
+        from utils.planner.memory_plan import largest_batch
+        largest = largest_batch(model_dir, layout, image_size, roles, device_memory, headroom, device_kind, quantize,
+                                most=batch - 1)
+        if largest:
+            raise PlanError(f"{batch_field}: {batch} requests per forward batch need {gib(needed)} GiB per rank (ranks "
+                            f"{role.ranks}: activations {gib(role.activation_bytes)}) but {gib(budget)} GiB of "
+                            f"{gib(device_memory)} are usable, {largest} would fit; {batch_fix.format(largest)}")
     fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom, quantize)
     instead = (f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}" if fits else
                f"no layout of {layout.world_size} ranks fits; use more devices (python -m utils.planner --fit-table)")
@@ -274,6 +287,8 @@ def main(argv=None) -> int:
                    help="how 8-bit experts compute (w8a8 with int8 experts on NPU: EP rows sent as int8)")
     p.add_argument("--conditioning-images", type=int, default=None,
                    help="Instruct checkpoints: images per request in the context (default: the most, 3)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests per forward batch (--max-batch / --batch-size): activations and traffic scale with it")
     args = p.parse_args(argv)
     quantize = None if args.quantize == "none" else args.quantize
     try:
@@ -286,6 +301,8 @@ def main(argv=None) -> int:
         config, raw = read_config(args.model_id)
         size = parse_size(args.image_size, config)
         check_conditioning_images(args.conditioning_images, raw)
+        if args.batch < 1:
+            raise PlanError(f"batch: {args.batch} is not a number of requests; pass 1 or more")
         if args.fit_table:
             print(fit_table(args.model_id, args.fit_table.split(","), size, args.device, quantize=quantize))
             return 0
@@ -293,14 +310,15 @@ def main(argv=None) -> int:
                                    args.ulysses)
         layout.check(raw)
         memory = parse_memory(args.device_memory) if args.device_memory else None
-        roles = plan(args.model_id, layout, size, args.device, quantize, args.quant_compute, args.conditioning_images)
-        print(report(roles, layout, size, memory, quantize=quantize))
+        roles = plan(args.model_id, layout, size, args.device, quantize, args.quant_compute, args.conditioning_images,
+                     args.batch)
+        print(report(roles, layout, size, memory, quantize=quantize, batch=args.batch))
         print(conditioning_line(config, raw, args.conditioning_images))
         print("\n".join(planned_report(args.model_id, layout, size, args.device, quantize, args.conditioning_images)))
         if args.json:
             args.json.write_text(json.dumps([r.as_json() for r in roles], indent=2))
         if memory:
-            check_fit(roles, args.model_id, layout, size, args.device, memory, quantize=quantize)
+            check_fit(roles, args.model_id, layout, size, args.device, memory, quantize=quantize, batch=args.batch)
     except (PlanError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

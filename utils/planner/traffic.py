@@ -164,9 +164,15 @@ class Sizes:
     topk: int
     latent_channels: int
     branches: int = 2           # rows of one CFG pair; a CFG-distilled checkpoint (Instruct-Distil) runs one
+    batch: int = 1              # requests in one forward batch: each brings its CFG pair of rows
+
+    @property
+    def rows(self) -> int:
+        """Batch rows of one forward over every CFG branch."""
+        return self.branches * self.batch
 
     @classmethod
-    def of(cls, config, raw: dict) -> "Sizes":
+    def of(cls, config, raw: dict, batch: int = 1) -> "Sizes":
         from adaptor_patches.parallel.layout import attention_sizes, moe_layers, per_layer
         attention = attention_sizes(raw)
         moe = moe_layers(raw)
@@ -174,7 +180,7 @@ class Sizes:
         topk = max((per_layer(config.moe_topk, i) for i in moe), default=0)
         experts = max((sizes.experts for sizes in moe.values()), default=0)
         return cls(layers, len(moe), config.hidden_size, attention.heads, attention.kv_heads, attention.head_dim,
-                   experts, topk, raw["vae"]["latent_channels"], branches(raw))
+                   experts, topk, raw["vae"]["latent_channels"], branches(raw), batch)
 
 
 def branches(raw: dict) -> int:
@@ -195,7 +201,7 @@ def forward_lines(sizes: Sizes, layout, phase: str, seq: int, tp_rank: int = 0, 
     """The collectives of one forward over `seq` positions of each of this rank's batch rows; the rows
     each rank holds are the layout's answers (runs_as: the layout as the design runs it)."""
     runs = runs_as(design, layout)
-    batch = sizes.branches // layout.cfg                 # the [cond ; uncond] rows this branch holds
+    batch = sizes.rows // layout.cfg                     # the [cond B ; uncond B] rows this branch holds
     tokens = batch * seq
     split = runs.sequence_split(tokens, tp_rank)
     hidden_row = sizes.hidden * BF16
@@ -272,26 +278,26 @@ def _expert_parallel_lines(sizes: Sizes, layout, phase: str, rows: int, design: 
                  (n - 1) / n)]
 
 
-def step_cache_lines(phase: str, layout, candidate_steps: int) -> list:
+def step_cache_lines(phase: str, layout, candidate_steps: int, batch: int = 1) -> list:
     """The adaptive step cache's agreement: one float32 all-reduce (SUM) of two sums per batch row of
-    the job ([cond ; uncond]) over every rank per candidate step (step_cache.py)."""
-    return [Line(phase, "step cache agreement", "all_reduce", layout.world_size, 2 * 2 * FP32, candidate_steps)] \
-        if layout.world_size > 1 and candidate_steps else []
+    the job ([cond B ; uncond B]) over every rank per candidate step (step_cache.py)."""
+    return [Line(phase, "step cache agreement", "all_reduce", layout.world_size, 2 * 2 * batch * FP32,
+                 candidate_steps)] if layout.world_size > 1 and candidate_steps else []
 
 
 # ---------------------------------------------------------------- the VAE decode (parallel/vae_bands.py)
 
-def vae_lines(raw: dict, layout, image_size, rank: int, itemsize: int) -> list:
+def vae_lines(raw: dict, layout, image_size, rank: int, itemsize: int, batch: int = 1) -> list:
     """The band-parallel decode of one image on global `rank`, walked as vae_bands.decode_band walks
     upstream's Decoder: every 3x3 conv exchanges one halo row with each non-empty neighbour band,
     every GroupNorm all-gathers its [2, batch, groups] float32 statistics, the mid attention
     gathers the whole map (bands padded to the tallest), and the image is gathered at the end.
-    `itemsize`: the decode's dtype (the CPU decodes in float32)."""
+    `itemsize`: the decode's dtype (the CPU decodes in float32); `batch`: the latents decoded together."""
     if not layout.vae_parallel or layout.world_size < 2:
         return []
     from adaptor_patches.parallel.layout import split_evenly
     vae = raw["vae"]
-    world, groups, batch = layout.world_size, 32, 1
+    world, groups = layout.world_size, 32
     channels = list(reversed(vae["block_out_channels"]))
     down = vae["ffactor_spatial"]
     rows = split_evenly(image_size[0] // down, world)
@@ -350,20 +356,21 @@ TEXT_TOKENS = 512       # the first step's text (prompt, system prompt, template
 
 def image_lines(config, raw: dict, layout, image_size, tp_rank: int = 0, cfg_rank: int = 0,
                 design: Optional[Design] = None, first_step_rows: Optional[int] = None,
-                device_kind: str = "npu", dispatch: str = "bf16") -> list:
+                device_kind: str = "npu", dispatch: str = "bf16", batch: int = 1) -> list:
     """Every collective of one image on the rank (tp_rank, cfg_rank): the first step (every token of
     the sequence: `first_step_rows`, default TEXT_TOKENS + the image tokens), one later denoising
     step (the timestep token and the image tokens) and the VAE decode. `design`: None, the code as
-    built for this layout (built_design, with the EP rows' `dispatch` format); or a planned one."""
+    built for this layout (built_design, with the EP rows' `dispatch` format); or a planned one.
+    `batch`: the requests of one forward batch (each its CFG pair of rows; the lines are the batch's)."""
     design = built_design(layout, dispatch) if design is None else design
-    sizes = Sizes.of(config, raw)
+    sizes = Sizes.of(config, raw, batch)
     tokens = image_tokens(config, image_size)
-    prediction = (sizes.branches // layout.cfg) * sizes.latent_channels * tokens * BF16   # diffusion_prediction
+    prediction = (sizes.rows // layout.cfg) * sizes.latent_channels * tokens * BF16   # diffusion_prediction
     first = first_step_rows if first_step_rows is not None else TEXT_TOKENS + tokens
     lines = forward_lines(sizes, layout, FIRST_STEP, first, tp_rank, design, prediction)
     lines += forward_lines(sizes, layout, DENOISING_STEP, tokens + 1, tp_rank, design, prediction)
     vae_itemsize = FP32 if device_kind == "cpu" else BF16
-    return lines + vae_lines(raw, layout, image_size, cfg_rank * layout.tp + tp_rank, vae_itemsize)
+    return lines + vae_lines(raw, layout, image_size, cfg_rank * layout.tp + tp_rank, vae_itemsize, batch)
 
 
 def per_step(lines: list, phase: str = DENOISING_STEP) -> dict:

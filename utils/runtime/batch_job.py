@@ -2,8 +2,9 @@
 
 Rank 0 walks the checked requests, skips those whose image exists (`--skip-existing`: images are
 written atomically, so an existing file is a finished one), picks a seed for lines without one
-(`--seed` when given, else random), reads the line's conditioning images (Instruct) and hands each
-request, its images' bytes with it, to every rank (utils/runtime/rank_loop.py). It writes
+(`--seed` when given, else random), reads the line's conditioning images (Instruct) and hands the
+next batch (`--batch-size B`: the next line and up to B - 1 later ones that may share its forward,
+utils/runtime/batching.py), its images' bytes with it, to every rank (utils/runtime/rank_loop.py). It writes
 the image and its text, appends one JSON line per image to SAVE_DIR/metrics.jsonl and ends with
 a summary line there and on the console; a tqdm bar with ETA shows progress. A line whose image
 fails on every rank alike is reported and the batch goes on; the exit code is then 1.
@@ -45,8 +46,11 @@ def image_record(result) -> dict:
         record["guidance_scale"] = request.guidance_scale
     if result.ok:
         record["size"] = [result.image.height, result.image.width]
+        record["batch_size"] = result.batch_size
         phase = result.text_phase or {}
         record["text_tokens"] = phase.get("tokens_generated", 0)
+        if record["text_tokens"]:
+            record["text_phase_s"] = phase.get("text_phase_s", 0.0)
         if result.step_cache:
             record["step_cache"] = result.step_cache
     else:
@@ -73,12 +77,15 @@ def write_result(result) -> None:
         save_text(result.request.save_text, result.text)
 
 
-def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, log) -> int:
-    """Every rank calls this; only rank 0 uses `requests` and writes. Returns the exit code."""
+def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, log, batch_size: int = 1,
+              key=None) -> int:
+    """Every rank calls this; only rank 0 uses `requests` and writes. Up to `batch_size` lines that
+    may share a forward (`key`: batching.compatibility_key) run as one batch. Returns the exit code."""
     if loop.rank != 0:
         loop.run(pull=None, deliver=None)
         return 0
     from tqdm import tqdm
+    from utils.runtime.batching import compatibility_key, take_batch
     from utils.runtime.input_images import with_images
     save_dir.mkdir(parents=True, exist_ok=True)
     metrics = save_dir / METRICS_FILE
@@ -86,13 +93,14 @@ def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, log) ->
     skipped = len(requests) - len(todo)
     if skipped:
         log(f"--skip-existing: {skipped} of {len(requests)} images already exist; {len(todo)} to make")
-    pending = iter(todo)
+    pending = list(todo)
     done, failed, start = [], [], time.perf_counter()
     bar = tqdm(total=len(todo), desc="images", unit="img", file=sys.stderr, dynamic_ncols=True)
 
     def pull():                         # a line's images travel with it, read here (input_images.with_images)
-        request = next(pending, None)
-        return ("stop", None) if request is None else ("run", [with_images(choose_seed(request))])
+        nonlocal pending
+        batch, pending = take_batch(pending, batch_size, key or compatibility_key)
+        return ("run", [with_images(choose_seed(r)) for r in batch]) if batch else ("stop", None)
 
     def deliver(results):
         for result in results:

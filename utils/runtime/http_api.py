@@ -62,11 +62,11 @@ def page(http, app) -> None:
 def health(http, app) -> None:
     status = app.status()
     http.send_json(200 if status == "ok" else 503,
-                   {"status": status, "queue_depth": app.jobs.qsize(), "busy": app.running is not None})
+                   {"status": status, "queue_depth": app.jobs.qsize(), "busy": app.busy})
 
 
 def metrics(http, app) -> None:
-    http.send_text(200, app.metrics.prometheus(app.jobs.qsize(), app.running is not None),
+    http.send_text(200, app.metrics.prometheus(app.jobs.qsize(), app.busy),
                    "text/plain; version=0.0.4")
 
 
@@ -133,7 +133,7 @@ def run_job(http, app, job, start: float, stream: bool) -> None:
         app.metrics.count(499)
         http.close_connection = True
         app.log(f"http {http.address_string()} client left mid-request ({type(exc).__name__}); its request is "
-                f"cancelled{' at the next denoising step' if app.running is job else ''}")
+                f"cancelled{' at the next denoising step' if app.is_running(job) else ''}")
     finally:
         job.answered.set()
 
@@ -310,9 +310,9 @@ class ApiHandler(BaseHTTPRequestHandler):
             event = ("queued", {"type": "queued", "position": position, "queue_depth": app.jobs.qsize()})
         elif job.progress is not None:
             event = ("progress", {"type": "progress", **job.progress})
-        elif app.running is job:
+        elif app.is_running(job):
             event = ("progress", {"type": "progress", "image": 1, "images": len(job.requests), "step": 0,
-                                  "steps": job.requests[0].diff_infer_steps})
+                                  "steps": job.requests[0].diff_infer_steps, "batch": len(app.running)})
         else:
             event = None
         if event is not None and event != self.last_event:

@@ -10,15 +10,23 @@
     GET  /metrics                 Prometheus text: requests by code, images, queue depth, latency
 
 HTTP stack: the standard library's ThreadingHTTPServer. The model, not HTTP, is the bottleneck (one
-request at a time on all ranks), so an async framework buys nothing here, and an Ascend node's
+batch at a time on all ranks), so an async framework buys nothing here, and an Ascend node's
 pinned, often offline Python environment gets no extra packages (FastAPI + uvicorn + pydantic).
 Handler threads (utils/runtime/http_api.py: the routing table and one function per endpoint) only
 parse, check (utils/runtime/api_bodies.py) and queue; the job's main thread pulls from the bounded
 FIFO queue and runs the rank loop (utils/runtime/rank_loop.py). This class is what both sides share:
-the queue, the running job and its progress, the metrics (utils/runtime/server_metrics.py), the
-key and the server's life. A job's client that leaves (closes its connection) cancels it: queued,
-it never runs; running, every rank stops at the next denoising step (adaptor_patches/denoise_watch.py).
-A rank lost mid-request: that request's client gets a 500 saying so before the process exits.
+the queue, the running batch and its jobs' progress, the metrics (utils/runtime/server_metrics.py),
+the key and the server's life.
+
+Batches: the job at the head of the queue is taken with its n images (a request's n images are a
+batch too) and, within `batch_wait_s`, every queued job whose requests may share its forward
+(utils/runtime/batching.py: `batch_key`), up to `max_batch` images; an incompatible job waits for
+its own batch, one with more than max_batch images runs in several. Progress, cancellation and the
+metrics stay per request. A job's client that leaves (closes its connection) cancels it: queued, it
+never runs; running, it leaves its batch at the next denoising step (its answer ends there; its rows
+are still computed with the others' and dropped) and when every job of the batch has left, every
+rank stops at that step (adaptor_patches/denoise_watch.py). A rank lost mid-batch: each of its
+clients gets a 500 saying so before the process exits.
 Binds 127.0.0.1 unless told otherwise; with a key (utils/runtime/api_key.py) every endpoint but
 /health and the page's files needs `Authorization: Bearer KEY`.
 """
@@ -31,6 +39,7 @@ import time
 from http.server import ThreadingHTTPServer
 
 from utils.runtime.api_bodies import BadRequest, parse_body  # noqa: F401  (the body's refusals, importable here)
+from utils.runtime.batching import compatibility_key
 from utils.runtime.http_api import ApiError, handler_for
 from utils.runtime.image_requests import RequestChecker
 from utils.runtime.rank_loop import HEARTBEAT_S
@@ -44,7 +53,8 @@ class Job:
     """One request's images on their way through the queue and the ranks; handler threads follow it."""
 
     def __init__(self, requests):
-        self.requests, self.results = requests, None
+        self.requests, self.results = requests, [None] * len(requests)
+        self.taken = 0                          # images handed to a batch so far
         self.created = time.time()
         self.refusal = None                     # ApiError: stopped before it ran, or its run was lost
         self.done = threading.Event()
@@ -52,8 +62,7 @@ class Job:
         self.cancelled = threading.Event()      # its client left: do not run it, or stop it at the next step
         self.changed = threading.Condition()
         self.version = 0                        # bumped on every change a follower may show
-        self.progress = None                    # {"image", "images", "step", "steps"} while it runs
-        self.image = -1                         # index of the image the ranks are making
+        self.progress = None                    # {"image", "images", "step", "steps", "batch"} while it runs
 
     def touch(self, **progress) -> None:
         with self.changed:
@@ -69,7 +78,8 @@ class Job:
             return self.version
 
     def finish(self, results=None, refusal=None) -> None:
-        self.results, self.refusal = results, refusal
+        self.results = results if results is not None else self.results
+        self.refusal = refusal
         self.done.set()
         self.touch()
 
@@ -112,6 +122,27 @@ class JobQueue:
             waiting.touch()
         return True
 
+    def take_compatible(self, key, wanted, room: int, deadline: float) -> list:
+        """Until `deadline` (or `room` images are taken): the waiting jobs, in queue order, whose
+        requests have key(job) == wanted and fit in what is left of `room`; they leave the queue."""
+        taken = []
+        with self.lock:
+            while room > 0:
+                for job in list(self.items):
+                    if len(job.requests) <= room and not job.cancelled.is_set() and key(job) == wanted:
+                        self.items.remove(job)
+                        taken.append(job)
+                        room -= len(job.requests)
+                left = deadline - time.monotonic()
+                if room <= 0 or left <= 0:
+                    break
+                self.lock.wait(left)
+            behind = list(self.items)
+        if taken:
+            for waiting in behind:
+                waiting.touch()
+        return taken
+
     def position(self, job) -> int:
         """1 for the next to run; 0 when not waiting."""
         with self.lock:
@@ -125,15 +156,18 @@ class JobQueue:
 
 class ImageServer:
     def __init__(self, host: str, port: int, defaults, checker: RequestChecker, queue_size: int, max_n: int, log,
-                 client_timeout: float = 30.0, api_key=None):
+                 client_timeout: float = 30.0, api_key=None, max_batch: int = 1, batch_wait_s: float = 0.0):
         self.defaults, self.checker, self.max_n, self.log = defaults, checker, max_n, log
+        self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
+        self.batch_key = compatibility_key            # run_many gives the model's (its buckets)
         self.api_key = api_key                        # utils/runtime/api_key.ApiKey, or None: no key asked
         self.client_timeout = client_timeout          # a client silent this long is dropped (slow or half-open)
         self.unanswered: list = []                    # jobs delivered whose response is not written yet
         self.jobs = JobQueue(queue_size)
         self.metrics, self.loaded, self.stopping = Metrics(), threading.Event(), threading.Event()
         self.closed = threading.Event()
-        self.running, self.check_lock = None, threading.Lock()
+        self.running, self.check_lock = [], threading.Lock()    # the running batch's [(job, image index)]
+        self.partial = None                           # a job with more than max_batch images, part of it run
         self._model_card = None
         self.httpd = ThreadingHTTPServer((host, port), handler_for(self, client_timeout))
         self.httpd.daemon_threads = True
@@ -162,55 +196,113 @@ class ImageServer:
     # ------------------------------------------------------------ the rank loop's side (main thread)
 
     def pull(self):
-        """The rank loop's next message: a queued job, a heartbeat tick after HEARTBEAT_S idle, or stop."""
+        """The rank loop's next message: a batch of queued images, a heartbeat tick after HEARTBEAT_S idle, or stop."""
         deadline = time.monotonic() + HEARTBEAT_S
         while not self.stopping.is_set():
-            job = self.jobs.get(timeout=0.5)
-            if job is None:
+            members = self._next_batch()
+            if not members:
                 if time.monotonic() >= deadline:
                     return ("tick", None)
                 continue
-            if job.cancelled.is_set():               # its client left while it waited
-                job.finish(refusal=ApiError(499, "cancelled", kind="cancelled"))
-                continue
-            from utils.runtime.batch_job import choose_seed
-            job.requests = [choose_seed(r) for r in job.requests]
-            self.running = job
-            job.touch()
-            return ("run", job.requests)
+            self.running = members
+            for job in self.jobs_running():
+                job.touch()
+            return ("run", [job.requests[index] for job, index in members])
         self._refuse_queued()
         return ("stop", None)
 
-    def watch(self, request):
-        """Rank 0's DenoiseWatch for the running job's next image: its progress, its client's cancel."""
+    def _next_batch(self) -> list:
+        """[(job, image index)]: the head job's next images and its companions' (module docstring)."""
+        from utils.runtime.batch_job import choose_seed
+        head = self.partial or self.jobs.get(timeout=0.5)
+        if head is None:
+            return []
+        if head.cancelled.is_set():              # its client left while it waited
+            self.partial = None
+            if not head.done.is_set():
+                head.finish(refusal=ApiError(499, "cancelled", kind="cancelled"))
+            return []
+        jobs = [head]
+        if head.taken == 0:
+            head.requests = [choose_seed(r) for r in head.requests]
+        room = self.max_batch - (len(head.requests) - head.taken)
+        self.partial = head if room < 0 else None
+        if room > 0:
+            wanted = self._key(head)
+            jobs += self.jobs.take_compatible(self._key, wanted, room, time.monotonic() + self.batch_wait_s)
+        members = []
+        for job in jobs:
+            if job is not head:
+                job.requests = [choose_seed(r) for r in job.requests]
+            count = min(len(job.requests) - job.taken, self.max_batch - len(members))
+            members += [(job, job.taken + i) for i in range(count)]
+            job.taken += count
+        return members
+
+    def _key(self, job):
+        return self.batch_key(job.requests[0])
+
+    def jobs_running(self) -> list:
+        """The jobs of the running batch, in order, each once."""
+        return list(dict.fromkeys(job for job, _ in self.running))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def is_running(self, job) -> bool:
+        return any(j is job for j, _ in self.running)
+
+    def watch(self, indices: list, requests: list):
+        """Rank 0's DenoiseWatch for one forward batch: `indices` into the running batch, its
+        `requests`. Each job's progress; a job whose client left is answered at the next step; the
+        forward stops only when every job in it has left."""
         from adaptor_patches.denoise_watch import DenoiseWatch
-        job = self.running
-        job.image += 1
-        index, images = job.image, len(job.requests)
-        return DenoiseWatch(request.diff_infer_steps, cancelled=job.cancelled.is_set,
-                            on_step=lambda step, steps: job.touch(image=index + 1, images=images, step=step,
-                                                                  steps=steps))
+        members = [self.running[i] for i in indices]
+        jobs = list(dict.fromkeys(job for job, _ in members))
+        first = {job: min(i for j, i in members if j is job) for job in jobs}
+        size = len(members)
+
+        def on_step(step, steps):
+            for job in jobs:
+                if job.cancelled.is_set():
+                    if not job.done.is_set():
+                        job.finish(refusal=ApiError(499, "cancelled", kind="cancelled"))
+                    continue
+                job.touch(image=first[job] + 1, images=len(job.requests), step=step, steps=steps, batch=size)
+
+        return DenoiseWatch(requests[0].diff_infer_steps, on_step=on_step,
+                            cancelled=lambda: all(job.cancelled.is_set() for job in jobs))
 
     def deliver(self, results) -> None:
-        """The running job's results to its client; an image every rank ended without is one log line
-        with each rank's own words (a cancel: the denoising step each rank stopped before)."""
+        """The running batch's results to its members' clients; an image every rank ended without is one
+        log line with each rank's own words (a cancel: the denoising step each rank stopped before)."""
         for i, result in enumerate(results, 1):
             if not result.ok:
                 self.log(f"image {i} of {len(results)} ended without an image on every rank: "
                          + "; ".join(f"rank {rank}: {words}" for rank, words in enumerate(result.every_rank)))
-        job, self.running = self.running, None
-        self.unanswered = [j for j in self.unanswered if not j.answered.is_set()] + [job]
-        job.finish(results)
+        members, self.running = self.running, []
+        for (job, index), result in zip(members, results):
+            if not job.done.is_set():                        # a job that left mid-batch: its image is dropped
+                job.results[index] = result
+        self.metrics.count_batches([r.batch_size for r in results if r.ok])
+        for job in dict.fromkeys(job for job, _ in members):
+            if job.done.is_set() or job.taken < len(job.requests) or any(r is None for r in job.results):
+                continue                                     # left already, or more of its images to come
+            self.unanswered = [j for j in self.unanswered if not j.answered.is_set()] + [job]
+            job.finish(job.results)
 
     def fail_running(self, reason: str) -> None:
-        """The rank loop ended in an error (a rank lost, the ranks disagreeing): the running request's
-        client hears it (500) before close() lets the process exit."""
-        job, self.running = self.running, None
-        if job is None:
-            return
-        self.unanswered.append(job)
-        job.finish(refusal=ApiError(500, f"the job lost a rank while making this image ({reason}); the server is "
-                                         f"stopping, restart it", kind="server_error"))
+        """The rank loop ended in an error (a rank lost, the ranks disagreeing): the running batch's
+        clients hear it (500) before close() lets the process exit."""
+        jobs = self.jobs_running() + ([self.partial] if self.partial is not None else [])
+        self.running, self.partial = [], None
+        for job in dict.fromkeys(jobs):
+            if job.done.is_set():
+                continue
+            self.unanswered.append(job)
+            job.finish(refusal=ApiError(500, f"the job lost a rank while making this image ({reason}); the server is "
+                                             f"stopping, restart it", kind="server_error"))
 
     def _connection_failed(self, _request, client_address) -> None:
         """socketserver would print a traceback; a client that vanished is one log line."""
@@ -219,7 +311,8 @@ class ImageServer:
         self.log(f"http {client_address[0]} connection dropped: {type(exc).__name__}: {exc}")
 
     def _refuse_queued(self) -> None:
-        for job in self.jobs.drain():
+        partial, self.partial = self.partial, None
+        for job in self.jobs.drain() + ([partial] if partial is not None else []):
             job.finish(refusal=ApiError(503, SHUTTING_DOWN, kind="unavailable"))
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ from utils.runtime.outputs import check_output_path
 
 OUTPUT_FLAGS = ("save", "metrics_json", "save_latents", "save_text")
 SINGLE_ONLY = {"save": None, "save_text": None, "save_latents": None, "metrics_json": None, "warmup": 0, "rounds": 1}
-PROMPTS_ONLY = {"skip_existing": False}
+PROMPTS_ONLY = {"skip_existing": False, "batch_size": 1}
 NAMED_DEVICES = ("npu", "cuda", "cpu")
 
 

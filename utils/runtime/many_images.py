@@ -1,8 +1,10 @@
 """`--prompts` and `--serve` inside run_image_gen.py's job: one model load, many images, rank 0 deciding.
 
-run_image_gen.run() prepares and loads and hands over here; the generation itself stays the CLI's
-(`generate`), so an image from a prompts line or an HTTP request equals the `--prompt` run with the
-same seed, size and steps.
+run_image_gen.run() prepares and loads and hands over here. Requests that may share a forward
+(utils/runtime/batching.py) run as one batch through both phases (utils/runtime/batch_stages.py),
+with upstream's arguments the CLI's `generate` gives it, so an image from a prompts line or an HTTP
+request equals the `--prompt` run with the same seed, size and steps (within the batch bound of
+tests/test_batches.py when other requests share its forward; bit-equal alone).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def start_server(args, log):
     from utils.runtime.image_server import ImageServer
     try:
         server = ImageServer(args.host, args.port, default_request(args), RequestChecker(args.model_id),
-                             args.queue_size, args.max_n, log, args.client_timeout, api_key=args.api_key)
+                             args.queue_size, args.max_n, log, args.client_timeout, api_key=args.api_key,
+                             max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000)
     except OSError as exc:
         raise UsageError(f"port: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another "
                          f"--port or stop what uses it") from None
@@ -41,35 +44,35 @@ def start_server(args, log):
     return server
 
 
-def run_many(args, requests, model, dist, rank, server, log, generate, is_collective_failure) -> int:
-    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/rank_loop.py).
+def run_many(args, requests, model, dist, rank, server, log, is_collective_failure) -> int:
+    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/rank_loop.py),
+    compatible requests made together (utils/runtime/batch_stages.py).
     `requests`: the prompts file's, checked (rank 0; None on the others and for --serve)."""
     import signal
-    from adaptor_patches.denoise_watch import DenoiseWatch, watching
+    from adaptor_patches.denoise_watch import DenoiseWatch
     from utils.runtime.batch_job import run_batch
+    from utils.runtime.batch_stages import BatchStages
+    from utils.runtime.batching import key_for
     from utils.runtime.rank_loop import RankLoop
 
-    def one(request):
-        with watching(model, denoise_watch(request)):
-            image = generate(model, args, request, rank)
-        return image, model.last_text_phase.summary(), model.last_step_cache
-
-    def denoise_watch(request):
-        """--serve: every rank watches each image's steps (rank 0 reports progress and decides a cancel)."""
+    def denoise_watch(indices, members):
+        """--serve: every rank watches each forward batch's steps (rank 0 reports progress and decides a cancel)."""
         if not args.serve:
             return None
-        return server.watch(request) if server is not None else DenoiseWatch(request.diff_infer_steps)
+        return server.watch(indices, members) if server is not None else DenoiseWatch(members[0].diff_infer_steps)
 
-    loop = RankLoop(dist, rank, one, is_collective_failure)
+    loop = RankLoop(dist, rank, BatchStages(model, args, rank, denoise_watch), is_collective_failure)
     model.pipeline.set_progress_bar_config(disable=True)      # one bar per job (images), not one per image
     if rank != 0 and args.serve:          # rank 0 decides when to stop; a signal must not cut a collective
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     if args.prompts is not None:
-        return run_batch(loop, requests or [], Path(args.save_dir), args.skip_existing, log)
+        return run_batch(loop, requests or [], Path(args.save_dir), args.skip_existing, log, args.batch_size,
+                         key_for(model))
     if server is None:
         loop.run(pull=None, deliver=None)
         return 0
+    server.batch_key = key_for(model)
     server.loaded.set()
     edits = " and /v1/images/edits" if server.model_card()["data"][0]["capabilities"]["conditioning_images"] else ""
     log(f"ready: POST {server.address}/v1/images/generations{edits}")

@@ -25,6 +25,7 @@ from adaptor_patches.kernels.quant import FORMATS as EXPERT_FORMATS
 from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS, StepCacheError, \
     StepCacheSettings, settings_from_value
 from utils.runtime.api_key import ENV_NAME, key_problem
+from utils.runtime.batching import DEFAULT_MAX_BATCH
 from utils.runtime.errors import FieldError, UsageError  # noqa: F401  (the schema's refusals)
 from utils.runtime.upstream_taylor import UPSTREAM_DEFAULTS
 
@@ -276,6 +277,13 @@ JOB_OPTIONS = (
     Field("port", "int", 8000, "--serve's port (0: any free one)", 0, 65535, example="8000"),
     Field("queue_size", "int", 8, "--serve: requests that may wait; more get 503", 1, None),
     Field("max_n", "int", 4, "--serve: most images one request may ask for", 1, None),
+    Field("max_batch", "int", DEFAULT_MAX_BATCH, "--serve: most requests (images) one forward batch makes; "
+          "compatible queued requests and a request's n images are made together (docs/SERVING.md)", 1, None,
+          example=str(DEFAULT_MAX_BATCH)),
+    Field("batch_wait_ms", "int", 100, "--serve: milliseconds a request may wait for companions to share its "
+          "forward batch", 0, 60000, example="100"),
+    Field("batch_size", "int", 1, "--prompts: most lines one forward batch makes (the next line and later ones "
+          "that may share its forward; docs/SERVING.md)", 1, None, example="4"),
     Field("client_timeout", "float", 30.0, "--serve: seconds a client may stay silent (a slow or half-open "
           "connection) before it is dropped", 0, 3600.0, example="30"),
     Field("api_key", "secret", None, "--serve: the key every API call must send (Authorization: Bearer KEY); "

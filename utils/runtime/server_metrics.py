@@ -1,11 +1,31 @@
 """The server's counters, kept for weeks: requests by status code, images, denoising forwards, a latency
-histogram. Prometheus text on GET /metrics, one summary line when the server stops."""
+histogram, the requests per forward batch. Prometheus text on GET /metrics, one summary line when the
+server stops."""
 from __future__ import annotations
 
 import collections
 import threading
 
 LATENCY_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Histogram:
+    """Prometheus' cumulative buckets, their sum and count (the caller holds the lock)."""
+
+    def __init__(self, bounds: tuple):
+        self.bounds, self.buckets, self.sum, self.count = bounds, [0] * len(bounds), 0, 0
+
+    def observe(self, value, times: int = 1) -> None:
+        self.buckets = [n + times * (value <= bound) for n, bound in zip(self.buckets, self.bounds)]
+        self.sum += value * times
+        self.count += times
+
+    def lines(self, name: str, meaning: str, total_format: str = "{}") -> list:
+        return ([f"# HELP {name} {meaning}", f"# TYPE {name} histogram"]
+                + [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(self.bounds, self.buckets)]
+                + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {total_format.format(self.sum)}",
+                   f"{name}_count {self.count}"])
 
 
 class Metrics:
@@ -14,9 +34,10 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests, self.images = {}, 0
-        self.buckets, self.latency_sum, self.latency_count = [0] * len(LATENCY_BUCKETS), 0.0, 0
+        self.latency = Histogram(LATENCY_BUCKETS)
         self.recent = collections.deque(maxlen=20)
         self.forwards, self.forwards_cached = 0, 0
+        self.batches, self.largest_batch = Histogram(BATCH_BUCKETS), 0
 
     def count(self, code: int, seconds=None, images: int = 0, forwards=(0, 0)) -> None:
         with self.lock:
@@ -25,16 +46,23 @@ class Metrics:
             self.forwards += forwards[0]
             self.forwards_cached += forwards[1]
             if seconds is not None:
-                self.buckets = [n + (seconds <= bound) for n, bound in zip(self.buckets, LATENCY_BUCKETS)]
-                self.latency_sum += seconds
-                self.latency_count += 1
+                self.latency.observe(seconds)
                 self.recent.append(seconds)
+
+    def count_batches(self, sizes: list) -> None:
+        """One made image's forward batch size per entry (a forward of B requests appears B times)."""
+        with self.lock:
+            for size in sorted(set(sizes)):
+                self.batches.observe(size, times=sizes.count(size) // size)
+                self.largest_batch = max(self.largest_batch, size)
 
     def summary(self) -> str:
         with self.lock:
             saved = self.forwards_cached / self.forwards if self.forwards else 0.0
-            return (f"{self.images} image(s), {self.forwards} denoising steps, {self.forwards_cached} of them "
-                    f"cached by the step cache ({saved:.0%} of the forwards saved)")
+            batches = f", {self.batches.count} forward batch(es), the largest {self.largest_batch}" \
+                if self.batches.count else ""
+            return (f"{self.images} image(s){batches}, {self.forwards} denoising steps, {self.forwards_cached} of "
+                    f"them cached by the step cache ({saved:.0%} of the forwards saved)")
 
     def mean_latency(self) -> float:
         with self.lock:
@@ -55,12 +83,11 @@ class Metrics:
                       "# HELP hunyuan_queue_depth Requests waiting in the queue.", "# TYPE hunyuan_queue_depth gauge",
                       f"hunyuan_queue_depth {depth}",
                       "# HELP hunyuan_busy 1 while a request runs on the ranks.", "# TYPE hunyuan_busy gauge",
-                      f"hunyuan_busy {int(busy)}",
-                      "# HELP hunyuan_request_seconds Latency of answered generation requests (queue + run).",
-                      "# TYPE hunyuan_request_seconds histogram"]
-            lines += [f'hunyuan_request_seconds_bucket{{le="{bound}"}} {n}'
-                      for bound, n in zip(LATENCY_BUCKETS, self.buckets)]
-            lines += [f'hunyuan_request_seconds_bucket{{le="+Inf"}} {self.latency_count}',
-                      f"hunyuan_request_seconds_sum {self.latency_sum:.6f}",
-                      f"hunyuan_request_seconds_count {self.latency_count}"]
+                      f"hunyuan_busy {int(busy)}"]
+            lines += self.latency.lines("hunyuan_request_seconds",
+                                        "Latency of answered generation requests (queue + run).", "{:.6f}")
+            lines += self.batches.lines("hunyuan_batch_requests",
+                                        "Requests (images) per forward batch of the denoising loop.")
+            lines += ["# HELP hunyuan_largest_batch The most requests one forward batch has made.",
+                      "# TYPE hunyuan_largest_batch gauge", f"hunyuan_largest_batch {self.largest_batch}"]
         return "\n".join(lines) + "\n"

@@ -1,0 +1,98 @@
+"""The ranks' side of a batch of requests: upstream's arguments per request, the text stage, the image batches.
+
+`generation_kwargs` is what upstream's generate_image is given for one request (the CLI's flags
+and the request's fields); `--prompt` calls generate_image with it (run_image_gen.generate), a
+batch hands one per request to the text stage (adaptor_patches/image_batch.py). `BatchStages` is
+what the rank loop (utils/runtime/rank_loop.py) runs for a batch on every rank:
+  text(requests, keep_going)   image_batch.text_stage: each request's text phase -> its handoff
+  image(requests, handoffs)    image_batch.image_batches: the requests of one generated size, each
+                               group one denoising loop (denoise_batch) under the group's step
+                               cache run and, when serving, its denoise watch (progress, cancel)
+Requests share a forward only when batching.compatibility_key says they may (the rank-0 side that
+groups them: utils/runtime/batch_job.py, utils/runtime/image_server.py), so a group's steps,
+guidance and step cache are its first request's.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+
+def generation_kwargs(model, args, request, rank: int, images=None) -> dict:
+    """upstream's generate_image(**kwargs) for one request. The Instruct model takes the request's
+    images (decoded alike on every rank; `images`: already decoded, as --prompt's are once per job)."""
+    from adaptor_patches.model_family import takes_conditioning_images
+    kwargs = dict(prompt=request.prompt, seed=request.seed, image_size=request.image_size,
+                  use_system_prompt=args.use_system_prompt, system_prompt=args.system_prompt,
+                  bot_task=request.bot_task, diff_infer_steps=request.diff_infer_steps,
+                  verbose=args.verbose if rank == 0 else 0)
+    if takes_conditioning_images(model):        # upstream's own --image and --infer-align-image-size
+        import torch.distributed as dist
+        from utils.runtime.input_images import request_images
+        if images is None:
+            images = request_images(request, dist if dist.is_initialized() else None)
+        images = list(images)
+        kwargs.update(image=images or None, infer_align_image_size=bool(images) and args.infer_align_image_size)
+    else:                                       # the Instruct model streams its text itself (verbose >= 2)
+        kwargs["stream"] = args.verbose > 0 and rank == 0
+    if request.guidance_scale is not None:      # read by the pipeline call (base: upstream's; Instruct: compat_instruct)
+        kwargs["diff_guidance_scale"] = request.guidance_scale
+    if args.max_new_tokens is not None:
+        kwargs["max_new_tokens"] = args.max_new_tokens
+    return kwargs
+
+
+class BatchStages:
+    """The two stages of a batch on this rank. `watch_for(indices, requests)`: the DenoiseWatch of one
+    forward batch, the requests at `indices` of the batch (None: none; --serve gives one: progress
+    and cancel)."""
+
+    def __init__(self, model, args, rank: int, watch_for: Optional[Callable] = None):
+        self.model, self.args, self.rank = model, args, rank
+        self.watch_for = watch_for or (lambda indices, requests: None)
+
+    def text(self, requests: list, keep_going: Callable) -> list:
+        """[TextHandoff or Exception], one per request (image_batch.text_stage: the seam)."""
+        from adaptor_patches.image_batch import text_stage
+        calls = []
+        for request in requests:
+            try:
+                calls.append(generation_kwargs(self.model, self.args, request, self.rank))
+            except Exception as exc:           # its images: unreadable or not rank 0's on every rank
+                if not keep_going(exc):
+                    raise
+                calls.append(exc)
+        handoffs = text_stage(self.model, [c for c in calls if not isinstance(c, Exception)], keep_going)
+        made = iter(handoffs)
+        return [c if isinstance(c, Exception) else next(made) for c in calls]
+
+    def image(self, requests: list, handoffs: list) -> list:
+        """[(image, text phase summary, step cache summary, forward batch size) or None], one per request
+        (None where its handoff is None: it does not go on; DenoiseCancelled for the requests of a
+        forward batch every rank stopped because all of them left: the others still run)."""
+        from adaptor_patches import step_cache
+        from adaptor_patches.denoise_watch import DenoiseCancelled, watching
+        from adaptor_patches.image_batch import denoise_batch, image_batches
+        out = [None] * len(requests)
+        for group in image_batches(self.model, handoffs):
+            members = [requests[i] for i in group]
+            first = members[0]
+            try:
+                with watching(self.model, self.watch_for(group, members)), \
+                        step_cache.running(self.model, first.step_cache, first.diff_infer_steps) as run:
+                    images = denoise_batch(self.model, [handoffs[i] for i in group], image_call_kwargs(first))
+            except DenoiseCancelled as exc:          # every rank at the same step (denoise_watch.py)
+                for index in group:
+                    out[index] = exc
+                continue
+            summary = run.summary() if run is not None else None
+            for index, image in zip(group, images):
+                out[index] = (image, handoffs[index].text_phase.summary(), summary, len(group))
+        return out
+
+
+def image_call_kwargs(request) -> dict:
+    """What generate_image hands its image call besides the inputs, as generation_kwargs sets it."""
+    kwargs = {"diff_infer_steps": request.diff_infer_steps}
+    if request.guidance_scale is not None:
+        kwargs["diff_guidance_scale"] = request.guidance_scale
+    return kwargs

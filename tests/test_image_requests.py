@@ -187,7 +187,8 @@ def test_rank_loop_stops_when_ranks_disagree_or_a_collective_failed():
     with pytest.raises(RankFailure, match="rank 0 failed on line 3 .ValueError: boom. while 1 rank.s. succeeded"):
         loop.run_batch([ImageRequest("x", label="line 3")])
     loop = RankLoop(None, 0, Stages(image_fails=True), lambda exc: False)
-    loop.agree = lambda outcome: [outcome, None if isinstance(outcome, tuple) else outcome]
+    # the image stage's agreement is (its failure, each request's own): rank 1's image stage succeeded
+    loop.agree = lambda outcome: [outcome, (None, [None] * len(outcome[1])) if isinstance(outcome, tuple) else outcome]
     with pytest.raises(RankFailure, match="rank 0 failed on line 1, line 2 .ValueError: out of memory."):
         loop.run_batch([ImageRequest("a", label="line 1"), ImageRequest("b", label="line 2")])
     loop = RankLoop(None, 0, Stages(text_fails={"x": CollectiveError("timed out")}),

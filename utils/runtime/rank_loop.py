@@ -105,15 +105,16 @@ class RankLoop:
                     raise
                 outcome = outcome_of(exc)
             labels = ", ".join(r.label for r, h in zip(requests, going) if h is not None)
-            error = self.verdict(self.agree(outcome), labels)
-            if error:
-                errors = [e or error for e in errors]
+            # the stage's failure and each request's own (a cancelled forward batch), every rank's words
+            raised = [outcome_of(o) if isinstance(o, Exception) else None for o in made]
+            agreed = self.agree((outcome, raised))
+            error = self.verdict([stage for stage, _ in agreed], labels)
+            errors = [e or error or self.verdict([own[i] for _, own in agreed], requests[i].label)
+                      for i, e in enumerate(errors)]
         seconds = time.perf_counter() - start
         results = []
         for request, error, output in zip(requests, errors, made):
-            if isinstance(output, Exception):
-                error = error or ("{}: {}".format(*outcome_of(output)), ())
-            if error or output is None:
+            if error or output is None or isinstance(output, Exception):
                 words, every_rank = error or ("RuntimeError: no image was made", ())
                 results.append(ImageResult(request, None, seconds, words, every_rank=every_rank))
             else:

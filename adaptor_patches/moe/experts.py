@@ -17,8 +17,11 @@ How a checkpoint's per-expert tensors become these: weights/rank_slices.py.
 
 8-bit experts (`expert_format` "int8" / "fp8", kernels/quant.py): w13 / w2 are held in the format's
 storage dtype, same shapes, with float32 per-output-channel scales beside them, loaded like the
-weights: w13_scale [E_local, 2*I_local] (its columns), w2_scale [E_local, H]. All four are frozen
-parameters. This module only passes the scales on: the kernel set decides how 8-bit runs.
+weights: w13_scale [E_local, 2*I_local] (its columns), w2_scale [E_local, H]. 4-bit experts
+("int4", "int4-g64", ..., kernels/int4.py): w13 / w2 are uint8 [E_local, H, I_local] and
+[E_local, I_local, H/2] (two weights a byte), w13_scale [E_local, H/G, 2*I_local] and w2_scale
+[E_local, I_local/G, H] bfloat16, one per group of G input channels. All four are frozen
+parameters. This module only passes the scales on: the kernel set decides how they run.
 """
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels.quant import STORAGE_DTYPES, check_format, quantize_per_channel
-from ..parallel.layout import MoeShard
+from ..kernels import int4
+from ..kernels.quant import check_format, quantize_weight
+from ..parallel.layout import LayoutError, MoeShard
 
 
 class GroupedExperts(nn.Module):
@@ -47,11 +51,15 @@ class GroupedExperts(nn.Module):
             self.w13, self.w2 = nn.Parameter(w13), nn.Parameter(w2)
             return
         check_format(expert_format)
+        group = int4.group_size(expert_format)
         for name, weight in (("w13", w13), ("w2", w2)):
+            problem = group and int4.group_problem(group, weight.shape[1], f"each rank's experts.{name}")
+            if problem:             # Checkpoint.check_for_run / the planner refuse this earlier, in one line
+                raise LayoutError(f"quantize: {problem} ({expert_format})")
             # an initial value only (replaced by the checkpoint's); quantized so it is in range
-            q, scale = quantize_per_channel(weight, expert_format)
-            setattr(self, name, nn.Parameter(q.to(STORAGE_DTYPES[expert_format]), requires_grad=False))
-            setattr(self, f"{name}_scale", nn.Parameter(scale.to(torch.float32), requires_grad=False))
+            q, scale = quantize_weight(weight, expert_format)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     @property
     def scales(self) -> Optional[tuple]:
@@ -59,8 +67,9 @@ class GroupedExperts(nn.Module):
         return None if self.expert_format is None else (self.w13_scale, self.w2_scale)
 
     def adopt_kernel_storage(self) -> None:
-        """Store w13 / w2 as the kernel set's grouped matmul reads them best (NPU: FRACTAL_NZ); the
-        values do not change. After loading: the loader and its spot check see the plain layout."""
+        """Store w13 / w2 as the kernel set's grouped matmul reads them best (NPU: FRACTAL_NZ; int4:
+        the device's own int4 packing); the values do not change. After loading: the loader and its
+        spot check see the stored layout."""
         with torch.no_grad():
             self.w13.data = self.kernels.expert_weight_storage(self.w13.data)
             self.w2.data = self.kernels.expert_weight_storage(self.w2.data)

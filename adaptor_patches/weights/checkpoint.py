@@ -32,6 +32,8 @@ from typing import Optional
 
 from ..kernels.quant import FORMATS
 from ..parallel.layout import Layout, LayoutError, attention_sizes, moe_layers
+from .int4_format import (MANIFEST_EXPERT_FORMAT, layout_problem, manifest_fields,  # noqa: F401  (re-exported)
+                          recorded_format, stored_shape)
 from .quantized import quantize_tensors
 from .rank_slices import EXPERT_KEY, EXPERT_STACK, LAYER_KEY, rank_tensors, stacks_format
 from .recipe_format import RECONVERT, is_recipe_folder, read_recipe_folder, recipe_folder_format, recipe_rank_tensors
@@ -40,7 +42,6 @@ from .safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles, HeaderErr
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
-MANIFEST_EXPERT_FORMAT = "expert_format"     # in our manifest.json: the format of the experts (absent: bf16)
 LAYOUT_KEY = "parallel_layout"
 REDOWNLOAD = "download or copy the checkpoint again"
 ORIGINAL, CONVERTED, RECIPE = "original", "converted", "recipe"
@@ -135,8 +136,7 @@ def manifest_record(layout_block: dict, source: Path, files: dict, expert_format
     read_manifest reads it back."""
     manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
                 "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(files.items())}}
-    if expert_format:
-        manifest[MANIFEST_EXPERT_FORMAT] = expert_format
+    manifest.update(manifest_fields(expert_format))
     return manifest
 
 
@@ -228,10 +228,11 @@ def converted_shape_problem(rank_files: CheckpointFiles, config: dict, layout: L
         return f"{rank_files.directory} does not hold the tensors config.json implies ({exc!r})"
     for key in rank_files.keys():
         stored = rank_files.info(key)
-        if key in planned and tuple(stored.shape) != planned[key]:
-            turned = " (stored transposed?)" if tuple(stored.shape) == planned[key][::-1] else ""
+        expected = stored_shape(planned[key], stored.dtype) if key in planned else None
+        if expected is not None and tuple(stored.shape) != expected:
+            turned = " (stored transposed?)" if tuple(stored.shape) == expected[::-1] else ""
             return (f"{key} in {stored.file.name} has shape {list(stored.shape)}{turned} but config.json and the "
-                    f"layout {layout} imply {list(planned[key])}")
+                    f"layout {layout} imply {list(expected)}")
     return None
 
 
@@ -297,6 +298,9 @@ class Checkpoint:
             self.verify()
             self._accepted[key] = self.expert_format(layout.tp_rank(rank)) if self.per_rank else None
         expert_format = resolve_expert_format(self._accepted[key], quantize, self.directory)
+        problem = layout_problem(expert_format, layout, self.config)       # int4 groups whole on every rank
+        if problem:
+            raise LayoutError(problem)
         if expert_format is not None and not per_rank:
             raise LoadingError(f"quantize: 8-bit experts ({expert_format}) need the full adaptor; drop --adaptor "
                                f"shims or --quantize")
@@ -354,7 +358,10 @@ class Checkpoint:
             return None
         if tp_rank not in self._formats:
             held = self.stored_expert_format(tp_rank)
-            recorded = (self.manifest or {}).get(MANIFEST_EXPERT_FORMAT)
+            try:
+                recorded = recorded_format(self.manifest)
+            except ValueError as exc:
+                raise LoadingError(f"model-id: {self.directory}'s {MANIFEST_FILE} {exc}; convert it again") from None
             if self.format == CONVERTED and recorded != held:
                 raise LoadingError(f"model-id: {self.directory}'s {MANIFEST_FILE} records {recorded or 'bf16'} "
                                    f"experts but {self.weights_dir(tp_rank)} holds {held or 'bf16'} ones; convert it again")

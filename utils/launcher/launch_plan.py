@@ -57,8 +57,8 @@ def plan_job(job: dict, layout, options: dict) -> None:
         config, _ = read_config(model_dir)
         size = planner.parse_size(margs.get("image-size"), config)
         quantize = margs.get("quantize") if margs.get("quantize") not in (None, "none") else None
-        from adaptor_patches.kernels.quant import canonical_compute
-        compute = canonical_compute(margs.get("quant-compute") or "w8a16")
+        from adaptor_patches.kernels.quant import resolve_compute
+        compute = resolve_compute(quantize, margs.get("quant-compute"))
         roles = planner.plan(model_dir, layout, size, kind, quantize, compute)
         if options["plan"]:
             print(planner.report(roles, layout, size, memory, quantize=quantize), file=sys.stderr)

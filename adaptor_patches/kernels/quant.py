@@ -183,9 +183,13 @@ def _runs_on(compute: str) -> str:
 
 
 def _runs_only_on(compute: str, here: str, fmt: Optional[str] = None) -> str:
+    """The line for a compute `here` does not run; `fmt` None: the experts' format is not known yet."""
+    problem = f"quant-compute: {compute} ({COMPUTE_MEANS[compute]}) runs on {_runs_on(compute)} only, not on {here}"
+    if fmt is None:
+        return (f"{problem}; drop --quant-compute (weight-only, every device: w8a16 for 8-bit experts, "
+                f"w4a16 for int4)")
     fallback = weight_only_compute(fmt)
-    return (f"quant-compute: {compute} ({COMPUTE_MEANS[compute]}) runs on {_runs_on(compute)} only, not on {here}; "
-            f"use {fallback} ({COMPUTE_MEANS[fallback]}, every device)")
+    return f"{problem}; use {fallback} ({COMPUTE_MEANS[fallback]}, every device)"
 
 
 def quant_compute_problem(kind: str, compute: Optional[str]) -> Optional[str]:

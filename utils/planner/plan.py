@@ -259,7 +259,8 @@ def what_would_fit(model_dir, world_size: int, image_size, device_kind: str, mem
     fewest = fewest_cards(model_dir, memory, image_size, device_kind, quantize,
                           world_sizes=tuple(n for n in (1, 2, 4, 8, 16, 32) if n > world_size),
                           conditioning_images=conditioning_images)
-    out.append(f"{fewest[0]} ranks ({fewest[1]})" if fewest else "more than 32 ranks")
+    if fewest:
+        out.append(f"{fewest[0]} ranks ({fewest[1]})")
     return out
 
 
@@ -284,8 +285,8 @@ def format_table(model_dir, memories: list, image_size, device_kind: str, quanti
         cell = (f"{verdict}: {gib(one.total())} of {gib(budget)} GiB (parameters {gib(one.param_bytes)}, activations "
                 f"{gib(one.activation_bytes)}: {parts}; workspace {gib(one.workspace)})")
         if one.total() > budget:
-            cell += "; fits: " + " or ".join(what_would_fit(model_dir, 1, image_size, device_kind, memory, quantize,
-                                                             conditioning_images))
+            cell += "; fits: " + (" or ".join(what_would_fit(model_dir, 1, image_size, device_kind, memory, quantize,
+                                                              conditioning_images)) or "nothing up to 32 ranks")
         rows.append(f"| {text} | " + " | ".join(cells) + f" | {cell} |")
     return "\n".join(rows)
 
@@ -314,10 +315,14 @@ def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_mem
     role, needed, budget = over
     fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom, quantize,
                             conditioning_images)
-    instead = (f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}" if fits else
-               f"no layout of {layout.world_size} ranks fits; what fits: "
-               + " or ".join(what_would_fit(model_dir, layout.world_size, image_size, device_kind, device_memory,
-                                            quantize, conditioning_images)))
+    if fits:
+        instead = f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}"
+    else:
+        others = what_would_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, quantize,
+                                conditioning_images)
+        instead = (f"no layout of {layout.world_size} ranks fits; what fits: {' or '.join(others)}" if others else
+                   f"no layout of {layout.world_size} ranks fits (int4 experts included), nor one of up to 32 "
+                   f"ranks; use devices with more memory")
     raise PlanError(f"device_memory: ranks {role.ranks} need {gib(needed)} GiB (parameters {gib(role.param_bytes)}, "
                     f"activations {gib(role.activation_bytes)}, workspace {gib(role.workspace)}) but "
                     f"{gib(budget)} GiB of {gib(device_memory)} are usable: {gib(needed - budget)} GiB short; "

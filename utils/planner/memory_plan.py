@@ -191,6 +191,9 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
     inter_local = intermediate // layout.tp if layout.moe_mode == "tp" else intermediate
     chunk = math.ceil(tokens / layout.tp) if layout.moe_mode == "ep" or design.sequence_sharded else tokens
     moe_rows = tokens if layout.moe_mode == "tp" else chunk         # MoE TP gathers every share
+    if layout.moe_mode != "ep" or layout.tp == 1:                   # the local path routes ROUTED_TOKEN_CHUNK at a time
+        from adaptor_patches.moe.experts import ROUTED_TOKEN_CHUNK
+        moe_rows = min(moe_rows, ROUTED_TOKEN_CHUNK)
     rows = moe_rows * topk * (ROUTING_SKEW if layout.moe_mode == "ep" and layout.tp > 1 else 1)
     if device_kind == "cpu":
         rows *= 1.25                                                # padded bmm pads groups up to 25 %

@@ -5,8 +5,8 @@
 1. Expert bytes of the mid-size model (bench/e2e.py's MID_SIZES): in memory (the built model's
    expert tensors, and the RSS growth of building it, each format in a fresh process) and on disk
    (the expert tensors and scales written with safetensors).
-2. The MoE layer's CPU time (bench/moe_layer.py's layer, CPU kernel set, fp32 activations as in
-   moe_layer.py; the quantized layers hold the bf16 layer's weights quantized, stored as the CPU set
+2. The MoE layer's CPU time (bench/moe_layer.py's layer, CPU kernel set, activations in --dtype:
+   bf16 as the model runs (default), or fp32 as moe_layer.py times it; the quantized layers hold the bf16 layer's weights quantized, stored as the CPU set
    stores them: int4 in torch's CPU int4pack layout): median of --repeat, timed round-robin in one
    process.
 3. The image PSNR vs bf16 on the mid-size model (run_image_gen.py --quantize), where this checkout's
@@ -66,7 +66,7 @@ def child_bytes(fmt, out_dir: Path) -> dict:
             "rss_growth": rss, "disk_bytes": path.stat().st_size}
 
 
-def layer_times(hidden: int, token_counts, repeat: int) -> dict:
+def layer_times(hidden: int, token_counts, repeat: int, dtype: str = "bf16") -> dict:
     import torch
     import model_adaptor
     from adaptor_patches.kernels.device import Device
@@ -81,15 +81,22 @@ def layer_times(hidden: int, token_counts, repeat: int) -> dict:
     base = layers["bf16"]
     for fmt in FORMATS[1:]:
         layer = layers[fmt]
-        layer.load_state_dict({k: v for k, v in base.state_dict().items() if ".experts." not in k}, strict=False)
+        layer.load_state_dict({k: v for k, v in base.state_dict().items() if not k.startswith("experts.")}, strict=False)
         for w in ("w13", "w2"):
             q, scale = quantize_weight(getattr(base.experts, w).detach(), fmt)
             getattr(layer.experts, w).data, getattr(layer.experts, f"{w}_scale").data = q, scale
         layer.experts.adopt_kernel_storage()          # as load_model leaves them (int4: the CPU int4pack layout)
+    activations = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if activations == torch.bfloat16:
+        for fmt, layer in layers.items():              # everything bf16 but the router and quantized experts
+            for child_name, part in layer.named_children():
+                if child_name != "gate" and not (child_name == "experts" and fmt != "bf16"):
+                    part.to(torch.bfloat16)
+    base.experts.adopt_kernel_storage()               # the bf16 experts as loading leaves them too
     out = {}
     with torch.no_grad():
         for tokens in token_counts:
-            x = torch.randn(1, tokens, hidden)
+            x = torch.randn(1, tokens, hidden).to(activations)
             for layer in layers.values():
                 layer(x)
             times = {k: [] for k in layers}
@@ -148,6 +155,7 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the MoE layer's activations")
     p.add_argument("--steps", type=int, default=4, help="denoising steps of the PSNR images")
     p.add_argument("--skip-image", action="store_true")
     p.add_argument("--json", type=Path, default=None)
@@ -167,7 +175,7 @@ def main():
             if proc.returncode:
                 sys.exit(f"error: bytes of {name(fmt)}: {proc.stderr[-1500:]}")
             result["bytes"][name(fmt)] = json.loads(proc.stdout.strip().splitlines()[-1])
-        result["layer"] = layer_times(args.hidden, args.tokens, args.repeat)
+        result["layer"] = layer_times(args.hidden, args.tokens, args.repeat, args.dtype)
         result["psnr"] = {"note": "skipped (--skip-image)"} if args.skip_image else image_psnr(args.steps, Path(tmp))
     result["fewest_cards"] = fewest_cards_table()
     result["one_rank"] = one_rank_bytes()
@@ -178,7 +186,7 @@ def main():
     for fmt, b in result["bytes"].items():
         print(f"| {fmt} | {b['expert_bytes'] / mib:.1f} | {b['model_bytes'] / mib:.1f} | {b['rss_growth'] / mib:.1f} | "
               f"{b['disk_bytes'] / mib:.1f} |")
-    print(f"\n2. MoE layer, CPU kernel set, hidden {args.hidden}, fp32 activations, {torch.get_num_threads()} threads, "
+    print(f"\n2. MoE layer, CPU kernel set, hidden {args.hidden}, {args.dtype} activations, {torch.get_num_threads()} threads, "
           f"median of {args.repeat}\n")
     print("| tokens | bf16 (ms) | int8 (ms) | fp8 (ms) | int4 (ms) | int8 / bf16 | fp8 / bf16 | int4 / bf16 | int4 / int8 |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -36,7 +36,7 @@ scales_and_zeros)`, one call per expert that gets rows (present in torch 2.7.1 a
 measured here: w int32 [N, K] of uint4 values packed by `_convert_weight_to_int4pack_for_cpu` into
 uint8 [N, K/2] in a CPU-dependent block layout; it computes (u - 8) * scale + zero in fp32,
 scales_and_zeros [K/G, N, 2] contiguous in x's dtype, G one of 32/64/128/256, x contiguous;
-N a multiple of 16). So expert_weight_storage converts each stored int4 stack once after loading
+N a multiple of 16; bf16 x, its fp32 / fp16 forms are ~100x slower). So expert_weight_storage converts each stored int4 stack once after loading
 (int4pack_for_cpu), and the experts run the grouped path, not the padded one (the int4 matmul is
 per expert anyway: padding would only add rows). A stack whose N is not a multiple of 16 stays as
 stored and runs the dequantize reference. bench/quant.py measures it against bf16 and int8: the
@@ -187,19 +187,21 @@ def cpu_int4pack(stored: torch.Tensor) -> torch.Tensor:
 
 def int4pack_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor):
     """x [M, K] grouped by expert @ the int4 experts packed [E, N, K/2] (cpu_int4pack) with scale
-    [E, K/G, N]: one torch._weight_int4pack_mm_for_cpu per expert with rows; one host sync (the counts)."""
+    [E, K/G, N]: one torch._weight_int4pack_mm_for_cpu per expert with rows, in bf16 (the op's fp32 and
+    fp16 paths measured ~100x slower here: 539 / 611 ms vs 4.9 ms at 64 x 1024 x 1024), so other
+    activations are rounded to bf16 first (W4A16); one host sync (the counts)."""
     k, n = x.shape[1], scale.shape[-1]
     if tuple(packed.shape[1:]) != (n, k // 2):
         raise ValueError(f"int4 experts {tuple(packed.shape)} are not in the CPU int4pack layout [E, {n}, {k // 2}]; "
                          f"store them with expert_weight_storage (GroupedExperts.adopt_kernel_storage) first")
-    group, x = k // scale.shape[1], x.contiguous()
-    out, start = x.new_empty(x.shape[0], n), 0
+    group, rows_in = k // scale.shape[1], x.to(torch.bfloat16).contiguous()
+    out, start = rows_in.new_empty(x.shape[0], n), 0
     for expert, rows in enumerate(counts.tolist()):
         if rows:
             out[start:start + rows] = torch._weight_int4pack_mm_for_cpu(
-                x[start:start + rows], packed[expert], group, int4.scales_and_zeros(scale[expert], x.dtype))
+                rows_in[start:start + rows], packed[expert], group, int4.scales_and_zeros(scale[expert], torch.bfloat16))
         start += rows
-    return out
+    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
 def _swiglu_(x: torch.Tensor) -> torch.Tensor:

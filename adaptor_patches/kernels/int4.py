@@ -112,8 +112,9 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """pack's inverse: uint8 [..., N/2] -> int8 [..., N] in [-8, 7]."""
-    wide = packed.to(torch.int16)
+    """pack's inverse: uint8 [..., N/2] -> int8 [..., N] in [-8, 7] (bit operations in int32, which
+    every device's torch takes)."""
+    wide = packed.to(torch.int32)
     both = torch.stack([wide & 0xF, wide >> 4], dim=-1)
     return ((both ^ 8) - 8).to(torch.int8).flatten(-2)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from adaptor_patches.parallel.layout import LayoutError
 from utils.launcher.launch_config import ConfigError, resolve_path
 from utils.planner.memory_plan import read_config
 
@@ -74,5 +75,9 @@ def plan_job(job: dict, layout, options: dict) -> None:
         field, _, rest = str(exc).partition(": ")
         problem, _, fix = rest.partition("; ")
         raise ConfigError(field, problem, fix or "see docs/PLANNER.md") from None
+    except LayoutError as exc:          # the experts' format against the layout (int4 groups), where no weights told
+        field, _, rest = str(exc).partition(": ")
+        problem, _, fix = rest.partition("; ")
+        raise ConfigError(f"model_args.{field}" if field == "quantize" else field, problem, fix) from None
     except Exception as exc:           # a config upstream cannot build: the job's own checks will say why
         print(f"note: plan skipped ({type(exc).__name__}: {exc}); launching without a fit check", file=sys.stderr)

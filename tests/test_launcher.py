@@ -20,9 +20,19 @@ RUN_SH = ROOT / "run.sh"
 TINY_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "moe_intermediate_size": 128}
 SCRUBBED_ENV = ("CFG_PARALLEL", "USE_VAE_PARALLEL", "PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE",
                 "CPU_AFFINITY_CONF", "HCCL_OP_EXPANSION_MODE")
+# Each rank prints its arguments, then waits (up to 60 s) until every rank has printed before it exits:
+# torchrun stops the other ranks as soon as one exits non-zero, which on a loaded machine could be
+# before a slower rank had started.
 ENTRY = """import os, sys, time
+from pathlib import Path
 try:
     print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]}", flush=True)
+    printed = Path(__file__).with_name("printed")
+    printed.mkdir(exist_ok=True)
+    (printed / os.environ["RANK"]).touch()
+    deadline = time.monotonic() + 60
+    while len(list(printed.iterdir())) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(60 if "--sleep" in sys.argv else 0)
 except KeyboardInterrupt:
     print(f"rank {os.environ['RANK']} interrupted", flush=True)

@@ -3,9 +3,10 @@ beside ours, the Instruct tokenizer's merges, which model file runs a checkpoint
 images unchanged since the previous pin (62da220).
 
 tests/data/base_latents_62da220.safetensors holds the base tiny model's final latents as the
-adaptor made them on upstream 62da220 (run_image_gen.py, seed 7, 3 steps; the command and the
-torch / CPU that wrote them are in its metadata). On that torch and CPU capability the check is
-bit for bit; elsewhere within 1e-2 relative (bf16 GEMMs may round differently).
+adaptor made them on upstream 62da220 (run_image_gen.py, seed 7, 3 steps; the command in its
+metadata), one set per kind of CPU it was written on (metadata `sets`: torch build, capability, native
+bf16 flags). Where a set matches this machine the check is bit for bit; elsewhere within 2e-2 relative
+(bf16 GEMMs round differently across CPUs: ~1e-2 between AVX512 CPUs with and without avx512_bf16).
 """
 import hashlib
 import json
@@ -132,22 +133,36 @@ def test_both_model_files_get_the_same_replacements():
 
 # ---------------------------------------------------------------- the base model's images
 
+def cpu_bf16_flags() -> str:
+    """The CPU's native bf16 dot-product flags (oneDNN's bf16 GEMMs round differently with them)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    return ",".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, extra", [("full", ("--adaptor", "full")), ("shims", ("--adaptor", "shims")),
                                          ("auto", ("--adaptor", "full"))])
 def test_base_model_latents_as_on_62da220(tiny_model, tmp_path, name, extra):
+    """Bit for bit against the set 62da220 wrote on this torch build and kind of CPU (the golden file's
+    `sets`); on a build or CPU no set was written on, within 2e-2 relative (the base tests' latent bound:
+    the same bf16 model differs by ~1e-2 between CPUs with and without avx512_bf16)."""
     from safetensors import safe_open
     from generation import generate
     size = "auto" if name == "auto" else "64x64"
     _, latents, _ = generate(tiny_model, tmp_path, name, *extra, steps=3, size=size)
+    here = (torch.__version__, torch.backends.cpu.get_cpu_capability(), cpu_bf16_flags())
     with safe_open(str(GOLDEN), framework="pt") as f:
-        want, meta = f.get_tensor(f"latents_{name}"), f.metadata()
+        sets = json.loads(f.metadata()["sets"])
+        same = [s["suffix"] for s in sets if (s["torch"], s["cpu_capability"], s["cpu_bf16"]) == here]
+        want = f.get_tensor(f"latents_{name}{same[0] if same else ''}")
     got = torch.load(latents)
-    same_build = meta["torch"] == torch.__version__ and meta["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    if same_build:
-        assert torch.equal(got, want)
+    if same:
+        assert torch.equal(got, want), f"{here}: not the latents 62da220 wrote on this build and CPU"
     else:
-        assert float((got.float() - want.float()).norm() / want.float().norm()) <= 1e-2
+        assert float((got.float() - want.float()).norm() / want.float().norm()) <= 2e-2
 
 
 # ---------------------------------------------------------------- staging

@@ -32,7 +32,7 @@ from typing import Optional
 
 from ..kernels.quant import FORMATS
 from ..parallel.layout import Layout, LayoutError, attention_sizes, moe_layers
-from .int4_format import (MANIFEST_EXPERT_FORMAT, layout_problem, manifest_fields,  # noqa: F401  (re-exported)
+from .int4_format import (MANIFEST_EXPERT_FORMAT, check_layout, manifest_fields,  # noqa: F401  (re-exported)
                           recorded_format, stored_shape)
 from .quantized import quantize_tensors
 from .rank_slices import EXPERT_KEY, EXPERT_STACK, LAYER_KEY, rank_tensors, stacks_format
@@ -298,9 +298,7 @@ class Checkpoint:
             self.verify()
             self._accepted[key] = self.expert_format(layout.tp_rank(rank)) if self.per_rank else None
         expert_format = resolve_expert_format(self._accepted[key], quantize, self.directory)
-        problem = layout_problem(expert_format, layout, self.config)       # int4 groups whole on every rank
-        if problem:
-            raise LayoutError(problem)
+        check_layout(expert_format, layout, self.config)                  # int4 groups whole on every rank
         if expert_format is not None and not per_rank:
             raise LoadingError(f"quantize: 8-bit experts ({expert_format}) need the full adaptor; drop --adaptor "
                                f"shims or --quantize")
@@ -358,10 +356,7 @@ class Checkpoint:
             return None
         if tp_rank not in self._formats:
             held = self.stored_expert_format(tp_rank)
-            try:
-                recorded = recorded_format(self.manifest)
-            except ValueError as exc:
-                raise LoadingError(f"model-id: {self.directory}'s {MANIFEST_FILE} {exc}; convert it again") from None
+            recorded = recorded_format(self.manifest, self.directory)
             if self.format == CONVERTED and recorded != held:
                 raise LoadingError(f"model-id: {self.directory}'s {MANIFEST_FILE} records {recorded or 'bf16'} "
                                    f"experts but {self.weights_dir(tp_rank)} holds {held or 'bf16'} ones; convert it again")

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..kernels import int4
-from ..parallel.layout import moe_layers
+from ..parallel.layout import LayoutError, moe_layers
+from .safetensors_io import LoadingError
 
 MANIFEST_EXPERT_FORMAT = "expert_format"         # absent: bf16
 MANIFEST_GROUP_SIZE = "expert_group_size"        # int4 only
@@ -56,18 +57,28 @@ def manifest_fields(fmt: Optional[str]) -> dict:
     return {MANIFEST_EXPERT_FORMAT: fmt}
 
 
-def recorded_format(manifest: Optional[dict]) -> Optional[str]:
-    """The expert format a manifest records (None: bf16); ValueError for an int4 record without a
-    valid group size."""
+def recorded_format(manifest: Optional[dict], where=None) -> Optional[str]:
+    """The expert format a manifest records (None: bf16); for an int4 record without a valid group
+    size ValueError, or with `where` (the folder) LoadingError's `model-id:` line."""
     manifest = manifest or {}
     fmt = manifest.get(MANIFEST_EXPERT_FORMAT)
     if fmt != int4.BASE:
         return fmt
     group = manifest.get(MANIFEST_GROUP_SIZE)
     if group not in int4.GROUP_SIZES:
-        raise ValueError(f"records int4 experts with {MANIFEST_GROUP_SIZE} {group!r}, not one of "
-                         f"{', '.join(map(str, int4.GROUP_SIZES))}")
+        problem = (f"records int4 experts with {MANIFEST_GROUP_SIZE} {group!r}, not one of "
+                   f"{', '.join(map(str, int4.GROUP_SIZES))}")
+        if where is None:
+            raise ValueError(problem)
+        raise LoadingError(f"model-id: {where}'s manifest.json {problem}; convert it again")
     return int4.format_name(group)
+
+
+def check_layout(fmt: Optional[str], layout, config: dict) -> None:
+    """LayoutError with layout_problem's line, if there is one."""
+    problem = layout_problem(fmt, layout, config)
+    if problem:
+        raise LayoutError(problem)
 
 
 def stored_shape(planned: tuple, dtype_name: str) -> tuple:

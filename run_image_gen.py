@@ -90,7 +90,7 @@ def set_up_device(args, layout, rank: int, expert_format):
     """(Device, RankContext): the device resolved, the patches installed, the kernel set chosen;
     8-bit settings this device cannot run refused."""
     import model_adaptor
-    from adaptor_patches.kernels import kernels_for, quant_compute_problem, quant_problem
+    from adaptor_patches.kernels import kernels_for, quant_compute_problem, quant_problem, resolve_compute
     from adaptor_patches.kernels.device import resolve
     from adaptor_patches.parallel.context import RankContext
     device = resolve(args.device, int(os.environ.get("LOCAL_RANK", 0)), cpu_noise=args.noise_on_cpu)
@@ -99,10 +99,10 @@ def set_up_device(args, layout, rank: int, expert_format):
     problem = quant_compute_problem(device.kind, args.quant_compute)
     if problem:
         raise UsageError(problem)
+    compute = resolve_compute(expert_format, args.quant_compute)       # not given: the experts' weight-only one
     context = RankContext(layout, rank, device, multi_stream(args), text_to_image_only=args.adaptor == "full",
-                          kernels=kernels_for(device.kind, quant_compute=args.quant_compute),
-                          expert_format=expert_format)
-    problem = quant_problem(device.kind, expert_format, args.quant_compute)
+                          kernels=kernels_for(device.kind, quant_compute=compute), expert_format=expert_format)
+    problem = quant_problem(device.kind, expert_format, compute)
     if problem:
         raise UsageError(problem)
     return device, context

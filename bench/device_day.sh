@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The first run on a machine with an accelerator (NPU or GPU; one device is enough), one command
 # of under 10 minutes:   bash bench/device_day.sh [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]
-#   1 selfcheck   python -m utils.selfcheck on one device: env, every kernel and the 8-bit kernels vs the
+#   1 selfcheck   python -m utils.selfcheck on one device: env, every kernel and the quantized kernels (int8 /
+#                 fp8 W8A16 / W8A8, int4 W4A16: npu_grouped_matmul, torch._weight_int4pack_mm) vs the
 #                 reference at real shapes, the MoE layer with the side stream on/off + overlap_pct
 #   2 collectives the self-check's collectives section over every device of the node (CPU: 2 gloo ranks):
 #                 all_reduce / all_gather / all_to_all, and all_gather_matmul / matmul_reduce_scatter
 #                 in the device's fused form vs the plain collectives (skipped with one device)
-#   3 moe_layer   bench/device_layer.py: upstream eager vs patched vs the dense-GEMM floor, bf16 vs 8-bit
+#   3 moe_layer   bench/device_layer.py: upstream eager vs patched vs the dense-GEMM floor, bf16 vs 8-bit vs int4
 #   4 e2e         bench/e2e.py: the mid-size model end to end, upstream eager vs the adaptor
 #   5 layouts     bench/layouts.py over every device of the node: the step time with the rows replicated
 #                 vs sequence shares vs Ulysses (issue 29; skipped with one device)
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=${2:-}; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     --*) echo "error: $1: unknown option; use [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]" >&2; exit 2 ;;
     *) out=$1; shift ;;
   esac

@@ -1,12 +1,14 @@
-"""The MoE layer on one device: upstream eager vs patched (bf16, int8, fp8, W8A8) vs the dense-GEMM floor.
+"""The MoE layer on one device: upstream eager vs patched (bf16, int8, fp8, W8A8, int4) vs the dense-GEMM floor.
 
     .venv/bin/python bench/device_layer.py [--device auto|npu|cuda|cpu] [--shapes real|small] [--repeat 10]
         [--tokens N] [--json PATH]
 
 The layer of utils/selfcheck/checks/moe_stream.py (HunyuanMoE at the self-check's shapes, bf16 but the
 router; tokens = both CFG branches of one image), each variant in a fresh process (a patch rebinds
-upstream's class). Patched 8-bit variants: the experts in that format (their random init quantized
-per channel), each compute the device runs (kernels.QUANT_SUPPORT); others are listed as not run.
+upstream's class). Patched quantized variants: the experts in that format (their random init
+quantized: 8-bit per channel, int4 per group of 128 input channels), stored as the device's set
+stores them after loading (adopt_kernel_storage: NZ, int4pack), each compute the device runs
+(kernels.QUANT_SUPPORT); others are listed as not run.
 Floor: one dense bf16 matmul with the layer's FLOPs, [tokens*(topk+1), H] @ [H, 3I], into a
 preallocated output. Reported: median time with a device sync around each run, and the peak
 device memory (CPU: peak RSS).
@@ -63,8 +65,10 @@ def child(device_name: str, shape_name: str, tokens: int, variant: str, fmt, com
             with building(context):
                 layer = upstream.HunyuanMoE(config, layer_idx=0)
     for name, part in layer.named_children():
-        if name != "gate" and not (name == "experts" and fmt):      # 8-bit experts keep their dtypes
+        if name != "gate" and not (name == "experts" and fmt):      # quantized experts keep their dtypes
             part.to(torch.bfloat16)
+    if variant == "patched":
+        layer.experts.adopt_kernel_storage()                        # as load_model leaves them
     layer.eval()
     x = torch.randn(1, tokens, shape["hidden"], device=dev, dtype=torch.bfloat16)
     result = {}

@@ -1,5 +1,6 @@
-"""TEST DOUBLE of torch's fp8 grouped GEMM (scaled_grouped_mm, rowwise scales, 2-D x 3-D) and of the
-symmetric-memory fused collective matmuls (`symm_mem` below) -- plain torch, tests only.
+"""TEST DOUBLE of torch's fp8 grouped GEMM (scaled_grouped_mm, rowwise scales, 2-D x 3-D), of its CUDA
+int4 weight-only matmul (`int4pack` below) and of the symmetric-memory fused collective matmuls
+(`symm_mem` below) -- plain torch, tests only.
 
 Called as kernels/cuda.py calls torch's: fn(a, b, scale_a, scale_b, offs) -> bf16. It checks what
 torch's own checks (torch/_meta_registrations.py, _meta_grouped_mm_common) require for this case,
@@ -104,3 +105,63 @@ class symm_mem:
         if reduce_op == "avg":
             out = out / n
         return out.movedim(0, scatter_dim)
+
+
+class int4pack:
+    """TEST DOUBLE of torch's CUDA int4 weight-only matmul pair, as kernels/cuda.py calls them:
+
+        convert_weight_to_int4pack(w, inner_k_tiles)   torch.ops.aten._convert_weight_to_int4pack
+        weight_int4pack_mm(x, w, group, scales_and_zeros)   torch._weight_int4pack_mm
+
+    Checks what torch's checks require (aten/src/ATen/native/cuda/int4mm.cu, _meta_registrations):
+    w uint8 [N, K/2] contiguous (two uint4 a byte, the even K index in the high nibble: the packing
+    torchao's tensor-core-tiled layout feeds it), inner_k_tiles 2 / 4 / 8, K a multiple of
+    16 x inner_k_tiles, N a multiple of 8; the packed weight int32 [N/8, K/(16 t), 32, t/2] (its
+    inner order is the GPU's; here the uint4 values, 8 to an int32, in an order of the double's own,
+    so the caller can only hand it back to weight_int4pack_mm). The matmul: x bf16 [M, K] contiguous,
+    group 32/64/128/256 dividing K, scales_and_zeros bf16 [K/group, N, 2] contiguous;
+    out = x @ ((u - 8) * scale + zero) (fp32 here), bf16. Not checked on a GPU.
+
+        CudaKernels(int4_ops=cuda_double.int4pack)
+    """
+
+    calls: list = []                     # ("convert" | "mm", shapes) in call order
+
+    @staticmethod
+    def convert_weight_to_int4pack(w, inner_k_tiles):
+        _require(w.dtype == torch.uint8 and w.dim() == 2, f"expected a 2-D uint8 weight [N, K/2], got {w.dtype} "
+                                                          f"{w.dim()}-D")
+        _require(w.is_contiguous(), "weight must be contiguous")
+        _require(inner_k_tiles in (2, 4, 8), f"innerKTiles must be 2, 4, or 8, got {inner_k_tiles}")
+        n, k = w.shape[0], w.shape[1] * 2
+        _require(n % 8 == 0, f"the N dimension ({n}) must be divisible by 8")
+        _require(k % (inner_k_tiles * 16) == 0, f"K ({k}) must be divisible by {inner_k_tiles * 16}")
+        int4pack.calls.append(("convert", (n, k, inner_k_tiles)))
+        wide = w.to(torch.int64)
+        uint4 = torch.stack([wide >> 4, wide & 0xF], dim=-1).reshape(n, k)          # high nibble: even k
+        shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+        packed = (uint4.reshape(-1, 8) << shifts).sum(-1)
+        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        return packed.reshape(n // 8, k // (inner_k_tiles * 16), 32, inner_k_tiles // 2)
+
+    @staticmethod
+    def _uint4(w):
+        tiles = w.shape[3] * 2
+        n, k = w.shape[0] * 8, w.shape[1] * tiles * 16
+        shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+        return ((w.reshape(-1).to(torch.int64).unsqueeze(-1) >> shifts) & 0xF).reshape(n, k)
+
+    @staticmethod
+    def weight_int4pack_mm(x, w, group, scales_and_zeros):
+        _require(x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous bf16")
+        _require(w.dtype == torch.int32 and w.dim() == 4, "the packed weight must be 4-D int32")
+        n, k = w.shape[0] * 8, w.shape[1] * w.shape[3] * 2 * 16
+        _require(x.shape[1] == k, f"x has K {x.shape[1]}, the packed weight {k}")
+        _require(group in (32, 64, 128, 256) and k % group == 0, f"qGroupSize {group} must be 32/64/128/256 dividing K")
+        sz = scales_and_zeros
+        _require(sz.dtype == torch.bfloat16 and tuple(sz.shape) == (k // group, n, 2) and sz.is_contiguous(),
+                 f"qScaleAndZeros must be contiguous bf16 [{k // group}, {n}, 2], got {sz.dtype} {list(sz.shape)}")
+        int4pack.calls.append(("mm", (x.shape[0], k, n, group)))
+        weight = (int4pack._uint4(w).t().float() - 8) * sz[..., 0].float().repeat_interleave(group, 0) \
+            + sz[..., 1].float().repeat_interleave(group, 0)
+        return (x.float() @ weight).to(torch.bfloat16)

@@ -53,6 +53,11 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
       W8A8       (pertoken) x int8, weight int8, scale [G, N] bf16 with output_dtype bf16 (or fp32 with
                  fp16), per_token_scale fp32 [M]: y = (x @ w) * scale * per_token_scale, the product
                  accumulated exactly (int32 on the device; float64 here)
+      W4A16      ("伪量化", int4 weight carried in int32): x fp16/bf16, weight int32 [G, K, N/8] (8 int4
+                 per int32, as npu_convert_weight_to_int4pack packs them; op-plugin's wrapper makes the
+                 output N = 8 x the weight's last dim), antiquant_scale in x's dtype, [G, N]
+                 (perchannel) or [G, Gk, N] (pergroup, Gk dividing K: group k // (K / Gk)), optional
+                 antiquant_offset of that shape: y = x @ ((w + offset) * antiquant_scale); N even
     The docs say "1-D" for scale tensors; for one weight tensor of G groups the reading taken is
     [G, N] (the antiquant_scale rule stated for that case). int8 weights in the W8A16 form are
     per-channel only (no per-group); float8 weights are not in the table and are rejected.
@@ -66,7 +71,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     rows, w = x[0], weight[0]
     _require_rows(rows, "x")
     _require(w.dim() == 3 and w.shape[1] == rows.shape[1], "weight must be [G, in, out] matching x")
-    groups, n = w.shape[0], w.shape[2]
+    groups, n = w.shape[0], w.shape[2] * (INT4_PER_INT32 if w.dtype == torch.int32 else 1)
     counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
     _require(group_list_type in (0, 1), "group_list_type 0 (cumsum) or 1 (counts) is the modelled form")
     _require(group_list_type != 0 or bool((counts >= 0).all()), "group_list (cumsum) must be non-decreasing")
@@ -83,6 +88,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     scale, antiquant_scale, antiquant_offset, per_token_scale = (
         one("scale", scale), one("antiquant_scale", antiquant_scale), one("antiquant_offset", antiquant_offset),
         one("per_token_scale", per_token_scale))
+    if w.dtype == torch.int32:                                                           # W4A16
+        return [_int4_weight_only(rows, w, counts, antiquant_scale, antiquant_offset, scale, per_token_scale,
+                                  output_dtype)]
     if w.dtype == torch.int8 and rows.dtype in (torch.float16, torch.bfloat16):          # W8A16
         _require(scale is None and per_token_scale is None, "W8A16 takes antiquant_scale, not scale/per_token_scale")
         _require(antiquant_scale is not None, "int8 weight with a float x needs antiquant_scale")
@@ -121,6 +129,58 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
              "a float weight takes no quantization scales")
     _require(output_dtype in (None, rows.dtype), "output_dtype must be None or x's dtype")
     return [_per_group(rows.float(), w.float(), counts).to(rows.dtype)]
+
+
+INT4_PER_INT32 = 8
+
+
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    """int32 [k, n] (2-D, contiguous, n a multiple of 8, every value in [-8, 7]) -> int32 [k, n/8]:
+    eight int4 per int32, element 8j + i of a row in bits 4i .. 4i + 3 (its two's complement nibble),
+    as op-plugin's convert_to_int4_pack writes them (ConvertWeightToINT4PackKernelNpuOpApi.cpp, the
+    ND path of Atlas A2/A3). inner_k_tiles: a reserved parameter (docs), ignored."""
+    _require(weight.dtype == torch.int32, f"weight must be int32, got {weight.dtype}")
+    _require(weight.dim() == 2, f"weight must be 2-D (k, n) or (n, k), got {weight.dim()}-D")
+    _require(weight.is_contiguous(), "weight must be contiguous")
+    _require(weight.shape[-1] % INT4_PER_INT32 == 0, f"the last dim ({weight.shape[-1]}) must be 8-aligned")
+    _require(bool(((weight >= -8) & (weight <= 7)).all()), "weight values must be in the int4 range [-8, 7]")
+    nibbles = (weight.to(torch.int64) & 0xF).view(weight.shape[0], -1, INT4_PER_INT32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    packed = (nibbles << shifts).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _unpack_int4(packed):
+    """npu_convert_weight_to_int4pack's inverse on the last dim: int32 [..., n/8] -> float32 [..., n]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
+    return ((nibbles ^ 8) - 8).flatten(-2).float()
+
+
+def _int4_weight_only(rows, w, counts, antiquant_scale, antiquant_offset, scale, per_token_scale, output_dtype):
+    _require(rows.dtype in (torch.float16, torch.bfloat16), f"an int4 weight takes fp16/bf16 x, got {rows.dtype}")
+    _require(scale is None and per_token_scale is None, "W4A16 takes antiquant_scale, not scale/per_token_scale")
+    _require(antiquant_scale is not None, "an int4 weight with a float x needs antiquant_scale")
+    _require(antiquant_scale.dtype == rows.dtype, f"antiquant_scale must be {rows.dtype} (x's dtype), "
+                                                  f"got {antiquant_scale.dtype}")
+    groups, k, n = w.shape[0], w.shape[1], w.shape[2] * INT4_PER_INT32
+    _require(n % 2 == 0, "an int4 weight's N must be even")
+    shape = tuple(antiquant_scale.shape)
+    _require(shape == (groups, n) or (len(shape) == 3 and shape[0] == groups and shape[2] == n and shape[1] > 0
+                                      and k % shape[1] == 0),
+             f"antiquant_scale must be [g, n] = {[groups, n]} (perchannel) or [g, G, n] with G dividing k = {k} "
+             f"(pergroup), got {list(shape)}")
+    if antiquant_offset is not None:
+        _require(antiquant_offset.dtype == antiquant_scale.dtype and antiquant_offset.shape == antiquant_scale.shape,
+                 "antiquant_offset must match antiquant_scale")
+    _require(output_dtype in (None, rows.dtype), f"W4A16 output_dtype must be None or {rows.dtype}")
+
+    def per_row(t):                           # [g, n] or [g, G, n] -> [g, k, n]
+        t = t.float()
+        return t.unsqueeze(1) if t.dim() == 2 else t.repeat_interleave(k // t.shape[1], dim=1)
+    offset_w = 0.0 if antiquant_offset is None else per_row(antiquant_offset)
+    w_real = (_unpack_int4(w) + offset_w) * per_row(antiquant_scale)
+    return _per_group(rows.float(), w_real, counts).to(rows.dtype)
 
 
 def _bounds(counts):

@@ -24,11 +24,12 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
     assert {name: s["status"] for name, s in summary["steps"].items()} == dict.fromkeys(summary["steps"], "pass"), \
         {name: s["tail"] for name, s in summary["steps"].items()}
     rows = summary["steps"]["moe_layer"]["result"]["rows"]
-    assert {"upstream eager", "patched bf16", "patched int8 W8A16", "patched fp8 W8A16"} <= set(rows)
+    assert {"upstream eager", "patched bf16", "patched int8 W8A16", "patched fp8 W8A16", "patched int4 W4A16"} <= set(rows)
     for name in ("selfcheck", "collectives"):         # the instruct section runs once, in its own step
         assert {r["section"] for r in summary["steps"][name]["result"]["results"]}.isdisjoint({"instruct"}), name
     checks = {r["check"] for r in summary["steps"]["selfcheck"]["result"]["results"]}
     assert "8-bit routed_experts int8 W8A16" in checks and "layer time, stream on" in checks
+    assert "4-bit routed_experts int4 W4A16" in checks
     fused = {r["check"]: r["status"] for r in summary["steps"]["collectives"]["result"]["results"]}
     assert fused["all_gather_matmul, 2 ranks, uneven shares"] == "pass" and "matmul_reduce_scatter time" in fused
     assert "sequence shares" in "\n".join(summary["steps"]["layouts"]["tail"])

@@ -22,13 +22,14 @@ PROJECT = ("adaptor_patches", "utils", "bench", "model_adaptor.py", "run_image_g
 # Bottom first. A tuple is one layer; its members may import each other (but not in a circle).
 LAYERS = (
     ("kernels.device", "model_family"),     # model_family: which upstream model file runs a checkpoint (a leaf)
-    ("kernels.quant", "kernels.collective_matmul", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
+    ("kernels.int4", "kernels.quant", "kernels.collective_matmul", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
      "kernels.__init__"),
     ("parallel.shards", "parallel.layout"),  # what one rank holds of a layer; the one Layout
     ("parallel.collectives", "parallel.context", "parallel.cfg_split", "parallel.vae_bands", "parallel.sequence",
      "parallel.ulysses"),
     ("weights.regular_files",),             # every file read before the weights: a regular one
     ("weights.safetensors_io",),            # bytes and headers
+    ("weights.int4_format",),               # what the int4 format asks of the weight path (layout rule, manifest)
     ("weights.rank_slices",),               # the per-rank slice plan
     ("weights.recipe_format",),             # the recipe's folders, as the same plan
     ("weights.quantized",),                 # quantization: a plan -> a plan
@@ -209,7 +210,7 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     graph = {"kernels.cpu": {"kernels.npu"}, "kernels.npu": {"kernels.cpu"}, "parallel.layout": {"moe.experts"},
              "moe.experts": set()}
     assert cycles(graph) == [["kernels.cpu", "kernels.npu"]]
-    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 12)"]
+    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 13)"]
 
 
 def test_no_import_cycle_anywhere_in_the_project():

@@ -470,6 +470,6 @@ def test_recipe_converted_folder_layout_is_checked_before_launch(tmp_path, base,
     base["model_args"]["quantize"] = "fp8"
     assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"),
                      f"error: model_args.quantize: {recipe_ep2['int8']} holds int8 experts but --quantize is fp8")
-    base["model_args"]["quantize"] = "int4"
+    base["model_args"]["quantize"] = "int5"
     assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"),
-                     "error: model_args.quantize: 'int4' is not one of none, int8, fp8")
+                     "error: model_args.quantize: 'int5' is not one of none, int8, fp8, int4")

@@ -398,8 +398,8 @@ def refused(model_dir, out, *flags):
 
 
 def test_unknown_or_contradicting_quantize_is_one_line(tiny_model, folders, tmp_path):
-    line = assert_one_error(refused(tiny_model, tmp_path, "--quantize", "int4"), "error: quantize: 'int4' is not one of")
-    assert "none, int8, fp8" in line
+    line = assert_one_error(refused(tiny_model, tmp_path, "--quantize", "int5"), "error: quantize: 'int5' is not one of")
+    assert "none, int8, fp8, int4" in line
     assert_one_error(refused(folders["int8_one"], tmp_path, "--quantize", "fp8"),
                      f"error: quantize: {folders['int8_one']} holds int8 experts but --quantize is fp8")
     assert_one_error(refused(folders["int8_one"], tmp_path, "--quantize", "none"),

@@ -49,7 +49,7 @@ def rel_err(out, ref):
     return float(((out.double() - ref).norm(dim=1) / ref.norm(dim=1)).max())
 
 
-@pytest.mark.parametrize("compute", QUANT_COMPUTES)
+@pytest.mark.parametrize("compute", ["w8a16", "w8a8"])       # int8 experts; int4: tests/test_int4.py
 @pytest.mark.parametrize("experts", [4, 1])
 def test_npu_forms_match_the_reference(compute, experts):
     x, q, scale, counts = _case("int8", experts=experts, counts=COUNTS if experts > 1 else [11])
@@ -204,7 +204,7 @@ W8A8_ONLY = ("quant-compute: w8a8 (8-bit weights, activations quantized per toke
     ("cpu", "int8", "w8a8", W8A8_ONLY + "cpu with int8 experts"),
     ("cpu", "fp8", "8bit", W8A8_ONLY + "cpu with fp8 experts"),
     ("npu", None, "w8a8", "quant-compute: w8a8 needs 8-bit experts"),
-    ("cpu", "int8", "int4", "quant-compute: 'int4' is not one of w8a16|w8a8"),
+    ("cpu", "int8", "int4", "quant-compute: 'int4' is not one of w8a16|w8a8|w4a16"),
 ])
 def test_which_combinations_run_where(kind, fmt, compute, expected):
     problem = quant_problem(kind, fmt, compute)
@@ -234,7 +234,7 @@ def test_old_compute_names_are_accepted_with_one_note(capsys):
     from utils.runtime import request_schema as schema
     parser = argparse.ArgumentParser()
     schema.add_arguments(parser, ["quant_compute"])
-    assert parser.parse_args([]).quant_compute == "w8a16" and capsys.readouterr().out == ""
+    assert parser.parse_args([]).quant_compute is None and capsys.readouterr().out == ""      # the weight-only one
     for old, new in (("weight", "w8a16"), ("8bit", "w8a8")):
         assert parser.parse_args(["--quant-compute", old]).quant_compute == new
         assert capsys.readouterr().out.splitlines() == [f"note: quant-compute {old} is now called {new}; "
@@ -293,11 +293,11 @@ SELF_CHECK_SETS = {
     "cpu": lambda compute: make_kernels("cpu", quant_compute=compute),
     "npu": lambda compute: make_kernels("npu", npu=npu_double, quant_compute=compute),
     "cuda": lambda compute: make_kernels("cuda", scaled_grouped_mm=cuda_double.scaled_grouped_mm,
-                                         quant_compute=compute),
+                                         quant_compute=compute, int4_ops=cuda_double.int4pack),
 }
 SELF_CHECK_ROWS = {      # the forms that run, each with a grouped_matmul row and a routed_experts row
-    "cpu": ["int8 W8A16", "fp8 W8A16"], "npu": ["int8 W8A16", "int8 W8A8"],
-    "cuda": ["int8 W8A16", "fp8 W8A16", "fp8 W8A8"],
+    "cpu": ["int8 W8A16", "fp8 W8A16", "int4 W4A16"], "npu": ["int8 W8A16", "int8 W8A8", "int4 W4A16"],
+    "cuda": ["int8 W8A16", "fp8 W8A16", "fp8 W8A8", "int4 W4A16"],
 }
 
 
@@ -307,8 +307,10 @@ def test_self_check_rows_for_each_8bit_form_pass_and_say_which_form_ran(kind):
     from utils.selfcheck.checks.quant_kernels import quant_kernel_checks
     results = quant_kernel_checks(SELF_CHECK_SETS[kind], kind, torch.device("cpu"), _tiny(SHAPES["small"]))
     assert all(r.status == "pass" for r in results), [(r.check, r.value) for r in results]
+    bits = {form: "4-bit" if form.startswith("int4") else "8-bit" for form in SELF_CHECK_ROWS[kind]}
     assert [r.check for r in results] == [check for form in SELF_CHECK_ROWS[kind] for check in
-                                          (f"8-bit grouped_matmul {form} (gate/up)", f"8-bit routed_experts {form}")]
+                                          (f"{bits[form]} grouped_matmul {form} (gate/up)",
+                                           f"{bits[form]} routed_experts {form}")]
 
 
 def test_self_check_row_says_w8a16_ran_where_cuda_has_no_fp8_gemm():
@@ -331,4 +333,4 @@ def test_self_check_fails_a_wrong_8bit_form():
     from utils.selfcheck.checks.quant_kernels import quant_kernel_checks
     results = quant_kernel_checks(lambda compute: ScalesOnceTooMany(npu_double, quant_compute=compute), "npu",
                                   torch.device("cpu"), _tiny(SHAPES["small"]))
-    assert [r.status for r in results] == ["fail"] * 4
+    assert [r.status for r in results] == ["fail"] * 6         # int8 W8A16, W8A8 and int4 W4A16, two rows each

@@ -1,7 +1,8 @@
 """Split an original HunyuanImage-3 checkpoint into one ready-to-load checkpoint per TP/EP rank.
 
     python utils/convert_model.py --model-path IN --output-path OUT --tp-attn N --tp-moe N --ep N \
-        [--ulysses N] [--int8 | --fp8] [--max-shard-size GB (5; 0.001..1000)] [--max-workers N (1)] [--overwrite]
+        [--ulysses N] [--int8 | --fp8 | --int4 [--int4-group-size 32|64|128|256]] [--max-shard-size GB (5;
+        0.001..1000)] [--max-workers N (1)] [--overwrite]
     python utils/convert_model.py --verify OUT [--max-workers N]
 
 OUT/rank-XX/ (XX = rank in the "tp" group) is an ordinary checkpoint in the runtime layout of the
@@ -12,9 +13,11 @@ shared MLP cut under MoE TP; everything else whole. Each holds size-capped shard
 tokenizer and generation files, and a config.json with a `parallel_layout` block; OUT holds the
 same small files and manifest.json (size and sha256 of every file written). The tensors come from
 adaptor_patches/weights/rank_slices.py's `rank_tensors`, which the loader also reads an original checkpoint
-with, so both routes give identical weights. `--int8` / `--fp8` (adaptor_patches/weights/quantized.py)
-write the routed experts in 8 bit with their `*_scale` tensors, exactly what `run_image_gen.py
---quantize` makes while loading; the manifest records the format and --verify checks the scales.
+with, so both routes give identical weights. `--int8` / `--fp8` / `--int4` (adaptor_patches/weights/
+quantized.py) write the routed experts in 8 or 4 bit with their `*_scale` tensors, exactly what
+`run_image_gen.py --quantize int8|fp8|int4[-gN]` makes while loading; the manifest records the format
+(and int4's group size) and --verify checks the scales. An int4 group size that does not divide a
+rank's expert slice (MoE TP) is refused before anything is written.
 
 Streaming: a worker makes one output tensor at a time (positioned reads of only the needed bytes)
 and writes it behind a header planned up front, hashing on the way out, the write overlapping the
@@ -54,9 +57,10 @@ if __name__ == "__main__":      # run by its documented path (python utils/conve
     route_console()             # one console: known-harmless third-party warnings off it (before transformers)
 
 from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402
-from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_EXPERT_FORMAT, MANIFEST_FILE,  # noqa: E402
-                                                ORIGINAL, Checkpoint, CheckpointError, manifest_record,
-                                                open_checkpoint, read_manifest)
+from adaptor_patches.kernels import int4  # noqa: E402
+from adaptor_patches.weights.checkpoint import (LAYOUT_KEY, MANIFEST_FILE, ORIGINAL, Checkpoint,  # noqa: E402
+                                                CheckpointError, manifest_record, open_checkpoint, read_manifest)
+from adaptor_patches.weights.int4_format import CONVERT_FLAGS, layout_problem, recorded_format  # noqa: E402
 from adaptor_patches.weights.safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointFiles,  # noqa: E402
                                                     LoadingError, rank_dir_name)
 from utils.convert_output import (PARTIAL_SUFFIX, ConvertError, check_paths, commit, sibling,  # noqa: E402
@@ -246,7 +250,8 @@ def validate(args) -> tuple:
         if checkpoint.format != ORIGINAL:
             raise ConvertError(f"model-path: {source} is already converted per rank ({checkpoint.format}); pass "
                                f"the original checkpoint")
-        problem = layout.problem(checkpoint.config)
+        problem = layout.problem(checkpoint.config) or layout_problem(args.expert_format, layout, checkpoint.config,
+                                                                                   CONVERT_FLAGS)
         if problem:
             raise ConvertError(problem)
         checkpoint.verify()         # the loader's checks: headers, offsets, shapes against config.json
@@ -326,7 +331,10 @@ def verify(out: Path, workers: int = 1) -> str:
 def verify_expert_format(out: Path, manifest: dict, layout: Layout) -> str:
     """Every rank's experts in the manifest's format, 8-bit ones with float32 scales of their shape
     (the checkpoint's answer, Checkpoint.stored_expert_format; its files already match the manifest)."""
-    recorded = manifest.get(MANIFEST_EXPERT_FORMAT)
+    try:
+        recorded = recorded_format(manifest)
+    except ValueError as exc:
+        raise ConvertError(f"verify: {MANIFEST_FILE} {exc}; convert again", exit_code=1) from None
     for rank in range(layout.tp):
         try:
             held = open_checkpoint(out).stored_expert_format(rank)
@@ -356,17 +364,29 @@ def parse_args(argv):
                    "the same (whole) attention weights of their attention-TP shard (1: none)")
     p.add_argument("--int8", action="store_true", help="routed experts int8, per-output-channel float32 scales")
     p.add_argument("--fp8", action="store_true", help="routed experts float8_e4m3fn, per-output-channel scales")
+    p.add_argument("--int4", action="store_true", help="routed experts int4 (two a byte), a bfloat16 scale per "
+                   "group of input channels (docs/QUANTIZATION.md)")
+    p.add_argument("--int4-group-size", type=int, default=None, help="input channels per int4 scale: "
+                   f"{', '.join(map(str, int4.GROUP_SIZES))} (default {int4.DEFAULT_GROUP})")
     p.add_argument("--max-shard-size", type=float, default=5.0, help="GB (10^9 bytes) per output shard, "
                    f"{SHARD_SIZE_RANGE_GB[0]:g}..{SHARD_SIZE_RANGE_GB[1]:g} (default 5)")
     p.add_argument("--max-workers", type=int, default=1, help="shards written in parallel")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--verify", metavar="OUT", help="check OUT's files against its manifest and exit")
     args = p.parse_args(argv)
-    if args.int8 and args.fp8:
-        raise ConvertError("int8/fp8: both given; the experts have one format, pass one of them")
-    if args.verify is not None and (args.int8 or args.fp8):
-        raise ConvertError("verify: --verify reads the format from the manifest; drop --int8 / --fp8")
-    args.expert_format = "int8" if args.int8 else "fp8" if args.fp8 else None
+    given = [flag for flag in ("int8", "fp8", "int4") if getattr(args, flag)]
+    if len(given) > 1:
+        raise ConvertError(f"{'/'.join(given)}: {'both' if len(given) == 2 else 'all three'} given; the experts have "
+                           f"one format, pass one of them")
+    if args.verify is not None and (given or args.int4_group_size is not None):
+        raise ConvertError("verify: --verify reads the format from the manifest; drop --int8 / --fp8 / --int4")
+    if args.int4_group_size is not None and not args.int4:
+        raise ConvertError("int4-group-size: given without --int4; add --int4 or drop it")
+    group = int4.DEFAULT_GROUP if args.int4_group_size is None else args.int4_group_size
+    if group not in int4.GROUP_SIZES:
+        raise ConvertError(f"int4-group-size: {group} is not one of {', '.join(map(str, int4.GROUP_SIZES))}; "
+                           f"use one of them (default {int4.DEFAULT_GROUP})")
+    args.expert_format = given[0] if given and given[0] != "int4" else int4.format_name(group) if given else None
     if args.verify is None:
         for flag in ("model_path", "output_path"):
             if getattr(args, flag) is None:

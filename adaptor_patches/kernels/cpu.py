@@ -30,6 +30,17 @@ One host sync per layer (the counts), free on CPU where there is no device queue
 8-bit experts (`scales` given): both padded projections go through quantized_grouped_matmul with
 every group `largest` rows, which here runs as one bmm per chunk of experts, each chunk dequantized
 just before it (torch_kernels.dequant_chunks); the grouped path dequantizes the same way.
+
+int4 experts (W4A16): torch's own CPU int4 matmul, `torch._weight_int4pack_mm_for_cpu(x, w, G,
+scales_and_zeros)`, one call per expert that gets rows (present in torch 2.7.1 and 2.14.1 alike,
+measured here: w int32 [N, K] of uint4 values packed by `_convert_weight_to_int4pack_for_cpu` into
+uint8 [N, K/2] in a CPU-dependent block layout; it computes (u - 8) * scale + zero in fp32,
+scales_and_zeros [K/G, N, 2] contiguous in x's dtype, G one of 32/64/128/256, x contiguous;
+N a multiple of 16; bf16 x, its fp32 / fp16 forms are ~100x slower). So expert_weight_storage converts each stored int4 stack once after loading
+(int4pack_for_cpu), and the experts run the grouped path, not the padded one (the int4 matmul is
+per expert anyway: padding would only add rows). A stack whose N is not a multiple of 16 stays as
+stored and runs the dequantize reference. bench/quant.py measures it against bf16 and int8: the
+int4 matmul is fast for a few rows per expert (decode) and about half the bf16 speed for many.
 """
 from __future__ import annotations
 
@@ -38,7 +49,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from . import int4, quant
 from .torch_kernels import (GroupedMmKernels, LoopKernels, dequant_chunks, expert_counts,
                             grouped_mm_applies)
 
@@ -61,7 +72,10 @@ class CpuKernels(GroupedMmKernels):
         return buffer[:numel].view(shape)
 
     def expert_weight_storage(self, w):
-        """[E, in, out] with each expert's matrix stored [out, in]-major (see the module docstring)."""
+        """[E, in, out] with each expert's matrix stored [out, in]-major (see the module docstring);
+        a stored int4 stack [E, in, out/2] in torch's CPU int4pack layout, [E, out, in/2]."""
+        if w.dtype == int4.STORAGE_DTYPE:
+            return cpu_int4pack(w) if int4pack_applies(int4.unpacked_shape(w.shape)[-1]) else w
         return w.transpose(1, 2).contiguous().transpose(1, 2)
 
     def grouped_matmul(self, x, w, counts):
@@ -71,7 +85,7 @@ class CpuKernels(GroupedMmKernels):
         return torch._grouped_mm(x.contiguous(), w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
 
     def routed_experts(self, x, topk_weight, topk_idx, w13, w2, add_to=None, scales=None):
-        if x.shape[0] == 0:
+        if x.shape[0] == 0 or (scales is not None and w13.dtype == int4.STORAGE_DTYPE):
             return super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to, scales)
         out = self.routed_padded(x, topk_weight, topk_idx, w13, w2, add_to, scales)
         return out if out is not None else super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to, scales)
@@ -116,13 +130,16 @@ class CpuKernels(GroupedMmKernels):
         return add_to if acc is add_to else add_to.copy_(acc)
 
     def quantized_grouped_matmul(self, x, q, scale, counts):
-        """Equal groups (the padded path): one bmm per chunk of dequantized experts; else the
-        grouped form of torch_kernels."""
+        """int4 (stored in this set's int4pack layout): torch's CPU int4 matmul per expert. 8-bit with
+        equal groups (the padded path): one bmm per chunk of dequantized experts; else the grouped
+        form of torch_kernels."""
+        if q.dtype == int4.STORAGE_DTYPE and x.shape[0] and int4pack_applies(scale.shape[-1]):
+            return int4pack_matmul(x, q, scale, counts)
         sizes = counts.tolist()
         if x.shape[0] == 0 or min(sizes) != max(sizes):
             return super().quantized_grouped_matmul(x, q, scale, counts)
         rows = sizes[0]
-        grouped, out = x.view(len(sizes), rows, -1), x.new_empty(len(sizes), rows, q.shape[-1])
+        grouped, out = x.view(len(sizes), rows, -1), x.new_empty(len(sizes), rows, scale.shape[-1])
         for first, stop, _ in dequant_chunks(sizes, q, x.element_size()):
             torch.bmm(grouped[first:stop], self._dequantized(q[first:stop], scale[first:stop], x),
                       out=out[first:stop])
@@ -149,6 +166,42 @@ class CpuKernels(GroupedMmKernels):
         both = torch.mm(x, gate_and_up.t(), out=self._scratch("gate_up", (rows, 2 * inter), x))   # free on return
         x1, x2 = both.chunk(2, dim=-1)
         return torch.mm(F.silu(x2, inplace=True).mul_(x1), down.t())
+
+
+def int4pack_applies(out_features: int) -> bool:
+    """Whether this set stores an int4 stack of `out_features` output channels in torch's CPU int4pack
+    layout (the one condition its converter adds to the format's own: N a multiple of 16)."""
+    return out_features % 16 == 0
+
+
+def cpu_int4pack(stored: torch.Tensor) -> torch.Tensor:
+    """A stored int4 stack [E, K, N/2] -> [E, N, K/2] uint8 in torch's CPU int4pack layout, expert by
+    expert (the unpacked int32 [N, K] of one expert is alive at a time)."""
+    experts, k, n = int4.unpacked_shape(stored.shape)
+    out = torch.empty(experts, n, k // 2, dtype=torch.uint8, device=stored.device)
+    for expert in range(experts):
+        uint4 = int4.offset_binary(int4.unpack(stored[expert])).t().contiguous()
+        out[expert] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(uint4, 1)      # innerKTiles: unused on CPU
+    return out
+
+
+def int4pack_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor):
+    """x [M, K] grouped by expert @ the int4 experts packed [E, N, K/2] (cpu_int4pack) with scale
+    [E, K/G, N]: one torch._weight_int4pack_mm_for_cpu per expert with rows, in bf16 (the op's fp32 and
+    fp16 paths measured ~100x slower here: 539 / 611 ms vs 4.9 ms at 64 x 1024 x 1024), so other
+    activations are rounded to bf16 first (W4A16); one host sync (the counts)."""
+    k, n = x.shape[1], scale.shape[-1]
+    if tuple(packed.shape[1:]) != (n, k // 2):
+        raise ValueError(f"int4 experts {tuple(packed.shape)} are not in the CPU int4pack layout [E, {n}, {k // 2}]; "
+                         f"store them with expert_weight_storage (GroupedExperts.adopt_kernel_storage) first")
+    group, rows_in = k // scale.shape[1], x.to(torch.bfloat16).contiguous()
+    out, start = rows_in.new_empty(x.shape[0], n), 0
+    for expert, rows in enumerate(counts.tolist()):
+        if rows:
+            out[start:start + rows] = torch._weight_int4pack_mm_for_cpu(
+                rows_in[start:start + rows], packed[expert], group, int4.scales_and_zeros(scale[expert], torch.bfloat16))
+        start += rows
+    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
 def _swiglu_(x: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,22 @@ symmetric memory (`enable_symm_mem_for_group`, which torch 2.7 requires; 2.14 de
 Symmetric memory needs the group's GPUs peer-accessible (one node, NVLink or PCIe P2P); where the
 fused call then fails it raises, it does not fall back silently.
 
+int4 experts (W4A16): `torch._weight_int4pack_mm(x, w, G, scales_and_zeros)` (tinygemm: bf16 x,
+tensor cores of compute capability 8.0 and later, so sm80 and sm90 alike, in torch 2.7.1 and 2.14.1),
+one call per local expert that gets rows. expert_weight_storage converts each stored int4 stack
+once, expert by expert, with `torch.ops.aten._convert_weight_to_int4pack(u, inner_k_tiles)`: u uint8
+[N, K/2] of uint4 values q + 8, the even input channel in the high nibble (what torchao's
+tensor-core-tiled layout passes since torch 2.5), inner_k_tiles 8 / 4 / 2 with K a multiple of
+16 x inner_k_tiles, N a multiple of 8; out int32 [N/8, K/(16 inner_k_tiles), 32, inner_k_tiles/2].
+The matmul computes (u - 8) * scale + zero: zeros 0 (int4.scales_and_zeros). Chosen over
+dequantizing each expert into torch._grouped_mm because torch 2.7.1 has no grouped mm at all and the
+int4 matmul reads 4-bit weights instead of writing and reading a bf16 copy. Whether it runs is
+probed once per device (one tiny call); where it does not, or a stack's shapes do not fit, the
+stack stays as stored and the dequantize reference runs.
+
 Written from torch's documented signature and its meta checks; NOT run on a GPU in this project:
-tested on CPU against tests/cuda_double.py, a double of scaled_grouped_mm and of the two symm_mem
-ops with those checks.
+tested on CPU against tests/cuda_double.py, a double of scaled_grouped_mm, of the two int4 ops and
+of the two symm_mem ops with those checks.
 """
 from __future__ import annotations
 
@@ -36,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import int4
 from .collective_matmul import process_group
 from .quant import quantize_per_token
 from .torch_kernels import GroupedMmKernels
@@ -58,10 +72,12 @@ def torch_scaled_grouped_mm():
 class CudaKernels(GroupedMmKernels):
     name = "cuda"
 
-    def __init__(self, scaled_grouped_mm=None, quant_compute: str = "w8a16", symm_mem=None):
-        """`scaled_grouped_mm` stands in for torch's and `symm_mem` for torch.ops.symm_mem (the tests'
-        doubles); None: torch's, where they run."""
+    def __init__(self, scaled_grouped_mm=None, quant_compute: str = "w8a16", symm_mem=None, int4_ops=None):
+        """`scaled_grouped_mm` stands in for torch's, `symm_mem` for torch.ops.symm_mem and `int4_ops`
+        for torch's two int4 ops (the tests' doubles); None: torch's, where they run."""
         self._injected = scaled_grouped_mm
+        self._int4_injected = int4_ops
+        self._int4_by_device: dict = {}
         self.quant_compute = quant_compute
         self._fp8_gemm_by_device: dict = {}
         self._symm_mem_injected = symm_mem
@@ -115,14 +131,34 @@ class CudaKernels(GroupedMmKernels):
         return self.fp8_gemm(device) if self.quant_compute == "w8a8" else None
 
     def quant_compute_run(self, fmt, device):
+        if int4.is_int4(fmt):
+            return int4.COMPUTE
         return "w8a8" if fmt == "fp8" and self._w8a8_gemm(device) is not None else "w8a16"
+
+    def int4_ops(self, device: torch.device):
+        """torch's int4 pack and matmul where they run on `device` (probed once), else None."""
+        if self._int4_injected is not None:
+            return self._int4_injected
+        if device.type != "cuda":
+            return None
+        if device not in self._int4_by_device:
+            self._int4_by_device[device] = _probe_int4(TorchInt4, device)
+        return self._int4_by_device[device]
 
     def expert_weight_storage(self, w):
         if w.dtype == _FP8 and w.dim() == 3 and self._w8a8_gemm(w.device) is not None:
             return column_major(w)
+        if w.dtype == int4.STORAGE_DTYPE:
+            ops = self.int4_ops(w.device)
+            experts, k, n = int4.unpacked_shape(w.shape)
+            return w if ops is None or inner_k_tiles(k) is None or n % 8 else tiled_int4(w, ops)
         return super().expert_weight_storage(w)
 
     def quantized_grouped_matmul(self, x, q, scale, counts):
+        if q.dtype == torch.int32 and q.dim() == 5:             # int4, stored by tiled_int4
+            if x.shape[0] == 0:
+                return x.new_empty(0, scale.shape[-1])
+            return int4_matmul(x, q, scale, counts, self.int4_ops(x.device))
         gemm = self._w8a8_gemm(x.device) if q.dtype == _FP8 else None
         if x.shape[0] == 0 or gemm is None or x.shape[1] % _ALIGN or q.shape[-1] % _ALIGN:
             return super().quantized_grouped_matmul(x, q, scale, counts)
@@ -138,6 +174,60 @@ def _torch_symm_mem_ops():
         ops = torch.ops.symm_mem
         return ops if hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter") else None
     except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+class TorchInt4:
+    """torch's CUDA int4 ops, as CudaKernels calls them (tests/cuda_double.py's int4pack has the same two)."""
+    convert_weight_to_int4pack = staticmethod(lambda w, tiles: torch.ops.aten._convert_weight_to_int4pack(w, tiles))
+    weight_int4pack_mm = staticmethod(lambda x, w, group, sz: torch._weight_int4pack_mm(x, w, group, sz))
+
+
+def inner_k_tiles(k: int):
+    """The largest of torch's inner_k_tiles (8, 4, 2) whose 16 x tiles divides K; None if none does."""
+    return next((tiles for tiles in (8, 4, 2) if k % (16 * tiles) == 0), None)
+
+
+def tiled_int4(stored: torch.Tensor, ops) -> torch.Tensor:
+    """A stored int4 stack [E, K, N/2] -> int32 [E, N/8, K/(16 t), 32, t/2], one expert at a time:
+    uint8 [N, K/2] of q + 8, even input channel high, through ops.convert_weight_to_int4pack."""
+    experts, k, _ = int4.unpacked_shape(stored.shape)
+    tiles, out = inner_k_tiles(k), None
+    for expert in range(experts):
+        uint4 = int4.offset_binary(int4.unpack(stored[expert])).t()
+        packed = ops.convert_weight_to_int4pack(((uint4[:, 0::2] << 4) | uint4[:, 1::2]).to(torch.uint8).contiguous(),
+                                                tiles)
+        if out is None:
+            out = packed.new_empty(experts, *packed.shape)
+        out[expert] = packed
+    return out
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor, ops):
+    """x [M, K] grouped by expert @ int4 experts (tiled_int4, scale [E, K/G, N]): one int4 matmul per
+    expert with rows, in bf16 (tinygemm's dtype); one host sync (the counts)."""
+    k, n = x.shape[1], scale.shape[-1]
+    group, rows_in = k // scale.shape[1], x.to(torch.bfloat16).contiguous()
+    out, start = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device), 0
+    for expert, rows in enumerate(counts.tolist()):
+        if rows:
+            out[start:start + rows] = ops.weight_int4pack_mm(rows_in[start:start + rows], packed[expert], group,
+                                                             int4.scales_and_zeros(scale[expert], torch.bfloat16))
+        start += rows
+    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+def _probe_int4(ops, device):
+    """ops if one 8 x 64 int4 matmul (all weights 1, scale 1) gives 64 on `device`, else None."""
+    try:
+        stored = int4.pack(torch.ones(1, 64, 8, dtype=torch.int8, device=device))
+        packed = tiled_int4(stored, ops)
+        scale = torch.ones(1, 2, 8, dtype=torch.bfloat16, device=device)
+        out = int4_matmul(torch.ones(1, 64, dtype=torch.bfloat16, device=device), packed, scale,
+                          torch.ones(1, dtype=torch.int64, device=device), ops)
+        torch.cuda.synchronize(device)
+        return ops if float(out[0, 0]) == 64 else None
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
         return None
 
 

@@ -12,6 +12,14 @@
                      w8a16: npu_grouped_matmul, int8 `weight` + bf16 `antiquant_scale` [E, N]
                      w8a8: npu_dynamic_quant per token, then npu_grouped_matmul int8 x int8
                      with bf16 `scale` [E, N], fp32 `per_token_scale` [M], output_dtype bf16
+    int4 experts     w4a16 ("伪量化" pergroup): npu_grouped_matmul with the int4 weight carried in
+                     int32 [E, K, N/8] (npu_convert_weight_to_int4pack of the int32 values, one
+                     expert at a time after loading; ND, not NZ) and bf16 `antiquant_scale`
+                     [E, K/G, N] ("[g, G, n]", G dividing K), no antiquant_offset (symmetric):
+                     y = x @ (w * antiquant_scale). Docs (npu_grouped_matmul, group_list a
+                     Tensor, Atlas A2/A3): x bf16 with an int4 weight takes a bf16 antiquant_scale
+                     and gives bf16; N even. op-plugin's wrapper reads an int32 weight as int4,
+                     8 to an int32 (its output N is 8 x the weight's last dim).
     int8 dispatch    (w8a8 with int8 experts: quant.DISPATCH_FORMATS) the EP rows cross ranks as int8:
                      permute_quantized = npu_moe_init_routing_v2 quant_mode=1 (dynamic per-row int8,
                      its 4th output the float32 scales), regroup_quantized = npu_moe_re_routing with
@@ -51,6 +59,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from . import int4
 from .collective_matmul import process_group
 from .quant import dispatch_format, format_of, pack_rows
 from .torch_kernels import LoopKernels
@@ -113,10 +122,25 @@ class NpuKernels(LoopKernels):
                     padded, wt, self._group_name(group), ranks, reduce_op="sum", comm_turn=0))
 
     def expert_weight_storage(self, w):
+        if w.dtype == int4.STORAGE_DTYPE:
+            return self._int4pack(w)
         return self.npu.npu_format_cast(w, ACL_FORMAT_FRACTAL_NZ)
 
+    def _int4pack(self, stored):
+        """A stored int4 stack [E, K, N/2] -> int32 [E, K, N/8] as npu_convert_weight_to_int4pack packs
+        it (2-D int32 [K, N] in [-8, 7], N a multiple of 8), one expert's int32 values alive at a time.
+        The op packs on the host (op-plugin: a copy to the CPU and back per call): once, at load.
+        A stack whose N is not a multiple of 8 stays as stored and runs the dequantize reference."""
+        experts, k, n = int4.unpacked_shape(stored.shape)
+        if n % 8:
+            return stored
+        out = torch.empty(experts, k, n // 8, dtype=torch.int32, device=stored.device)
+        for expert in range(experts):
+            out[expert] = self.npu.npu_convert_weight_to_int4pack(int4.unpacked_values(stored[expert]).contiguous())
+        return out
+
     def quant_compute_run(self, fmt, device):
-        return self.quant_compute
+        return int4.COMPUTE if int4.is_int4(fmt) else self.quant_compute
 
     def grouped_matmul(self, x, w, counts):
         if x.shape[0] == 0:
@@ -140,7 +164,11 @@ class NpuKernels(LoopKernels):
         its cumsum (type 0, which has no length rule). `x_scale`: x is already int8 per token with
         these float32 scales (int8 dispatch), multiplied as it is."""
         if x.shape[0] == 0:
-            return x.new_empty(0, q.shape[-1])
+            return x.new_empty(0, scale.shape[-1])
+        if q.dtype == torch.int32:                              # int4, packed by _int4pack
+            return self._int4_grouped_matmul(x, q, scale, counts)
+        if q.dtype == int4.STORAGE_DTYPE:                       # int4 left as stored (N not a multiple of 8)
+            return super().quantized_grouped_matmul(x, q, scale, counts)
         fmt = format_of(q.dtype)
         if fmt != "int8":
             raise ValueError(f"quantize: {fmt or q.dtype} experts do not run on npu (npu_grouped_matmul takes int8 "
@@ -152,6 +180,15 @@ class NpuKernels(LoopKernels):
             return self.npu.npu_grouped_matmul([x_q], [q], scale=[scale.to(torch.bfloat16)],
                                                per_token_scale=[x_scale], output_dtype=torch.bfloat16, **common)[0]
         return self.npu.npu_grouped_matmul([x], [q], antiquant_scale=[scale.to(x.dtype)], **common)[0]
+
+    def _int4_grouped_matmul(self, x, packed, scale, counts):
+        """x [M, K] bf16 grouped by expert @ int4 experts (packed int32 [E, K, N/8], scale [E, K/G, N]):
+        the weight-only grouped matmul, the scale in x's dtype (the op's dtype rule; the stored one is
+        bf16 already). One local expert passes its cumsum (group_list_type 1 rejects a length-1 list)."""
+        group_list, list_type = ((counts.to(torch.int64), 1) if packed.shape[0] > 1
+                                 else (counts.to(torch.int64).cumsum(0), 0))
+        return self.npu.npu_grouped_matmul([x], [packed], antiquant_scale=[scale.to(x.dtype)], group_list=group_list,
+                                           group_type=0, group_list_type=list_type, split_item=2)[0]
 
     def dispatch_format(self, expert_format):
         return dispatch_format("npu", expert_format, self.quant_compute)

@@ -5,7 +5,7 @@
     expert_mlp(sorted_x, w13, w2, counts, scales=None)  down(SwiGLU(gate/up(rows))) per expert group
     shared_mlp(x, gate_and_up, down)       upstream HunyuanMLP's math on its nn.Linear weights
     grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
-    quantized_grouped_matmul(x, q, scale, counts)   the same with 8-bit w (int8 / fp8) and its scales
+    quantized_grouped_matmul(x, q, scale, counts)   the same with quantized w (int8 / fp8 / int4) and its scales
     route(logits, topk, norm, scale)       upstream topkgating's combine weights, dropless
     permute(x, topk_idx, num_experts)      token copies sorted by expert (+ per-expert counts)
     unpermute(y, row_idx, topk_weight)     weighted sum of each token's K expert rows
@@ -37,12 +37,14 @@ swapped (moe/experts.py), so stacked experts produce [x2 | x1] and equal upstrea
 Host syncs: one `.tolist()` of the counts per grouped matmul in the loop, none with grouped_mm.
 Inference only: outputs are written with out= and in place; nothing keeps an autograd graph.
 
-8-bit experts (kernels/quant.py): `scales` is (w13_scale [E, 2I], w2_scale [E, H]) float32, or None
-for bf16 experts. Every expert matmul with scales goes through `quantized_grouped_matmul`, the one
-seam a device's fused 8-bit form overrides. Here it is weight-only (W8A16): each expert's weight
-is dequantized (quant.dequantize: q * scale in fp32, rounded once to the activations' dtype) just
-before its matmul, a few experts at a time (DEQUANT_CHUNK_BYTES), and an expert that gets no rows
-is never dequantized. `quant_compute_run(fmt, device)` names the form a set runs (quant.QUANT_COMPUTES).
+Quantized experts (kernels/quant.py, int4.py): `scales` is (w13_scale, w2_scale) -- 8-bit: [E, 2I]
+and [E, H] float32; int4: [E, H/G, 2I] and [E, I/G, H] bfloat16 -- or None for bf16 experts. Every
+expert matmul with scales goes through `quantized_grouped_matmul`, the one seam a device's fused
+form overrides. Here it is weight-only (W8A16 / W4A16): each expert's weight is dequantized
+(quant.dequantize: q * scale in fp32, rounded once to the activations' dtype) just before its
+matmul, a few experts at a time (DEQUANT_CHUNK_BYTES), and an expert that gets no rows is never
+dequantized: the dequantize reference the device forms are tested against. `quant_compute_run(fmt,
+device)` names the form a set runs (quant.QUANT_COMPUTES).
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ class LoopKernels(CollectiveMatmuls):
         module docstring (8-bit w13 / w2).
         """
         if x.shape[0] == 0:
-            return add_to if add_to is not None else x.new_empty(0, w2.shape[-1])
+            return add_to if add_to is not None else x.new_empty(0, out_features(w2, scales and scales[1]))
         sorted_x, row_idx, counts = self.permute(x, topk_idx, w13.shape[0])
         routed = self.unpermute(self.expert_mlp(sorted_x, w13, w2, counts, scales), row_idx, topk_weight)
         return routed if add_to is None else add_to.add_(routed)
@@ -90,7 +92,7 @@ class LoopKernels(CollectiveMatmuls):
         """Rows grouped by expert (counts [E]) -> down(swiglu(rows @ w13[e])) per group, same row order.
         `x_scale`: the rows are int8 with these float32 per-row scales (int8 dispatch, 8-bit experts)."""
         if sorted_x.shape[0] == 0:
-            return sorted_x.new_empty(0, w2.shape[-1])
+            return sorted_x.new_empty(0, out_features(w2, scales and scales[1]))
         w13_scale, w2_scale = scales if scales is not None else (None, None)
         if x_scale is not None:
             first = self.quantized_rows_matmul(sorted_x, x_scale, w13, w13_scale, counts)
@@ -107,18 +109,19 @@ class LoopKernels(CollectiveMatmuls):
 
     def quant_compute_run(self, fmt: str, device: torch.device) -> str:
         """The compute this set's quantized_grouped_matmul runs for `fmt` experts on `device`."""
-        return "w8a16"
+        return quant.weight_only_compute(fmt)
 
     def quantized_grouped_matmul(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                                  counts: torch.Tensor) -> torch.Tensor:
-        """grouped_matmul with 8-bit weights: x [N, in] (bf16 rows grouped by expert), q [E, in, out]
-        int8 / float8_e4m3fn, scale [E, out] float32, counts [E] -> [N, out] in x's dtype.
+        """grouped_matmul with quantized weights: x [N, in] (bf16 rows grouped by expert), q [E, in, out]
+        int8 / float8_e4m3fn with scale [E, out] float32, or int4 stored uint8 [E, in, out/2] with
+        scale [E, in/G, out] bfloat16; counts [E] -> [N, out] in x's dtype.
 
-        W8A16 reference: the experts that get rows are dequantized a chunk at a time (at most
+        Weight-only reference: the experts that get rows are dequantized a chunk at a time (at most
         DEQUANT_CHUNK_BYTES of them) into grouped_matmul over that chunk's rows."""
         if x.shape[0] == 0:
-            return x.new_empty(0, q.shape[-1])
-        out, start = x.new_empty(x.shape[0], q.shape[-1]), 0
+            return x.new_empty(0, scale.shape[-1])
+        out, start = x.new_empty(x.shape[0], scale.shape[-1]), 0
         for first, stop, rows in dequant_chunks(counts.tolist(), q, x.element_size()):
             if rows:
                 weights = quant.dequantize(q[first:stop], scale[first:stop], x.dtype)
@@ -272,6 +275,12 @@ class GroupedMmKernels(LoopKernels):
         return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
 
 
+def out_features(w: torch.Tensor, scale: Optional[torch.Tensor]) -> int:
+    """A stacked expert weight's output width: its last dim, or its scale's (an int4 stack stores two
+    weights a byte, and a device may store it in its own layout)."""
+    return w.shape[-1] if scale is None else scale.shape[-1]
+
+
 def grouped_mm_applies(x, w) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
@@ -285,7 +294,7 @@ def dequant_chunks(counts: list, q: torch.Tensor, element_size: int):
     """(first expert, stop expert, rows) runs of experts to dequantize together: consecutive experts
     with rows, each run's dequantized weights at most DEQUANT_CHUNK_BYTES (at least one expert);
     experts without rows form row-less runs that are skipped."""
-    per_expert = max(1, q[0].numel() * element_size)
+    per_expert = max(1, quant.weights_per_expert(q) * element_size)
     most = max(1, DEQUANT_CHUNK_BYTES // per_expert)
     first = 0
     while first < len(counts):

@@ -17,8 +17,19 @@ How a checkpoint's per-expert tensors become these: weights/rank_slices.py.
 
 8-bit experts (`expert_format` "int8" / "fp8", kernels/quant.py): w13 / w2 are held in the format's
 storage dtype, same shapes, with float32 per-output-channel scales beside them, loaded like the
-weights: w13_scale [E_local, 2*I_local] (its columns), w2_scale [E_local, H]. All four are frozen
-parameters. This module only passes the scales on: the kernel set decides how 8-bit runs.
+weights: w13_scale [E_local, 2*I_local] (its columns), w2_scale [E_local, H]. 4-bit experts
+("int4", "int4-g64", ..., kernels/int4.py): w13 / w2 are uint8 [E_local, H, I_local] and
+[E_local, I_local, H/2] (two weights a byte), w13_scale [E_local, H/G, 2*I_local] and w2_scale
+[E_local, I_local/G, H] bfloat16, one per group of G input channels. All four are frozen
+parameters. This module only passes the scales on: the kernel set decides how they run.
+
+The local routed path (replicated or MoE TP: every token's experts on this rank) takes the tokens
+ROUTED_TOKEN_CHUNK at a time: the permuted rows and the gate/up outputs, T x top-k rows of 4H + 6I
+bytes, are what the denoising step's peak is made of on one card (the Instruct model's first step
+with three conditioning images: 40k tokens, 11 GiB of them on the real model; 4096 tokens at a time
+1.1 GiB). Each token's sum is its own, so chunks change no token's inputs; a chunk of 4096 tokens
+still gives every expert ~500 rows per matmul at top-8 of 64. EP routes its all-to-all's rows as
+they come (moe/dispatch.py).
 """
 from __future__ import annotations
 
@@ -27,8 +38,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels.quant import STORAGE_DTYPES, check_format, quantize_per_channel
-from ..parallel.layout import MoeShard
+from ..kernels import int4
+from ..kernels.quant import check_format, quantize_weight
+from ..parallel.layout import LayoutError, MoeShard
+
+ROUTED_TOKEN_CHUNK = 4096       # tokens per routed_experts call on the local path (see the module docstring)
 
 
 class GroupedExperts(nn.Module):
@@ -47,11 +61,15 @@ class GroupedExperts(nn.Module):
             self.w13, self.w2 = nn.Parameter(w13), nn.Parameter(w2)
             return
         check_format(expert_format)
+        group = int4.group_size(expert_format)
         for name, weight in (("w13", w13), ("w2", w2)):
+            problem = group and int4.group_problem(group, weight.shape[1], f"each rank's experts.{name}")
+            if problem:             # Checkpoint.check_for_run / the planner refuse this earlier, in one line
+                raise LayoutError(f"quantize: {problem} ({expert_format})")
             # an initial value only (replaced by the checkpoint's); quantized so it is in range
-            q, scale = quantize_per_channel(weight, expert_format)
-            setattr(self, name, nn.Parameter(q.to(STORAGE_DTYPES[expert_format]), requires_grad=False))
-            setattr(self, f"{name}_scale", nn.Parameter(scale.to(torch.float32), requires_grad=False))
+            q, scale = quantize_weight(weight, expert_format)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     @property
     def scales(self) -> Optional[tuple]:
@@ -59,8 +77,9 @@ class GroupedExperts(nn.Module):
         return None if self.expert_format is None else (self.w13_scale, self.w2_scale)
 
     def adopt_kernel_storage(self) -> None:
-        """Store w13 / w2 as the kernel set's grouped matmul reads them best (NPU: FRACTAL_NZ); the
-        values do not change. After loading: the loader and its spot check see the plain layout."""
+        """Store w13 / w2 as the kernel set's grouped matmul reads them best (NPU: FRACTAL_NZ; int4:
+        the device's own int4 packing); the values do not change. After loading: the loader and its
+        spot check see the stored layout."""
         with torch.no_grad():
             self.w13.data = self.kernels.expert_weight_storage(self.w13.data)
             self.w2.data = self.kernels.expert_weight_storage(self.w2.data)
@@ -72,6 +91,18 @@ class GroupedExperts(nn.Module):
         return self.kernels.expert_mlp(sorted_x, self.w13, self.w2, counts, scales=self.scales, x_scale=x_scale)
 
     def routed(self, tokens, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
-        """The weighted sum of each token's experts (every expert is local: replicated or TP)."""
-        return self.kernels.routed_experts(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to,
-                                           scales=self.scales)
+        """The weighted sum of each token's experts (every expert is local: replicated or TP), the
+        tokens ROUTED_TOKEN_CHUNK at a time (added into `add_to`'s rows in place when given)."""
+        chunk = ROUTED_TOKEN_CHUNK
+        if tokens.shape[0] <= chunk:
+            return self.kernels.routed_experts(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to,
+                                               scales=self.scales)
+        out = add_to
+        for start in range(0, tokens.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            piece = self.kernels.routed_experts(tokens[rows], topk_weight[rows], topk_idx[rows], self.w13, self.w2,
+                                                None if add_to is None else add_to[rows], scales=self.scales)
+            if add_to is None:
+                out = piece.new_empty(tokens.shape[0], piece.shape[1]) if out is None else out
+                out[rows] = piece
+        return out

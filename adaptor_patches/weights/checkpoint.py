@@ -33,6 +33,8 @@ from typing import Optional
 from ..kernels.quant import FORMATS
 from ..parallel.layout import Layout, LayoutError
 from .config_shapes import config_problem, converted_shape_problem, key_problem, required_keys
+from .int4_format import (MANIFEST_EXPERT_FORMAT, check_layout, manifest_fields,  # noqa: F401  (re-exported)
+                          recorded_format)
 from .quantized import quantize_tensors
 from .rank_slices import EXPERT_STACK, rank_tensors, stacks_format
 from .recipe_format import RECONVERT, is_recipe_folder, read_recipe_folder, recipe_folder_format, recipe_rank_tensors
@@ -42,7 +44,6 @@ from .safetensors_io import (INDEX_FILE, RANK_DIR, SINGLE_FILE, CheckpointFiles,
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "hunyuan-image-3-per-rank/1"
-MANIFEST_EXPERT_FORMAT = "expert_format"     # in our manifest.json: the format of the experts (absent: bf16)
 LAYOUT_KEY = "parallel_layout"
 REDOWNLOAD = "download or copy the checkpoint again"
 ORIGINAL, CONVERTED, RECIPE = "original", "converted", "recipe"
@@ -125,8 +126,7 @@ def manifest_record(layout_block: dict, source: Path, files: dict, expert_format
     read_manifest reads it back."""
     manifest = {"format": MANIFEST_FORMAT, LAYOUT_KEY: layout_block, "source": str(source),
                 "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(files.items())}}
-    if expert_format:
-        manifest[MANIFEST_EXPERT_FORMAT] = expert_format
+    manifest.update(manifest_fields(expert_format))
     return manifest
 
 
@@ -192,6 +192,7 @@ class Checkpoint:
             self.verify()
             self._accepted[key] = self.expert_format(layout.tp_rank(rank)) if self.per_rank else None
         expert_format = resolve_expert_format(self._accepted[key], quantize, self.directory)
+        check_layout(expert_format, layout, self.config)                  # int4 groups whole on every rank
         if expert_format is not None and not per_rank:
             raise LoadingError(f"quantize: 8-bit experts ({expert_format}) need the full adaptor; drop --adaptor "
                                f"shims or --quantize")
@@ -249,7 +250,7 @@ class Checkpoint:
             return None
         if tp_rank not in self._formats:
             held = self.stored_expert_format(tp_rank)
-            recorded = (self.manifest or {}).get(MANIFEST_EXPERT_FORMAT)
+            recorded = recorded_format(self.manifest, self.directory)
             if self.format == CONVERTED and recorded != held:
                 raise LoadingError(f"model-id: {self.directory}'s {MANIFEST_FILE} records {recorded or 'bf16'} "
                                    f"experts but {self.weights_dir(tp_rank)} holds {held or 'bf16'} ones; convert it again")

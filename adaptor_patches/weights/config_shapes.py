@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..parallel.layout import Layout, attention_sizes, moe_layers
+from .int4_format import stored_shape
 from .rank_slices import EXPERT_KEY, EXPERT_STACK, LAYER_KEY, rank_tensors
 from .safetensors_io import CheckpointFiles, StoredTensor
 
@@ -126,8 +127,9 @@ def converted_shape_problem(rank_files: CheckpointFiles, config: dict, layout: L
         return f"{rank_files.directory} does not hold the tensors config.json implies ({exc!r})"
     for key in rank_files.keys():
         stored = rank_files.info(key)
-        if key in planned and tuple(stored.shape) != planned[key]:
-            turned = " (stored transposed?)" if tuple(stored.shape) == planned[key][::-1] else ""
+        expected = stored_shape(planned[key], stored.dtype) if key in planned else None
+        if expected is not None and tuple(stored.shape) != expected:
+            turned = " (stored transposed?)" if tuple(stored.shape) == expected[::-1] else ""
             return (f"{key} in {stored.file.name} has shape {list(stored.shape)}{turned} but config.json and the "
-                    f"layout {layout} imply {list(planned[key])}")
+                    f"layout {layout} imply {list(expected)}")
     return None

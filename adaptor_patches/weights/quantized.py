@@ -1,22 +1,24 @@
-"""Quantization as a plan-to-plan transform: a rank's bf16 expert stacks become 8-bit stacks and scales.
+"""Quantization as a plan-to-plan transform: a rank's bf16 expert stacks become quantized stacks and scales.
 
-Three ways in, one result (kernels/quant.py has the formats):
+Three ways in, one result (kernels/quant.py and kernels/int4.py have the formats):
 
-* `run_image_gen.py --quantize int8|fp8` on an original or a bf16 converted folder (ours or the
-  recipe's): the loader plans the rank's tensors as for bf16 (rank_slices / recipe_format) and
-  `quantize_tensors` replaces each bf16 expert stack `experts.w13` / `w2` by the 8-bit stack and
-  its `*_scale`. The stack is read, quantized and stored one local expert at a time, so the bf16
-  alive at once is one expert's slice, never a layer's experts.
-* `utils/convert_model.py --int8|--fp8`: the converter writes the same plan (so the same bytes).
-* a folder already in 8 bit (ours converted with --int8 / --fp8, the recipe's --int8): its 8-bit
-  stacks and scales are read as stored; it runs in its format without a flag (checkpoint.py
+* `run_image_gen.py --quantize int8|fp8|int4[-gN]` on an original or a bf16 converted folder (ours
+  or the recipe's): the loader plans the rank's tensors as for bf16 (rank_slices / recipe_format)
+  and `quantize_tensors` replaces each bf16 expert stack `experts.w13` / `w2` by the quantized
+  stack and its `*_scale`. The stack is read, quantized and stored one local expert at a time, so
+  the bf16 alive at once is one expert's slice, never a layer's experts.
+* `utils/convert_model.py --int8|--fp8|--int4`: the converter writes the same plan (so the same bytes).
+* a folder already quantized (ours converted with --int8 / --fp8 / --int4, the recipe's --int8):
+  its stacks and scales are read as stored; it runs in its format without a flag (checkpoint.py
   tells the format a folder holds and checks its scales).
 
 Scales are per output channel of the rank's own slice: under MoE TP, w13's columns are cut before
 quantizing (a column's scale does not depend on the others), and w2's rows are cut before
 quantizing, so w2_scale [E_local, H] is the max over this rank's rows, as the recipe's converter
 computes it (it quantizes each rank's slice). Every way in thus gives bit-identical weights on
-every layout, the recipe's --int8 folders included.
+every layout, the recipe's --int8 folders included. int4 groups run along the input channels: a
+rank's w2 rows are whole groups of the full matrix when the group size divides the slice (the
+layout rule, weights/int4_format.py), so its int4 w2 equals the matching rows of the one-process one.
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from ..kernels.quant import STORAGE_DTYPES, quantize_per_channel
+from ..kernels.quant import quantize_weight, stored_shapes
 from .rank_slices import EXPERT_STACK, RankTensor, scale_name
-from .safetensors_io import DTYPE_NAMES
+from .safetensors_io import DTYPE_NAMES, DTYPES
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
@@ -38,9 +40,10 @@ class _QuantizedStack:
 
     def __init__(self, stack: RankTensor, fmt: str):
         self.stack, self.fmt, self._kept = stack, fmt, {}
-        experts, _, out = stack.shape
-        self.weight = RankTensor(stack.name, stack.shape, DTYPE_NAMES[STORAGE_DTYPES[fmt]], self._reader("weight"))
-        self.scale = RankTensor(scale_name(stack.name), (experts, out), "F32", self._reader("scale"))
+        (self._weight_shape, weight_dtype), (self._scale_shape, scale_dtype) = stored_shapes(fmt, stack.shape)
+        self.weight = RankTensor(stack.name, self._weight_shape, DTYPE_NAMES[weight_dtype], self._reader("weight"))
+        self.scale = RankTensor(scale_name(stack.name), self._scale_shape, DTYPE_NAMES[scale_dtype],
+                                self._reader("scale"))
 
     def _reader(self, which: str):
         def read(files):
@@ -50,11 +53,10 @@ class _QuantizedStack:
         return read
 
     def _quantize(self, files) -> tuple:
-        experts, _, out = self.stack.shape
-        q = torch.empty(self.stack.shape, dtype=STORAGE_DTYPES[self.fmt])
-        scale = torch.empty(experts, out, dtype=torch.float32)
-        for expert in range(experts):
-            q[expert], scale[expert] = quantize_per_channel(self.stack.read_expert(files, expert), self.fmt)
+        q = torch.empty(self._weight_shape, dtype=DTYPES[self.weight.dtype])
+        scale = torch.empty(self._scale_shape, dtype=DTYPES[self.scale.dtype])
+        for expert in range(self.stack.shape[0]):
+            q[expert], scale[expert] = quantize_weight(self.stack.read_expert(files, expert), self.fmt)
         return q, scale
 
 
@@ -69,7 +71,7 @@ def _with_expert_reader(tensor: RankTensor) -> RankTensor:
 
 def quantize_tensors(tensors: list, fmt: Optional[str]) -> list:
     """A rank's plan with every bf16 expert stack replaced by its `fmt` stack and scale (in place
-    of the stack, the scale right after it). 8-bit stacks already in the plan are left as they are."""
+    of the stack, the scale right after it). Quantized stacks already in the plan are left as they are."""
     if fmt is None:
         return tensors
     planned = []

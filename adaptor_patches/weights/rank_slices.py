@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..kernels import int4
 from ..kernels.quant import format_of
 from ..parallel.layout import Layout, moe_layers
 from .safetensors_io import DTYPES, CheckpointFiles, LoadingError, StoredTensor
@@ -53,7 +54,7 @@ class RankTensor:
 
 
 def scale_name(stack_name: str) -> str:
-    """The per-channel scales of an 8-bit expert stack (GroupedExperts' w13_scale / w2_scale)."""
+    """The scales of a quantized expert stack (GroupedExperts' w13_scale / w2_scale)."""
     return f"{stack_name}_scale"
 
 
@@ -163,25 +164,30 @@ def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -
 
 def stacks_format(files: CheckpointFiles, weight_names: list, folder, scale_of=scale_name,
                   out_dim: int = -1) -> Optional[str]:
-    """The expert format of a rank folder ("int8", "fp8", None = bf16) from its stacked expert
-    weights `weight_names`, after checking every 8-bit stack has its scale: float32, shape
-    [E, out] (`out_dim`: the weight's output dim, -1 for ours [E, in, out], 1 for the recipe's
-    [E, out, in]). One `model-id:` error line otherwise."""
+    """The expert format of a rank folder ("int8", "fp8", "int4[-gN]", None = bf16) from its stacked
+    expert weights `weight_names`, after checking every quantized stack has its scale: 8-bit ones
+    float32 [E, out] (`out_dim`: the weight's output dim, -1 for ours [E, in, out], 1 for the
+    recipe's [E, out, in]); int4 ones (ours only) bfloat16 [E, in/G, out] of an allowed group size G
+    (kernels/int4.py). One `model-id:` error line otherwise."""
     formats = set()
     for name in weight_names:
         info = files.info(name)
         fmt = format_of(DTYPES[info.dtype])
-        formats.add(fmt)
         scale = scale_of(name)
         if fmt is None:
+            formats.add(fmt)
             if scale in files.weight_map:
                 raise LoadingError(f"model-id: {folder} has {scale} beside a {info.dtype} {name}; a scale belongs "
-                                   f"to an 8-bit (I8 / F8_E4M3) weight; convert the checkpoint again")
+                                   f"to a quantized (I8 / F8_E4M3 / U8 int4) weight; convert the checkpoint again")
             continue
         if scale not in files.weight_map:
             raise LoadingError(f"model-id: {folder} has {fmt} {name} but no {scale}, without which its values are "
                                f"unknown; convert the checkpoint again")
         scale_info = files.info(scale)
+        if fmt == int4.BASE:
+            formats.add(_int4_stack_format(name, info, scale, scale_info, folder, out_dim))
+            continue
+        formats.add(fmt)
         expected = (info.shape[0], info.shape[out_dim])
         if scale_info.dtype != "F32":
             raise LoadingError(f"model-id: {folder}'s {scale} is {scale_info.dtype}, expected F32 (float32 per-channel "
@@ -194,3 +200,21 @@ def stacks_format(files: CheckpointFiles, weight_names: list, folder, scale_of=s
         names = ", ".join(sorted(f or "bf16" for f in formats))
         raise LoadingError(f"model-id: {folder} mixes expert formats ({names}); convert the checkpoint again")
     return formats.pop() if formats else None
+
+
+def _int4_stack_format(name: str, info, scale: str, scale_info, folder, out_dim: int) -> str:
+    """The int4 format (its group size) a stored U8 stack [E, in, out/2] and its scale imply."""
+    if out_dim != -1:
+        raise LoadingError(f"model-id: {folder} holds a U8 {name}; int4 expert stacks are this project's format "
+                           f"(utils/convert_model.py --int4), not the recipe's; convert the checkpoint again")
+    if scale_info.dtype != int4.SCALE_DTYPE_NAME:
+        raise LoadingError(f"model-id: {folder}'s {scale} is {scale_info.dtype}, expected {int4.SCALE_DTYPE_NAME} "
+                           f"(bfloat16 per-group int4 scales); convert the checkpoint again")
+    group = int4.stored_group(info.shape, scale_info.shape)
+    if group is None:
+        experts, k, half = (list(info.shape) + [0, 0, 0])[:3]
+        raise LoadingError(f"model-id: {folder}'s {scale} has shape {list(scale_info.shape)}, which is no "
+                           f"[{experts}, {k}/G, {2 * half}] with G one of {'/'.join(map(str, int4.GROUP_SIZES))} "
+                           f"(one scale per group of input channels of {name} {list(info.shape)}, two weights a "
+                           f"byte); convert the checkpoint again")
+    return int4.format_name(group)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from adaptor_patches.parallel.layout import LayoutError
 from utils.launcher.launch_config import ConfigError, resolve_path
 from utils.planner.memory_plan import read_config
 
@@ -72,8 +73,8 @@ def plan_job(job: dict, layout, options: dict) -> None:
         config, _ = read_config(model_dir)
         size = planner.parse_size(margs.get("image-size"), config)
         quantize = margs.get("quantize") if margs.get("quantize") not in (None, "none") else None
-        from adaptor_patches.kernels.quant import canonical_compute
-        compute = canonical_compute(margs.get("quant-compute") or "w8a16")
+        from adaptor_patches.kernels.quant import resolve_compute
+        compute = resolve_compute(quantize, margs.get("quant-compute"))
         batch, batch_key = job_batch(margs)
         roles = planner.plan(model_dir, layout, size, kind, quantize, compute, batch=batch)
         if options["plan"]:
@@ -91,5 +92,9 @@ def plan_job(job: dict, layout, options: dict) -> None:
         field, _, rest = str(exc).partition(": ")
         problem, _, fix = rest.partition("; ")
         raise ConfigError(field, problem, fix or "see docs/PLANNER.md") from None
+    except LayoutError as exc:          # the experts' format against the layout (int4 groups), where no weights told
+        field, _, rest = str(exc).partition(": ")
+        problem, _, fix = rest.partition("; ")
+        raise ConfigError(f"model_args.{field}" if field == "quantize" else field, problem, fix) from None
     except Exception as exc:           # a config upstream cannot build: the job's own checks will say why
         print(f"note: plan skipped ({type(exc).__name__}: {exc}); launching without a fit check", file=sys.stderr)

@@ -12,12 +12,18 @@ CPU peaks (bench/plan_accuracy.py, docs/BENCHMARKS.md). Communication: the traff
 (utils/planner/traffic.py), bytes this rank sends per phase of one image (the first step, each
 later denoising step, the VAE decode), checked against counted runs (bench/comm.py).
 
-8-bit experts (`quantize` "int8" / "fp8"): the meta model is built with that expert format, so
-the routed experts count 1 byte per parameter plus their float32 per-channel scales, exactly as
-loaded. Their compute adds the dequantized experts the torch W8A16 path holds at once
-(DEQUANT_CHUNK_BYTES, CPU and CUDA; the NPU's fused op dequantizes on chip). Checkpoint reads
-assume a bf16 checkpoint quantized while it loads (the larger read); an 8-bit folder reads about
-half the expert bytes.
+Quantized experts (`quantize` "int8" / "fp8" / "int4[-gN]"): the meta model is built with that
+expert format, so the routed experts count 1 byte per parameter plus their float32 per-channel
+scales (8-bit), or half a byte plus a bfloat16 scale per group (int4), exactly as loaded. 8-bit
+compute adds the dequantized experts the torch W8A16 path holds at once (DEQUANT_CHUNK_BYTES, CPU
+and CUDA; the NPU's fused op dequantizes on chip); int4 runs a fused int4 matmul on every device
+(its per-expert scales-and-zeros, K/G x N x 2 bf16, is a few hundred KiB: not counted). Checkpoint
+reads assume a bf16 checkpoint quantized while it loads (the larger read); a quantized folder reads
+about a half (8-bit) or a quarter (int4) of the expert bytes.
+
+An Instruct checkpoint's conditioning images are encoded before the first step (the VAE encoder
+at the image's size, SigLIP2 over its patches): that peak is planned beside the denoising step and
+the VAE decode ("conditioning encode"); the larger of the three counts.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ COMPONENTS = (("vision encoder", ("vision_model.", "vision_aligner.")), ("VAE en
               ("embeddings / lm_head", ("model.wte.", "lm_head.")))
 ROUTING_SKEW = 2.0          # EP: an expert owner may receive this many times its even share of rows
 WORKSPACE_BYTES = {"cpu": GiB // 2, "cuda": 2 * GiB, "npu": 2 * GiB}   # runtime, collective buffers, allocator
+PEAK_PHASES = ("denoise step", "VAE decode", "conditioning encode")     # one at a time; the KV cache beside them
 
 
 @dataclass
@@ -56,8 +63,7 @@ class RolePlan:
 
     @property
     def activation_bytes(self) -> int:
-        return max(self.activations.get("denoise step", 0), self.activations.get("VAE decode", 0)) \
-            + self.activations.get("KV cache", 0)
+        return max(self.activations.get(phase, 0) for phase in PEAK_PHASES) + self.activations.get("KV cache", 0)
 
     def total(self) -> int:
         return self.param_bytes + self.activation_bytes + self.workspace
@@ -87,13 +93,20 @@ def conditioning_tokens(config, raw: dict, images: int = None) -> int:
     tokens at the largest bucket of the base size (the square: (base / 16)^2, 4096 at 1024) and
     SigLIP2's tokens, padded to vit_processor.max_num_patches (1024): 5120 rows per image on the
     released config, plus a few boundary tokens that TEXT_TOKENS' margin covers."""
-    from adaptor_patches.model_family import is_instruct
-    if not is_instruct(raw):
+    images = conditioning_image_count(raw, images)
+    if not images:
         return 0
-    images = MAX_CONDITIONING_IMAGES if images is None else images
     vit_tokens = int((raw.get("vit_processor") or {}).get("max_num_patches", 0))
     base = config.image_base_size
     return images * (image_tokens(config, (base, base)) + vit_tokens)
+
+
+def conditioning_image_count(raw: dict, images=None) -> int:
+    """The conditioning images a plan holds: `images`, None the most a request brings; 0 for the base model."""
+    from adaptor_patches.model_family import is_instruct
+    if not is_instruct(raw):
+        return 0
+    return MAX_CONDITIONING_IMAGES if images is None else images
 
 
 def build_meta_model(config, raw: dict, layout, tp_rank: int, quantize=None):
@@ -141,18 +154,20 @@ def parameter_bytes(model) -> dict:
 def checkpoint_read_bytes(model, layout, stored_itemsize: int = 2) -> int:
     """Bytes this rank reads: its tensors at the checkpoint's dtype; o_proj's column cut reads whole
     rows (row-major storage puts every rank's columns on every page), so its full size."""
+    import torch
     total = 0
     for name, tensor in model.state_dict().items():
         if name.endswith("_scale") and ".mlp.experts." in name:
             continue                                # made while loading a bf16 checkpoint, not read
-        size = tensor.numel() * stored_itemsize
+        weights = tensor.numel() * (2 if tensor.dtype == torch.uint8 else 1)       # int4: two weights a byte
+        size = weights * stored_itemsize
         cut = name.endswith("self_attn.o_proj.weight") and layout.attention_tp > 1
         total += size * layout.attention_tp if cut else size
     return total
 
 
 def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "npu", text_tokens: int = TEXT_TOKENS,
-                     quantize=None, design: Design = TODAY, batch: int = 1):
+                     quantize=None, design: Design = TODAY, batch: int = 1, conditioning_images: int = 0):
     """Peak transient bytes of one rank: the first denoising step (the longest sequence) and the VAE
     decode, plus the KV cache that lives through the denoising, for a forward batch of `batch`
     requests (each its CFG pair of rows, every sequence padded to `text_tokens`; the B latents
@@ -178,6 +193,9 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
     inter_local = intermediate // layout.tp if layout.moe_mode == "tp" else intermediate
     chunk = math.ceil(tokens / layout.tp) if layout.moe_mode == "ep" or design.sequence_sharded else tokens
     moe_rows = tokens if layout.moe_mode == "tp" else chunk         # MoE TP gathers every share
+    if layout.moe_mode != "ep" or layout.tp == 1:                   # the local path routes ROUTED_TOKEN_CHUNK at a time
+        from adaptor_patches.moe.experts import ROUTED_TOKEN_CHUNK
+        moe_rows = min(moe_rows, ROUTED_TOKEN_CHUNK)
     rows = moe_rows * topk * (ROUTING_SKEW if layout.moe_mode == "ep" and layout.tp > 1 else 1)
     if device_kind == "cpu":
         rows *= 1.25                                                # padded bmm pads groups up to 25 %
@@ -185,7 +203,8 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
     replicated_out = chunk if design.sequence_sharded else tokens      # today: the all-gathered MoE output
     moe = int(rows * (row_in + hidden * bf16 + 3 * inter_local * bf16) + moe_rows * hidden * fp32
               + replicated_out * hidden * bf16)
-    if quantize and device_kind != "npu":
+    from adaptor_patches.kernels.quant import EIGHT_BIT
+    if quantize in EIGHT_BIT and device_kind != "npu":
         moe += dequantized_expert_bytes(config, layout, hidden, inter_local)
     residual = 4 * (chunk if design.sequence_sharded else tokens) * hidden * bf16
     if design.sequence_sharded:
@@ -194,8 +213,28 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
         group_rows = chunk * (layout.tp // design.ulysses)
         attention += group_rows * design.ulysses * (heads.heads + 2 * heads.kv_heads) * head_dim * bf16
     denoise = residual + max(attention, moe)          # image steps produce no LM logits
-    return {"KV cache": kv_cache, "denoise step": int(denoise),
-            "VAE decode": requests * vae_decode_bytes(raw, layout, image_size, device_kind)}
+    out = {"KV cache": kv_cache, "denoise step": int(denoise),
+           "VAE decode": requests * vae_decode_bytes(raw, layout, image_size, device_kind)}
+    if conditioning_images:
+        out["conditioning encode"] = conditioning_encode_bytes(config, raw, requests * conditioning_images, device_kind)
+    return out
+
+
+def conditioning_encode_bytes(config, raw: dict, images: int, device_kind: str) -> int:
+    """The larger of the two encoders' peaks over `images` conditioning images at the base size: the
+    VAE encoder's widest level (full resolution, block_out_channels[0], one frame, four maps live;
+    CPU adds conv3d's 27-fold fp32 column buffer) one image at a time, and SigLIP2 over every image's
+    max_num_patches at once (fp32, its config's dtype: the residual, q / k / v, the MLP's
+    intermediate and one head-batch of attention scores)."""
+    base = config.image_base_size
+    channels = raw["vae"]["block_out_channels"][0]
+    itemsize = 4 if device_kind == "cpu" else 2
+    vae = 4 * channels * base * base * itemsize + (27 * channels * base * base * 4 if device_kind == "cpu" else 0)
+    vit = raw.get("vit") or {}
+    patches = int((raw.get("vit_processor") or {}).get("max_num_patches", 0))
+    hidden, inter, heads = vit.get("hidden_size", 0), vit.get("intermediate_size", 0), vit.get("num_attention_heads", 1)
+    siglip = images * (patches * (4 * hidden + inter) * 4 + heads * patches * patches * 4)
+    return int(max(vae, siglip))
 
 
 def dequantized_expert_bytes(config, layout, hidden: int, inter_local: int) -> int:
@@ -243,7 +282,7 @@ def traffic_by_phase(config, raw: dict, layout, image_size, tp_rank: int = 0, de
     return {phase: {k: int(v) for k, v in per_step(lines, phase).items()} for phase in PHASES}
 
 
-def built_design_of(layout, device_kind: str, quantize=None, quant_compute: str = "w8a16") -> Design:
+def built_design_of(layout, device_kind: str, quantize=None, quant_compute=None) -> Design:
     """How the code moves `layout`'s tokens on `device_kind` with these experts (traffic.built_design;
     the EP rows' format from kernels.quant.dispatch_format)."""
     from adaptor_patches.kernels.quant import dispatch_format
@@ -255,7 +294,7 @@ def comm_per_step(config, raw: dict, layout, image_size, tp_rank: int = 0) -> di
     return traffic_by_phase(config, raw, layout, image_size, tp_rank)[DENOISING_STEP]
 
 
-def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None, quant_compute: str = "w8a16",
+def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None, quant_compute=None,
          conditioning_images=None, batch: int = 1) -> list:
     """One RolePlan per distinct "tp" rank (experts in `quantize`'s 8-bit format, None: bf16, computing
     `quant_compute`). Layout.check admits only even splits, so every tp rank
@@ -264,8 +303,14 @@ def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None,
     holds `conditioning_images` images' tokens (None: the most a request brings; conditioning_tokens).
     `batch`: requests per forward batch (activations and traffic scale with it; parameters do not)."""
     config, raw = read_config(model_dir)
+    from adaptor_patches.parallel.layout import LayoutError
+    from adaptor_patches.weights.int4_format import layout_problem
+    problem = layout_problem(quantize, layout, raw)
+    if problem:
+        raise LayoutError(problem)
     design = built_design_of(layout, device_kind, quantize, quant_compute)
     context = TEXT_TOKENS + conditioning_tokens(config, raw, conditioning_images)
+    images = conditioning_image_count(raw, conditioning_images)
     roles = []
     for tp_rank in sorted({0, layout.tp - 1}):
         model = build_meta_model(config, raw, layout, tp_rank, quantize)
@@ -276,7 +321,8 @@ def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None,
                                        context_tokens=context, batch=batch)
             roles.append(RolePlan(tp_rank, [], params, checkpoint_read_bytes(model, layout),
                                   activation_bytes(config, raw, layout, image_size, device_kind, context,
-                                                   quantize=quantize, design=design, batch=batch),
+                                                   quantize=quantize, design=design, batch=batch,
+                                                   conditioning_images=images),
                                   traffic[DENOISING_STEP], WORKSPACE_BYTES[device_kind], traffic))
     for tp_rank in range(layout.tp):            # the ranks each role stands for
         role = roles[-1] if tp_rank == layout.tp - 1 else roles[0]
@@ -303,12 +349,12 @@ def planned_role_bytes(config, raw: dict, layout, image_size, role: RolePlan, de
     design = for_layout(design, layout)
     context = TEXT_TOKENS + conditioning_tokens(config, raw, conditioning_images)
     acts = activation_bytes(config, raw, layout, image_size, device_kind, context, quantize=quantize, design=design,
-                            batch=batch)
+                            batch=batch, conditioning_images=conditioning_image_count(raw, conditioning_images))
     return replace(role, activations=acts).total()
 
 
 def largest_batch(model_dir, layout, image_size, roles: list, device_memory: int, headroom: float,
-                  device_kind: str = "npu", quantize=None, quant_compute: str = "w8a16", conditioning_images=None,
+                  device_kind: str = "npu", quantize=None, quant_compute=None, conditioning_images=None,
                   most: int = 1024) -> int:
     """The most requests per forward batch whose activations fit `device_memory` beside `roles`'
     parameters (0: not even one). Only the activations grow with the batch: the roles' parameters
@@ -320,7 +366,8 @@ def largest_batch(model_dir, layout, image_size, roles: list, device_memory: int
 
     def fits(batch: int) -> bool:
         acts = activation_bytes(config, raw, layout, image_size, device_kind, context, quantize=quantize,
-                                design=design, batch=batch)
+                                design=design, batch=batch,
+                                conditioning_images=conditioning_image_count(raw, conditioning_images))
         return shortfall([replace(r, activations=acts) for r in roles], device_memory, headroom) is None
 
     low, high = 0, most                     # fits(low) holds (0: trivially), fits(high + 1) is not tried

@@ -2,16 +2,18 @@
 
     python -m utils.planner --model-id DIR --world-size 16 --cfg-parallel --moe-ep --vae-parallel \\
         [--ulysses N] [--image-size 1024x1024] [--device npu|cuda|cpu] [--device-memory 64GiB] [--json PATH]
-        [--quantize none|int8|fp8] [--quant-compute w8a16|w8a8] [--batch B]
-    python -m utils.planner --model-id config/real_model --fit-table 64GiB,80GiB,141GiB [--quantize int8]
+        [--quantize none|int8|fp8|int4|int4-g32|int4-g64|int4-g256] [--quant-compute w8a16|w8a8|w4a16] [--batch B]
+    python -m utils.planner --model-id config/real_model --fit-table 64GiB,80GiB,141GiB [--quantize int4]
     bash run.sh CONFIG --plan                 (the same, from a launch config; run.sh plans every launch)
 
 Only the checkpoint's config.json is read (config/real_model/ holds the published model's, for
 planning without the weights). Numbers: utils/planner/memory_plan.py. Exit 2 when the layout does not fit
 the given device memory (with --device-memory), with one `error:` line naming the rank role, the
-shortfall and the layouts that fit; with `--batch B` (requests per forward batch: the server's
---max-batch, a prompts file's --batch-size) a B whose activations do not fit is refused naming the
-largest B that does.
+shortfall and what would fit: another layout of the same ranks, int4 experts, fewer conditioning
+images (Instruct), or the fewest cards of this format. `--fit-table` with `--quantize` adds one
+table of the fewest cards per format (bf16, int8 and the one asked) and that format on one card.
+With `--batch B` (requests per forward batch: the server's --max-batch, a prompts file's
+--batch-size) a B whose activations do not fit is refused naming the largest B that does.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from utils.planner.memory_plan import GiB, plan, shortfall
 from adaptor_patches.kernels.device import BACKEND_KINDS
+from adaptor_patches.kernels.quant import FORMATS, QUANT_COMPUTES
 
 MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*\Z", re.I)
 UNITS = {None: 1, "mib": 2**20, "mb": 10**6, "gib": 2**30, "gb": 10**9, "tib": 2**40, "tb": 10**12}
@@ -71,8 +74,14 @@ def gib(n) -> str:
     return f"{n / GiB:.2f}"
 
 
+def experts_words(quantize) -> str:
+    from adaptor_patches.kernels import int4
+    group = int4.group_size(quantize)
+    return f"{quantize} (4-bit, a scale per {group} input channels)" if group else (quantize or "bf16")
+
+
 def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM, quantize=None, batch: int = 1) -> str:
-    experts = f", routed experts {quantize}" if quantize else ""
+    experts = f", routed experts {experts_words(quantize)}" if quantize else ""
     batched = f", {batch} requests per forward batch" if batch > 1 else ""
     lines = [f"plan: {layout.world_size} ranks, {layout_words(layout)}{experts}, image {image_size[0]}x{image_size[1]}"
              f"{batched} (GiB per rank)"]
@@ -81,7 +90,7 @@ def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM, qua
         lines.append("    parameters  " + ", ".join(f"{k} {gib(v)}" for k, v in role.params.items() if v)
                      + f"  = {gib(role.param_bytes)}")
         lines.append("    activations " + ", ".join(f"{k} {gib(v)}" for k, v in role.activations.items())
-                     + f"  -> peak {gib(role.activation_bytes)} (KV cache + the larger of the two)")
+                     + f"  -> peak {gib(role.activation_bytes)} (KV cache + the largest phase)")
         lines.append(f"    workspace {gib(role.workspace)}   total {gib(role.total())}   "
                      f"reads {gib(role.read_bytes)} from the checkpoint")
         lines += traffic_report(role)
@@ -130,7 +139,7 @@ def design_rows(model_dir, layout, image_size, device_kind: str, quantize=None, 
             rows.append((design.name, f"not for this layout ({exc})", None, None, {}))
             continue
         int8 = design.dispatch == "int8"
-        kind, experts, compute = ("npu", "int8", "w8a8") if int8 else (device_kind, quantize, "w8a16")
+        kind, experts, compute = ("npu", "int8", "w8a8") if int8 else (device_kind, quantize, None)
         key = (planned, kind, experts, compute)
         if key not in planned_roles:
             planned_roles[key] = plan(model_dir, planned, image_size, kind, experts, compute, conditioning_images)
@@ -194,8 +203,11 @@ def layout_words(layout) -> str:
     return f"{cfg}{attention}, {moe}{shares}" + (", VAE parallel" if layout.vae_parallel else "")
 
 
-def candidate_plans(model_dir, world_size: int, image_size, device_kind: str, quantize=None) -> list:
-    """(flags text, worst role total) of every layout of `world_size` ranks this config runs."""
+def candidate_plans(model_dir, world_size: int, image_size, device_kind: str, quantize=None,
+                    conditioning_images=None) -> list:
+    """(flags text, worst role total) of every layout of `world_size` ranks this config runs with
+    these experts (an int4 group size must divide every rank's expert slices)."""
+    from adaptor_patches.weights.int4_format import layout_problem
     config = json.loads((Path(model_dir) / "config.json").read_text())
     out = []
     for flags in FLAG_SETS:
@@ -203,27 +215,83 @@ def candidate_plans(model_dir, world_size: int, image_size, device_kind: str, qu
             layout = layout_from(world_size, flags)
         except ValueError:
             continue
-        if layout.problem(config) is None:
-            roles = plan(model_dir, layout, image_size, device_kind, quantize)
+        if layout.problem(config) is None and layout_problem(quantize, layout, config) is None:
+            roles = plan(model_dir, layout, image_size, device_kind, quantize, conditioning_images=conditioning_images)
             out.append((" ".join(flags + ("--vae-parallel",)), max(r.total() for r in roles)))
     return out
 
 
 def layouts_that_fit(model_dir, world_size: int, image_size, device_kind: str, device_memory: int,
-                     headroom=HEADROOM, quantize=None) -> list:
-    return [flags for flags, total in candidate_plans(model_dir, world_size, image_size, device_kind, quantize)
+                     headroom=HEADROOM, quantize=None, conditioning_images=None) -> list:
+    return [flags for flags, total in candidate_plans(model_dir, world_size, image_size, device_kind, quantize,
+                                                      conditioning_images)
             if total <= device_memory * (1 - headroom)]
 
 
 def fewest_cards(model_dir, memory: int, image_size, device_kind: str, quantize=None,
-                 world_sizes=(1, 2, 4, 8, 16, 32)):
+                 world_sizes=(1, 2, 4, 8, 16, 32), conditioning_images=None):
     """(cards, flags) of the smallest world size with a layout that fits `memory`, or None."""
     budget = memory * (1 - HEADROOM)
     for n in world_sizes:
-        fits = [f for f, total in candidate_plans(model_dir, n, image_size, device_kind, quantize) if total <= budget]
+        fits = [f for f, total in candidate_plans(model_dir, n, image_size, device_kind, quantize, conditioning_images)
+                if total <= budget]
         if fits:
             return n, fits[0]
     return None
+
+
+def what_would_fit(model_dir, world_size: int, image_size, device_kind: str, memory: int, quantize=None,
+                   conditioning_images=None) -> list:
+    """Phrases naming what fits `memory` when no layout of `world_size` ranks does: int4 experts on as
+    many ranks, fewer conditioning images (Instruct), the fewest cards of these experts."""
+    from adaptor_patches.kernels import int4
+    from utils.planner.memory_plan import conditioning_image_count, read_config
+    _, raw = read_config(model_dir)
+    out = []
+    if not int4.is_int4(quantize):
+        fits = layouts_that_fit(model_dir, world_size, image_size, device_kind, memory, quantize=int4.BASE,
+                                conditioning_images=conditioning_images)
+        if fits:
+            out.append(f"{world_size} rank(s) with --quantize int4 ({fits[0]})")
+    for images in range(conditioning_image_count(raw, conditioning_images) - 1, -1, -1):
+        fits = layouts_that_fit(model_dir, world_size, image_size, device_kind, memory, quantize=quantize,
+                                conditioning_images=images)
+        if fits:
+            out.append(f"{world_size} rank(s) with --conditioning-images {images} ({fits[0]})")
+            break
+    fewest = fewest_cards(model_dir, memory, image_size, device_kind, quantize,
+                          world_sizes=tuple(n for n in (1, 2, 4, 8, 16, 32) if n > world_size),
+                          conditioning_images=conditioning_images)
+    if fewest:
+        out.append(f"{fewest[0]} ranks ({fewest[1]})")
+    return out
+
+
+def format_table(model_dir, memories: list, image_size, device_kind: str, quantize, conditioning_images=None) -> str:
+    """The fewest cards per expert format (bf16, int8, `quantize`) and `quantize` on one card, per memory."""
+    from utils.planner.memory_plan import plan as plan_roles
+    formats = list(dict.fromkeys([None, "int8", quantize]))
+    one = plan_roles(model_dir, layout_from(1, ()), image_size, device_kind, quantize,
+                     conditioning_images=conditioning_images)[0]
+    head = " | ".join(f"{experts_words(f) if f else 'bf16'}: fewest cards" for f in formats)
+    rows = [f"| device memory ({device_kind}) | {head} | {quantize or 'bf16'} on one card |",
+            "|" + "---|" * (len(formats) + 2)]
+    for text in memories:
+        memory = parse_memory(text)
+        cells = []
+        for fmt in formats:
+            found = fewest_cards(model_dir, memory, image_size, device_kind, fmt, conditioning_images=conditioning_images)
+            cells.append(f"{found[0]} (`{found[1]}`)" if found else "more than 32")
+        budget = memory * (1 - HEADROOM)
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in one.activations.items())
+        verdict = "fits" if one.total() <= budget else "does not fit"
+        cell = (f"{verdict}: {gib(one.total())} of {gib(budget)} GiB (parameters {gib(one.param_bytes)}, activations "
+                f"{gib(one.activation_bytes)}: {parts}; workspace {gib(one.workspace)})")
+        if one.total() > budget:
+            cell += "; fits: " + (" or ".join(what_would_fit(model_dir, 1, image_size, device_kind, memory, quantize,
+                                                              conditioning_images)) or "nothing up to 32 ranks")
+        rows.append(f"| {text} | " + " | ".join(cells) + f" | {cell} |")
+    return "\n".join(rows)
 
 
 def fit_table(model_dir, memories: list, image_size, device_kind: str, world_sizes=(1, 2, 4, 8, 16, 32),
@@ -241,11 +309,12 @@ def fit_table(model_dir, memories: list, image_size, device_kind: str, world_siz
 
 
 def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_memory: int, headroom=HEADROOM,
-              quantize=None, batch: int = 1, batch_field: str = "batch", batch_fix: str = "use --batch {}"):
+              quantize=None, conditioning_images=None, batch: int = 1, batch_field: str = "batch",
+              batch_fix: str = "use --batch {}"):
     """Nothing when the planned `roles` fit; else PlanError naming the role over budget, the
-    shortfall and the layouts of the same world size that fit (planned only then); for a `batch`
-    of requests that does not fit where fewer do, the largest batch that fits, named by `batch_field`
-    (the flag or YAML key that set it) with `batch_fix` (formatted with that batch)."""
+    shortfall and the layouts of the same world size that fit, or else what would (planned only then);
+    for a `batch` of requests that does not fit where fewer do, the largest batch that fits, named by
+    `batch_field` (the flag or YAML key that set it) with `batch_fix` (formatted with that batch)."""
     over = shortfall(roles, device_memory, headroom)
     if over is None:
         return
@@ -253,14 +322,21 @@ def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_mem
     if batch > 1:
         from utils.planner.memory_plan import largest_batch
         largest = largest_batch(model_dir, layout, image_size, roles, device_memory, headroom, device_kind, quantize,
-                                most=batch - 1)
+                                conditioning_images=conditioning_images, most=batch - 1)
         if largest:
             raise PlanError(f"{batch_field}: {batch} requests per forward batch need {gib(needed)} GiB per rank (ranks "
                             f"{role.ranks}: activations {gib(role.activation_bytes)}) but {gib(budget)} GiB of "
                             f"{gib(device_memory)} are usable, {largest} would fit; {batch_fix.format(largest)}")
-    fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom, quantize)
-    instead = (f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}" if fits else
-               f"no layout of {layout.world_size} ranks fits; use more devices (python -m utils.planner --fit-table)")
+    fits = layouts_that_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, headroom, quantize,
+                            conditioning_images)
+    if fits:
+        instead = f"layouts that fit {layout.world_size} ranks: {' | '.join(fits)}"
+    else:
+        others = what_would_fit(model_dir, layout.world_size, image_size, device_kind, device_memory, quantize,
+                                conditioning_images)
+        instead = (f"no layout of {layout.world_size} ranks fits; what fits: {' or '.join(others)}" if others else
+                   f"no layout of {layout.world_size} ranks fits (int4 experts included), nor one of up to 32 "
+                   f"ranks; use devices with more memory")
     raise PlanError(f"device_memory: ranks {role.ranks} need {gib(needed)} GiB (parameters {gib(role.param_bytes)}, "
                     f"activations {gib(role.activation_bytes)}, workspace {gib(role.workspace)}) but "
                     f"{gib(budget)} GiB of {gib(device_memory)} are usable: {gib(needed - budget)} GiB short; "
@@ -281,10 +357,12 @@ def main(argv=None) -> int:
     p.add_argument("--device-memory", default=None, help="e.g. 64GiB: check the fit")
     p.add_argument("--fit-table", default=None, help="comma-separated memories: which layouts fit each")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "fp8"],
-                   help="routed experts in 8 bit (1 byte per parameter + float32 scales)")
-    p.add_argument("--quant-compute", default="w8a16", choices=["w8a16", "w8a8"],
-                   help="how 8-bit experts compute (w8a8 with int8 experts on NPU: EP rows sent as int8)")
+    p.add_argument("--quantize", default="none", choices=("none",) + FORMATS,
+                   help="routed experts in 8 bit (1 byte per parameter + float32 scales) or int4 (half a byte + "
+                        "a bfloat16 scale per group of 128 input channels; -g32/-g64/-g256 other groups)")
+    p.add_argument("--quant-compute", default=None, choices=QUANT_COMPUTES,
+                   help="how quantized experts compute (default: weight-only; w8a8 with int8 experts on NPU: "
+                        "EP rows sent as int8)")
     p.add_argument("--conditioning-images", type=int, default=None,
                    help="Instruct checkpoints: images per request in the context (default: the most, 3)")
     p.add_argument("--batch", type=int, default=1,
@@ -305,6 +383,9 @@ def main(argv=None) -> int:
             raise PlanError(f"batch: {args.batch} is not a number of requests; pass 1 or more")
         if args.fit_table:
             print(fit_table(args.model_id, args.fit_table.split(","), size, args.device, quantize=quantize))
+            if quantize:
+                print("\n" + format_table(args.model_id, args.fit_table.split(","), size, args.device, quantize,
+                                          args.conditioning_images))
             return 0
         layout = Layout.from_flags(args.world_size, args.cfg_parallel, args.moe_tp, args.moe_ep, args.vae_parallel,
                                    args.ulysses)
@@ -318,7 +399,8 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps([r.as_json() for r in roles], indent=2))
         if memory:
-            check_fit(roles, args.model_id, layout, size, args.device, memory, quantize=quantize, batch=args.batch)
+            check_fit(roles, args.model_id, layout, size, args.device, memory, quantize=quantize,
+                      conditioning_images=args.conditioning_images, batch=args.batch)
     except (PlanError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

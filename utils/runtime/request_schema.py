@@ -302,14 +302,15 @@ JOB_OPTIONS = (
     Field("sequence_shares", "choice", "on", "on: under MoE EP or Ulysses each rank holds its share of the sequence "
           "between decoder layers (fewer bytes sent; docs/MULTI_STREAM.md); off: every row on every rank, as before "
           "issue 29 (not with --ulysses)", choices=("on", "off")),
-    Field("quantize", "choice", None, "routed experts in 8 bit, quantized while loading (default: an 8-bit "
-          "converted folder's format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS,
-          optional=True),
-    Field("quant_compute", "choice", QUANT_COMPUTES[0], "how 8-bit experts compute: "
+    Field("quantize", "choice", None, "routed experts quantized while loading: int8 / fp8 (8 bit), int4 (4 bit, "
+          "a scale per 128 input channels; int4-g32/-g64/-g256 other group sizes) (default: a converted folder's "
+          "format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS, optional=True),
+    Field("quant_compute", "choice", None, "how quantized experts compute: "
           + "; ".join(f"{c} = {COMPUTE_MEANS[c]}" for c in QUANT_COMPUTES)
-          + " (where each runs: docs/QUANTIZATION.md; old names: "
+          + " (default: the experts' weight-only one, w8a16 for 8-bit, w4a16 for int4; where each runs: "
+          "docs/QUANTIZATION.md; old names: "
           + ", ".join(f"{old} = {new}" for old, new in OLD_COMPUTE_NAMES.items()) + ")",
-          choices=QUANT_COMPUTES, renamed=tuple(OLD_COMPUTE_NAMES.items())),
+          choices=QUANT_COMPUTES, renamed=tuple(OLD_COMPUTE_NAMES.items()), optional=True),
 )
 STEP_CACHE_HELP = {"warmup": "first steps always computed",
                    "interval": "taylor: a full step every N steps after the warm-up",

@@ -27,8 +27,12 @@ import torch
 
 
 class SequenceSlot:
-    """The forward being run's SequenceShards, or None (every row on every rank)."""
+    """The forward being run's SequenceShards, or None (every row on every rank); `fixed_shape`: the
+    forward is the text phase's graph-ready decode step (adaptor_patches/text_decode.py): every row on
+    every rank, no host sync and no data-dependent shape anywhere in it (the MoE takes its fixed-shape
+    form, moe/dispatch.py)."""
     shards: Optional["SequenceShards"] = None
+    fixed_shape: bool = False
 
 
 class SequenceShards:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from adaptor_patches import autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, text_phase
+from adaptor_patches import (autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, text_decode,
+                             text_phase)
 from adaptor_patches.kernels import device as device_mod
 from adaptor_patches.kernels.device import Device
 
@@ -89,6 +90,10 @@ def _model_rows(M: str, text_call: str) -> tuple:
               "text tokens chosen on global rank 0 from the job's seed, broadcast to every rank", shim=True),
         Patch(mm, text_call, text_phase.generate_recording_text,
               "text calls fitted to the context and recorded (tokens, time)", shim=True),
+        Patch(mm, "_sample", text_decode.static_sample,
+              "the text phase's token loop: a prefill into a static KV, then a decode step with fixed shapes and no "
+              "host sync (captured as one graph per device: --text-graph), tokens chosen on the device, stops "
+              "looked at every few tokens (adaptor_patches/text_decode.py)"),
         Patch(mm, "generate_image", text_phase.generate_image_in_text_phase,
               "one TextPhase per image; its text, ratio and timing left on model.last_text_phase", shim=True),
         Patch(mm, "prepare_model_inputs", PREPARE_MODEL_INPUTS,

@@ -210,6 +210,7 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
         log(note)
     phase.name = "loading weights"
     model = load_model(rank_job.checkpoint, rank_job.context, attn_impl, moe_impl, per_rank=args.adaptor == "full")
+    model.text_graph = args.text_graph          # the text phase's decode step (adaptor_patches/text_decode.py)
     if rank_job.dist is not None:
         phase.name = "waiting for the other ranks to finish loading"
         rank_job.dist.barrier()

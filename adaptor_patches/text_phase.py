@@ -83,8 +83,15 @@ class SharedTokenSampler:
     0 at the chosen token and -inf elsewhere, the same on every rank."""
 
     def __init__(self, seed: int, do_sample: bool):
-        self.do_sample = do_sample
-        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**63)
+        self.do_sample, self.seed = do_sample, seed % 2**63
+        self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
+
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        """The generator rank 0 draws from on `device` (text_sampling.py): this CPU one on the CPU (the
+        same draws as choose()), else one on the device seeded alike."""
+        if torch.device(device).type == "cpu":
+            return self.generator
+        return torch.Generator(device=device).manual_seed(self.seed)
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """Rank 0's choice, int64 [batch] on the CPU."""
@@ -112,6 +119,7 @@ class TextCall:
     prompt_tokens: int
     new_token_ids: list
     seconds: float
+    decode: Optional[dict] = None       # the static loop's record (text_decode.py); None: transformers' loop
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,6 +134,7 @@ class TextPhase:
     job_seed: Optional[int] = None      # the seed generate_image was given (seed may be drawn later)
     text: Optional[str] = None
     ratio: Optional[dict] = None
+    last_decode: Optional[dict] = None  # set by the static loop of the call being run, taken by its TextCall
     _samplers: int = 0
 
     def sampler(self, do_sample: bool) -> SharedTokenSampler:
@@ -146,7 +155,8 @@ class TextPhase:
             "text_phase_s": round(seconds, 6),
             "tokens_per_s": round(new_tokens / seconds, 3) if seconds > 0 else 0.0,
             "calls": [{"kind": c.kind, "prompt_tokens": c.prompt_tokens, "new_tokens": len(c.new_token_ids),
-                       "seconds": round(c.seconds, 6), "tokens_per_s": round(c.tokens_per_s, 3)}
+                       "seconds": round(c.seconds, 6), "tokens_per_s": round(c.tokens_per_s, 3),
+                       **({"decode": c.decode} if c.decode else {})}
                       for c in self.calls],
         }
 
@@ -196,10 +206,12 @@ def generate_recording_text(original, _device):
         if kwargs.get("mode", "gen_text") != "gen_text" or "input_ids" not in kwargs:
             return original(self, *args, **kwargs)
         prompt_tokens = _fit_context(self, kwargs)
+        phase = _phase_of(self)
+        phase.last_decode = None
         start = time.perf_counter()
         output = original(self, *args, **kwargs)
-        _phase_of(self).calls.append(TextCall("text", prompt_tokens, output[0, prompt_tokens:].tolist(),
-                                              time.perf_counter() - start))
+        phase.calls.append(TextCall("text", prompt_tokens, output[0, prompt_tokens:].tolist(),
+                                    time.perf_counter() - start, phase.last_decode))
         return output
 
     return generate

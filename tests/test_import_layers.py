@@ -23,7 +23,7 @@ PROJECT = ("adaptor_patches", "utils", "bench", "model_adaptor.py", "run_image_g
 LAYERS = (
     ("kernels.device", "model_family"),     # model_family: which upstream model file runs a checkpoint (a leaf)
     ("kernels.int4", "kernels.quant", "kernels.collective_matmul", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
-     "kernels.__init__"),
+     "kernels.__init__", "kernels.decode_graph"),
     ("parallel.shards", "parallel.layout"),  # what one rank holds of a layer; the one Layout
     ("parallel.collectives", "parallel.context", "parallel.cfg_split", "parallel.vae_bands", "parallel.sequence",
      "parallel.ulysses"),
@@ -37,8 +37,8 @@ LAYERS = (
     ("weights.checkpoint",),                # the one checkpoint object
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
-    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "image_batch", "compat", "compat_base",
-     "compat_instruct", "metrics"),
+    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "text_sampling", "text_decode",
+     "image_batch", "compat", "compat_base", "compat_instruct", "metrics"),
 )
 EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__")
 

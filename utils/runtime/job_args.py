@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_arguments(p, ["rewrite"])
     p.add_argument("--sys-deepseek-prompt", default="universal", choices=["universal", "text_rendering"],
                    help="accepted for cann-recipes YAMLs; only meaningful with a prompt rewrite, which does not run")
-    schema.add_arguments(p, ["max_new_tokens"])
+    schema.add_arguments(p, ["max_new_tokens", "text_graph"])
     p.add_argument("--save-text", type=str, default=None,
                    help="write the think / recaption text the image is conditioned on (UTF-8) to this path")
     schema.add_arguments(p, ["device"])

@@ -302,6 +302,10 @@ JOB_OPTIONS = (
     Field("sequence_shares", "choice", "on", "on: under MoE EP or Ulysses each rank holds its share of the sequence "
           "between decoder layers (fewer bytes sent; docs/MULTI_STREAM.md); off: every row on every rank, as before "
           "issue 29 (not with --ulysses)", choices=("on", "off")),
+    Field("text_graph", "choice", "auto", "the think / recaption text's decode step captured as one graph: on (CPU: "
+          "torch.compile, CUDA: CUDA graphs, NPU: torchair npugraph), off (the same step run op by op), auto (captured "
+          "on CUDA and NPU, not on the CPU, where compiling costs more than a short text wins); docs/TEXT_PHASE.md",
+          choices=("auto", "on", "off")),
     Field("quantize", "choice", None, "routed experts quantized while loading: int8 / fp8 (8 bit), int4 (4 bit, "
           "a scale per 128 input channels; int4-g32/-g64/-g256 other group sizes) (default: a converted folder's "
           "format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS, optional=True),

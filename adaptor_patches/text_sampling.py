@@ -1,0 +1,142 @@
+"""Choosing the text phase's tokens on the device: the logits processors of a generate call, turned
+into tensor operations with no host read, and rank 0's draw broadcast as a device tensor.
+
+transformers' own token loop asks the host about every token (its stop check), and upstream's two
+processors read the last token with `.item()` per row: `_StageTransitionLogitsProcessor` (think ->
+recaption -> the ratio prefix forced in) and `_ConditionalSliceVocabLogitsProcessor` (after the size
+token only ratio tokens, greedy). `DeviceChoice.from_processors` takes the list transformers built
+for the call (so the order and the warpers are exactly today's) and keeps each processor as it is
+when it is tensor-only already (temperature, top-k, top-p, ...), or replaces upstream's two with
+`StageTransitions` / `RatioSlice`, which do the same per row with torch.where on state tensors; the
+shared sampler (text_phase.SharedTokenSampler, last in the list) becomes `rank0_draw`. A list with
+anything else returns None and the call runs transformers' loop as before.
+
+Same tokens as today: the scores are the same float32 values through the same operations; on the
+CPU rank 0 draws from the sampler's own CPU generator (torch.multinomial on the same probabilities),
+so a seed gives the same text; on an accelerator the draw comes from a generator on the device,
+seeded alike (a different stream of numbers than the CPU's: a text per seed still, not today's).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers.generation import logits_process as lp
+
+TENSOR_ONLY = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
+               lp.RepetitionPenaltyLogitsProcessor)
+
+
+class StageTransitions:
+    """upstream's _StageTransitionLogitsProcessor per row, on the device: after a stop token of the
+    map (once per row and token) its tokens are forced one by one; a forced token, once emitted, is
+    consumed. State: the active forced sequence of each row and the offset of its next token."""
+
+    def __init__(self, transition_map: dict, batch: int, device):
+        longest = max([len(v) for v in transition_map.values()] + [1])
+        self.stop_ids = torch.tensor(list(transition_map), dtype=torch.long, device=device)
+        self.lengths = torch.tensor([len(v) for v in transition_map.values()], dtype=torch.long, device=device)
+        self.sequences = torch.tensor([list(v) + [0] * (longest - len(v)) for v in transition_map.values()],
+                                      dtype=torch.long, device=device).reshape(len(transition_map), longest)
+        self.completed = torch.zeros(batch, len(transition_map), dtype=torch.bool, device=device)
+        self.active = torch.full((batch,), -1, dtype=torch.long, device=device)
+        self.offset = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def _next_forced(self) -> torch.Tensor:
+        row = self.active.clamp(min=0)
+        token = self.sequences[row, self.offset.clamp(max=self.sequences.shape[1] - 1)]
+        return torch.where(self.active >= 0, token, -1)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        last = input_ids[:, -1]
+        pending = self.active >= 0
+        consumed = pending & (last == self._next_forced())
+        self.offset = self.offset + consumed.long()
+        spent = pending & (self.offset >= self.lengths[self.active.clamp(min=0)])
+        self.active = torch.where(spent, -1, self.active)
+        self.offset = torch.where(spent, 0, self.offset)
+        forced = self._next_forced()
+        trigger = (last[:, None] == self.stop_ids[None, :]) & ~self.completed & (self.active < 0)[:, None]
+        self.completed = self.completed | trigger
+        which = trigger.long().argmax(dim=1)
+        starts = trigger.any(dim=1) & (self.lengths[which] > 0)
+        self.active = torch.where(starts, which, self.active)
+        self.offset = torch.where(starts, 0, self.offset)
+        forced = torch.where(starts, self.sequences[which, 0], forced)
+        return force(scores, forced)
+
+
+class RatioSlice:
+    """upstream's _ConditionalSliceVocabLogitsProcessor per row, on the device: after a trigger token
+    only the kept vocabulary slices keep their scores (the ratio tokens), greedy when asked."""
+
+    def __init__(self, processor, vocab: int, device):
+        self.triggers = torch.tensor(sorted(processor.trigger_token_ids), dtype=torch.long, device=device)
+        keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+        for start, end in [(processor.vocab_start, processor.vocab_end), *processor.other_slices]:
+            keep[start:end] = True
+        self.keep, self.greedy = keep, processor.force_greedy
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        hit = torch.isin(input_ids[:, -1], self.triggers)
+        sliced = torch.where(self.keep, scores, torch.finfo(scores.dtype).min)
+        if self.greedy:
+            sliced = force(sliced, sliced.argmax(dim=-1))
+        return torch.where(hit[:, None], sliced, scores)
+
+
+def force(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Rows with tokens[row] >= 0 become 0 at that token and the dtype's minimum elsewhere (upstream's
+    fill_(min) then 0); other rows unchanged."""
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    one_hot = torch.where(vocab[None, :] == tokens[:, None], 0.0, torch.finfo(scores.dtype).min).to(scores.dtype)
+    return torch.where((tokens >= 0)[:, None], one_hot, scores)
+
+
+class DeviceChoice:
+    """The call's processors on the device, then rank 0's token for every row, broadcast."""
+
+    def __init__(self, steps: list, sampler, rank: int, distributed: bool, device):
+        self.steps, self.sampler, self.rank, self.distributed = steps, sampler, rank, distributed
+        self.generator = sampler.generator_on(device)
+
+    @classmethod
+    def from_processors(cls, processors, batch: int, vocab: int, rank: int, distributed: bool, device):
+        """None when a processor has no device form here (the call keeps transformers' loop)."""
+        from .text_phase import SharedTokenSampler
+        processors = list(processors)
+        if not processors or not isinstance(processors[-1], SharedTokenSampler):
+            return None
+        steps = []
+        for processor in processors[:-1]:
+            name = type(processor).__name__
+            if name == "_StageTransitionLogitsProcessor" and not any(processor.pending_tokens) \
+                    and not any(processor.completed):
+                steps.append(StageTransitions(processor.transition_map, batch, device))
+            elif name == "_ConditionalSliceVocabLogitsProcessor":
+                steps.append(RatioSlice(processor, vocab, device))
+            elif isinstance(processor, TENSOR_ONLY):
+                steps.append(processor)
+            else:
+                return None
+        return cls(steps, processors[-1], rank, distributed, device)
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [batch]: every rank gets rank 0's tokens."""
+        scores = logits
+        for step in self.steps:
+            scores = step(input_ids, scores)
+        if self.rank == 0:
+            tokens = rank0_draw(scores, self.sampler.do_sample, self.generator)
+        else:
+            tokens = torch.empty(scores.shape[0], dtype=torch.int64, device=scores.device)
+        if self.distributed:
+            dist.broadcast(tokens, src=0)
+        return tokens
+
+
+def rank0_draw(scores: torch.Tensor, do_sample: bool, generator) -> torch.Tensor:
+    """SharedTokenSampler.choose's draw without leaving the device."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    probs = torch.softmax(scores.float(), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)

@@ -16,6 +16,7 @@ device-side forms without a host read). A test double of the device, not of torc
 from __future__ import annotations
 
 import collections
+import contextlib
 import traceback
 
 from torch.overrides import TorchFunctionMode
@@ -42,11 +43,21 @@ class HostSyncs(TorchFunctionMode):
         super().__init__()
         self.count = 0
         self.where = collections.Counter()
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """What runs inside is not counted (e.g. a prefill, when only the decode steps are asked about)."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if _is_sync(name, args, kwargs):
+        if not self._paused and _is_sync(name, args, kwargs):
             self.count += 1
             frame = traceback.extract_stack(limit=3)[0]
             self.where[f"{name} at {frame.filename.rsplit('/', 2)[-2:]}:{frame.lineno}"] += 1

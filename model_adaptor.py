@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from adaptor_patches import (autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, text_decode,
-                             text_phase)
+from adaptor_patches import (autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, kv_reuse,
+                             text_decode, text_phase)
 from adaptor_patches.kernels import device as device_mod
 from adaptor_patches.kernels.device import Device
 
@@ -64,9 +64,10 @@ TOKENS_BASE = "hunyuan_image_3.tokenizer_wrapper"    # the base model's tokenize
 TOKENS_INSTRUCT = "hunyuan_image_3.tokenization_hunyuan_image_3"
 
 
-# One replacement, two jobs: the text calls seeded from the job's seed, and a batch's text stage stopped
-# where upstream prepares the image (its arguments are the handoff).
-PREPARE_MODEL_INPUTS = image_batch.stops_before_image(text_phase.prepare_model_inputs_seeded)
+# One replacement, three jobs: the text calls seeded from the job's seed, a batch's text stage stopped
+# where upstream prepares the image (its arguments are the handoff), and an image call whose rows
+# continue their text calls' prompts arming the reuse of that KV in its first step (kv_reuse.py).
+PREPARE_MODEL_INPUTS = image_batch.stops_before_image(kv_reuse.image_call_reuses_prompt_kv(text_phase.prepare_model_inputs_seeded))
 
 
 def _model_rows(M: str, text_call: str) -> tuple:
@@ -99,7 +100,9 @@ def _model_rows(M: str, text_call: str) -> tuple:
         Patch(mm, "prepare_model_inputs", PREPARE_MODEL_INPUTS,
               "the text calls' conditioning latents drawn from the job's seed (upstream: Python's global random; "
               "the base model's text calls draw none); a batch's text stage stops where upstream prepares the "
-              "image, that call's arguments its handoff (adaptor_patches/image_batch.py)", shim=True),
+              "image, that call's arguments its handoff (adaptor_patches/image_batch.py); an image call whose rows "
+              "continue their text calls arms the reuse of that prompt KV in its first step (adaptor_patches/"
+              "kv_reuse.py; nothing to reuse in the shims-only reference: its text loop is transformers')", shim=True),
         Patch(mm, "__init__", hunyuan.causal_mm_init,
               "the whole model (text model, layers, VAE) built for one RankContext, kept as model.rank_context"),
         Patch(mm, "from_pretrained", hunyuan.causal_mm_from_pretrained,
@@ -115,7 +118,8 @@ def _model_rows(M: str, text_call: str) -> tuple:
               "its layers share"),
         Patch(f"{M}:HunyuanImage3Model", "forward", hunyuan.model_forward,
               "sequence shares (MoE EP, Ulysses): each rank holds its share of the rows between decoder layers, "
-              "cut before the first layer, one all-gather after the last; the one-token decode keeps every row"),
+              "cut before the first layer, one all-gather after the last; the one-token decode keeps every row; "
+              "a known prefix (adaptor_patches/kv_reuse.py) written into the cache and not recomputed"),
         Patch(f"{M}:HunyuanImage3DecoderLayer", "forward", hunyuan.decoder_layer_forward,
               "adaptive step cache: on a step all ranks agreed to skip, the layers after the first `blocks` "
               "add the last full step's residual delta instead of running (otherwise upstream's layer)"),

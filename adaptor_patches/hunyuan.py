@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import denoise_watch, step_cache
+from . import denoise_watch, kv_reuse, step_cache
 from .moe.dispatch import dispatcher_for
 from .moe.experts import GroupedExperts
 from .moe.gate import route
@@ -149,41 +149,61 @@ def model_init(original, device):
 
 
 def model_forward(original, _device):
-    """Under a sequence-sharded layout, a forward of more than one position per row holds only this
-    rank's share of the rows between its decoder layers (parallel/sequence.py): cut from the input
-    embeddings here (no collective), gathered once after the last layer. Otherwise upstream's."""
+    """Two cuts of a forward's rows, each taken only where it applies (otherwise upstream's forward):
+    - a PrefixPlan armed on the sequence slot (kv_reuse.py: the text phase's prompt KV in the image
+      phase's first step, the job's system prompt in a text prefill): its prefix is written into the
+      forward's cache, the layers run on the positions after it;
+    - sequence shares (MoE EP, Ulysses): a forward of more than one position per row holds only this
+      rank's share of the rows between its decoder layers (parallel/sequence.py): cut from the input
+      embeddings here (no collective), gathered once after the last layer."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         context, slot = getattr(self, "rank_context", None), getattr(self, "sequence_slot", None)
-        if context is None or slot is None or not context.layout.sequence_sharded:
+        plan = slot.prefix if slot is not None else None
+        sharded = context is not None and slot is not None and context.layout.sequence_sharded
+        if plan is None and not sharded:
             return original(self, *args, **kwargs)
         arguments = signature.bind(self, *args, **kwargs).arguments
         embeds = arguments.get("inputs_embeds")
-        batch, seq = (embeds if embeds is not None else arguments["input_ids"]).shape[:2]
-        if not context.layout.shards_forward(seq):              # the one-token decode: upstream embeds it
-            return original(self, *args, **kwargs)
-        if embeds is None:
-            embeds = self.wte(arguments["input_ids"])
-        wants_hidden = arguments.get("output_hidden_states")
-        if wants_hidden or (wants_hidden is None and self.config.output_hidden_states):
-            raise NotImplementedError("sequence shares: output_hidden_states is not supported under a sequence-"
-                                      "sharded layout (MoE EP or Ulysses); each layer holds a share of the rows")
-        shards = SequenceShards(context.layout, context.tp_rank, batch, seq)
-        arguments["inputs_embeds"] = shard_rows(embeds, shards)
-        slot.shards = shards
-        try:
-            output = original(**arguments)
-        finally:
-            slot.shards = None
-        whole = gather_rows(output[0], shards, context.kernels, context.group("sequence"))
-        if isinstance(output, tuple):
-            return (whole,) + output[1:]
-        output["last_hidden_state"] = whole
-        return output
+        seq = (embeds if embeds is not None else arguments["input_ids"]).shape[1]
+        if plan is None or not plan.fits(arguments.get("mode", "gen_text"), seq):
+            return _on_shares(self, original, arguments, context, slot) if sharded else original(**arguments)
+        slot.prefix = None                                      # one forward's
+        arguments = kv_reuse.cut_arguments(arguments, plan, context)
+        output = _on_shares(self, original, arguments, context, slot) if sharded else original(**arguments)
+        return _with_hidden(output, kv_reuse.restore_rows(output[0], plan.length))
 
     return forward
+
+
+def _with_hidden(output, hidden):
+    if isinstance(output, tuple):
+        return (hidden,) + output[1:]
+    output["last_hidden_state"] = hidden
+    return output
+
+
+def _on_shares(self, original, arguments, context, slot):
+    embeds = arguments.get("inputs_embeds")
+    batch, seq = (embeds if embeds is not None else arguments["input_ids"]).shape[:2]
+    if not context.layout.shards_forward(seq):              # the one-token decode: upstream embeds it
+        return original(**arguments)
+    if embeds is None:
+        embeds = self.wte(arguments["input_ids"])
+    wants_hidden = arguments.get("output_hidden_states")
+    if wants_hidden or (wants_hidden is None and self.config.output_hidden_states):
+        raise NotImplementedError("sequence shares: output_hidden_states is not supported under a sequence-"
+                                  "sharded layout (MoE EP or Ulysses); each layer holds a share of the rows")
+    shards = SequenceShards(context.layout, context.tp_rank, batch, seq)
+    arguments["inputs_embeds"] = shard_rows(embeds, shards)
+    slot.shards = shards
+    try:
+        output = original(**arguments)
+    finally:
+        slot.shards = None
+    return _with_hidden(output, gather_rows(output[0], shards, context.kernels, context.group("sequence")))
 
 
 def decoder_layer_forward(original, _device):

@@ -151,6 +151,16 @@ def denoise_batch(model, handoffs: list, image_kwargs: dict) -> list:
     prepare_model_inputs with every request's arguments as lists, then its pipeline.
     `image_kwargs`: what generate_image hands upstream's image call besides the inputs
     (diff_infer_steps, diff_guidance_scale)."""
+    model._image_phases = [h.text_phase for h in handoffs]     # their prompt KV starts the first step (kv_reuse.py)
+    try:
+        return _denoise(model, handoffs, image_kwargs)
+    finally:
+        model._image_phases = None
+        for handoff in handoffs:
+            handoff.text_phase.prompt_kv = None
+
+
+def _denoise(model, handoffs: list, image_kwargs: dict) -> list:
     calls = [h.image_call for h in handoffs]
     cot_texts = [_one_text(c.get("cot_text")) for c in calls]
     inputs = dict(prompt=[c["prompt"] for c in calls], system_prompt=[c.get("system_prompt") for c in calls],

@@ -35,7 +35,9 @@ from typing import Optional
 import torch
 from transformers.generation import stopping_criteria as sc
 
+from . import kv_reuse
 from .kernels.decode_graph import captured
+from .kv_reuse import PromptKV, StaticKV
 from .model_family import takes_conditioning_images
 from .text_phase import _phase_of, _world
 from .text_sampling import DeviceChoice
@@ -43,34 +45,6 @@ from .text_sampling import DeviceChoice
 CHECK_EVERY = 8             # tokens between the host's looks at the stop flags (its one sync)
 BOUND_STEP = 1024           # KV capacity granularity: calls whose bounds round alike share a captured step
 KEPT_STEPS = 2              # decode steps (and their KV) kept per model for later calls
-
-
-class StaticKV:
-    """Keys and values of every layer, [B, heads, capacity, D] each (this rank's heads), allocated at the
-    first write of each layer. `update` is upstream's cache interface (the attention calls it with the
-    positions it writes); `visible`: how many leading positions a forward reads (the prefill: its own
-    length, as upstream's cache returns), None: all of them (the decode step, under its mask)."""
-
-    def __init__(self, capacity: int):
-        self.capacity, self.visible = capacity, None
-        self.keys: dict = {}
-        self.values: dict = {}
-
-    def update(self, key, value, layer_idx, cache_kwargs=None):
-        positions = cache_kwargs["cache_position"]
-        if positions.dim() == 1:
-            positions = positions[None].expand(key.shape[0], -1)
-        if layer_idx not in self.keys:
-            shape = (key.shape[0], key.shape[1], self.capacity, key.shape[3])
-            self.keys[layer_idx] = key.new_zeros(shape)
-            self.values[layer_idx] = value.new_zeros(shape)
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        index = positions[:, None, :, None].expand(key.shape[0], key.shape[1], positions.shape[1], key.shape[3])
-        keys.scatter_(2, index, key.to(keys.dtype))
-        values.scatter_(2, index, value.to(values.dtype))
-        if self.visible is None:
-            return keys, values
-        return keys[:, :, :self.visible], values[:, :, :self.visible]
 
 
 class DecodeStep:
@@ -120,10 +94,12 @@ class DecodeStep:
             slot.fixed_shape = False
 
 
-def _rope_tables(model, model_kwargs) -> tuple:
+def _rope_tables(model, model_kwargs, device) -> tuple:
+    """(cos, sin) over every position: the base model's are handed to the call, the Instruct model's
+    come from its CachedRoPE (built by the prefill's forward for the call's rope_image_info)."""
     if model_kwargs.get("custom_pos_emb") is not None:
         return model_kwargs["custom_pos_emb"]
-    return model.cached_rope.cos_cache, model.cached_rope.sin_cache
+    return model.cached_rope(model.config.max_position_embeddings, device, rope_image_info=model_kwargs["rope_image_info"])
 
 
 def _decode_step(model, batch: int, capacity: int, graph_mode: str) -> DecodeStep:
@@ -187,13 +163,22 @@ class TextLoop:
         self.record: dict = {}
 
     def _prefill(self, kv: StaticKV) -> torch.Tensor:
-        """float32 [B, vocab]: each row's logits after its last real token."""
+        """float32 [B, vocab]: each row's logits after its last real token. The positions the job's last
+        prompt shares with this one (its system prompt) are not recomputed (kv_reuse.py)."""
         model, kwargs = self.model, dict(self.model_kwargs, past_key_values=kv)
+        output = self.model_kwargs.get("tokenizer_output")
+        plan = kv_reuse.job_prompt_plan(model, output, self.prompt)
+        self.reused = plan.length if plan is not None else 0
+        kv_reuse.arm(model, plan)
         kv.visible = self.prompt
         try:
             outputs = model(**model.prepare_inputs_for_generation(self.input_ids, **kwargs), return_dict=True)
         finally:
             kv.visible = None
+            kv_reuse.arm(model, None)
+        prompt = PromptKV.snapshot(kv, output, self.prompt)
+        _phase_of(model).prompt_kv = prompt              # the image call's first step starts from it
+        kv_reuse.keep_job_prompt(model, prompt)
         logits = outputs.logits
         last = (self.real_lengths - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
         return torch.gather(logits, 1, last).squeeze(1).to(copy=True, dtype=torch.float32)
@@ -218,7 +203,7 @@ class TextLoop:
         prefill_s = time.perf_counter() - start
         steps = streamed = 1
         if step is not None:
-            step.set_rope_tables(_rope_tables(model, self.model_kwargs))
+            step.set_rope_tables(_rope_tables(model, self.model_kwargs, device))
             step.positions.copy_(self.real_lengths.view(-1, 1))
             if step.graph == "eager":
                 step.run, step.graph = captured(step.forward, self.device, self.graph_mode, (step.tokens, step.positions),
@@ -239,7 +224,8 @@ class TextLoop:
             self.streamer.end()
         self.record = {"loop": "static", "graph": step.graph if step is not None else "none (one token)",
                        "check_every": CHECK_EVERY, "capacity": capacity, "decode_steps": steps - 1,
-                       "steps_discarded": steps - kept, "prefill_s": round(prefill_s, 6)}
+                       "steps_discarded": steps - kept, "prefill_s": round(prefill_s, 6),
+                       "prefill_positions_reused": self.reused}
         return ids[:, :self.prompt + kept]
 
     def _commit(self, index: int, tokens: torch.Tensor, step: Optional[DecodeStep]) -> None:

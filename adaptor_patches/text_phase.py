@@ -135,6 +135,8 @@ class TextPhase:
     text: Optional[str] = None
     ratio: Optional[dict] = None
     last_decode: Optional[dict] = None  # set by the static loop of the call being run, taken by its TextCall
+    prompt_kv: Optional[object] = None  # the last text call's prompt KV (kv_reuse.PromptKV), until the image's first step
+    kv_reuse: Optional[dict] = None     # what the image's first step reused of it (kv_reuse.py)
     _samplers: int = 0
 
     def sampler(self, do_sample: bool) -> SharedTokenSampler:
@@ -154,6 +156,7 @@ class TextPhase:
             "tokens_generated": new_tokens,
             "text_phase_s": round(seconds, 6),
             "tokens_per_s": round(new_tokens / seconds, 3) if seconds > 0 else 0.0,
+            **({"kv_reuse": self.kv_reuse} if self.kv_reuse else {}),
             "calls": [{"kind": c.kind, "prompt_tokens": c.prompt_tokens, "new_tokens": len(c.new_token_ids),
                        "seconds": round(c.seconds, 6), "tokens_per_s": round(c.tokens_per_s, 3),
                        **({"decode": c.decode} if c.decode else {})}
@@ -255,6 +258,8 @@ def generate_image_in_text_phase(original, _device):
             result, stopped = (reached.arguments.get("cot_text"), None), reached
         finally:
             self._active_text_phase = None
+            if stopped is None:
+                phase.prompt_kv = None          # the image took it (kv_reuse.py); a batch's image stage takes it later
         if hasattr(self, "_tkwrapper"):
             _describe_base(self, phase, bot_task, image_size == "auto")
         else:

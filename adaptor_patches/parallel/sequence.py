@@ -33,6 +33,7 @@ class SequenceSlot:
     form, moe/dispatch.py)."""
     shards: Optional["SequenceShards"] = None
     fixed_shape: bool = False
+    prefix: Optional[object] = None     # a kv_reuse.PrefixPlan the next fitting forward takes
 
 
 class SequenceShards:

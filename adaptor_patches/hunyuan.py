@@ -373,11 +373,24 @@ def moe_init(_original, device):
     return __init__
 
 
+def _fixed_shape_moe(moe, tokens):
+    """The decode step's MoE (SequenceSlot.fixed_shape): every rank routes every row, computes its
+    experts' share and its slice of the shared MLP; TP / EP join them in one all-reduce
+    (moe/dispatch.py). No host sync, no data-dependent shape."""
+    dispatcher = moe.dispatcher
+    shared = moe.shared.start(tokens, part=dispatcher.shared_part)
+    topk_weight, topk_idx = route(moe, tokens)
+    routed = dispatcher.routed_fixed(moe.experts, tokens, topk_weight, topk_idx, add_to=shared.inline_output)
+    return dispatcher.combine_fixed(shared.join(routed))
+
+
 def moe_forward(_original, _device):
     def forward(self, hidden_states):
         bsz, seq_len, hidden_size = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden_size)
         slot = getattr(self, "sequence_slot", None)
+        if slot is not None and slot.fixed_shape:                  # the decode step: every row on every rank
+            return _fixed_shape_moe(self, tokens).view(bsz, seq_len, hidden_size)
         shards = slot.shards if slot is not None else None         # the input is this rank's share
         rows = self.dispatcher.local_rows(tokens, shards)           # EP replicated rows: this rank's chunk
         shared = self.shared.start(rows)                            # on the side stream, if any

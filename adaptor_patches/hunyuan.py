@@ -16,7 +16,8 @@ parallel/ (layout, groups, CFG split), moe/ (experts, dispatchers, shared-MLP st
   HunyuanImage3SDPAAttention.__init__/forward  attention TP: local heads, row-parallel o_proj; on
                                            sequence shares the rows gathered into qkv_proj and
                                            o_proj reduce-scattered back; Ulysses: heads by all-to-all
-  HunyuanMoE.__init__/forward              stacked experts, token dispatcher, shared MLP piece
+  HunyuanMoE.__init__/forward              stacked experts, token dispatcher, shared MLP piece; the
+                                           decode step's fixed-shape form (SequenceSlot.fixed_shape)
 
 Every `make(original, device)` gets the device the adaptor was applied for: a model built outside
 `building(...)` is built for one process on it.

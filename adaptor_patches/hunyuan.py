@@ -16,7 +16,8 @@ parallel/ (layout, groups, CFG split), moe/ (experts, dispatchers, shared-MLP st
   HunyuanImage3SDPAAttention.__init__/forward  attention TP: local heads, row-parallel o_proj; on
                                            sequence shares the rows gathered into qkv_proj and
                                            o_proj reduce-scattered back; Ulysses: heads by all-to-all
-  HunyuanMoE.__init__/forward              stacked experts, token dispatcher, shared MLP piece
+  HunyuanMoE.__init__/forward              stacked experts, token dispatcher, shared MLP piece; the
+                                           decode step's fixed-shape form (SequenceSlot.fixed_shape)
 
 Every `make(original, device)` gets the device the adaptor was applied for: a model built outside
 `building(...)` is built for one process on it.
@@ -393,11 +394,24 @@ def moe_init(_original, device):
     return __init__
 
 
+def _fixed_shape_moe(moe, tokens):
+    """The decode step's MoE (SequenceSlot.fixed_shape): every rank routes every row, computes its
+    experts' share and its slice of the shared MLP; TP / EP join them in one all-reduce
+    (moe/dispatch.py). No host sync, no data-dependent shape."""
+    dispatcher = moe.dispatcher
+    shared = moe.shared.start(tokens, part=dispatcher.shared_part)
+    topk_weight, topk_idx = route(moe, tokens)
+    routed = dispatcher.routed_fixed(moe.experts, tokens, topk_weight, topk_idx, add_to=shared.inline_output)
+    return dispatcher.combine_fixed(shared.join(routed))
+
+
 def moe_forward(_original, _device):
     def forward(self, hidden_states):
         bsz, seq_len, hidden_size = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden_size)
         slot = getattr(self, "sequence_slot", None)
+        if slot is not None and slot.fixed_shape:                  # the decode step: every row on every rank
+            return _fixed_shape_moe(self, tokens).view(bsz, seq_len, hidden_size)
         shards = slot.shards if slot is not None else None         # the input is this rank's share
         rows = self.dispatcher.local_rows(tokens, shards)           # EP replicated rows: this rank's chunk
         shared = self.shared.start(rows)                            # on the side stream, if any

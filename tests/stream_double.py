@@ -29,7 +29,8 @@ from adaptor_patches.kernels.device import Device
 
 MAIN = "main"
 # The kernel-set methods of a MoE layer's routed path (moe/gate.py, moe/experts.py, moe/dispatch.py).
-ROUTED_KERNELS = ("route", "routed_experts", "permute", "expert_mlp", "unpermute", "regroup", "ungroup")
+ROUTED_KERNELS = ("route", "routed_experts", "routed_experts_fixed", "permute", "expert_mlp", "unpermute", "regroup",
+                  "ungroup")
 
 
 class RecordingStream:
@@ -98,19 +99,20 @@ class RecordingDevice(Device):
         return next((tag for t, tag in self._tagged if t is tensor), None)
 
     def watch_kernels(self, kernels) -> None:
-        """Wrap this kernel set's methods (on the instance): shared_mlp logs the stream it runs on and
-        tags its input and output so their record_stream and later uses can be named; each kernel of
-        the routed path (ROUTED_KERNELS: the router, the expert GEMMs, EP's permute / regroup) logs
-        the stream it is issued on."""
-        original = type(kernels).shared_mlp
+        """Wrap this kernel set's methods (on the instance): shared_mlp (and shared_mlp_part, its slice
+        in the fixed-shape form) logs the stream it runs on and tags its input and output so their
+        record_stream and later uses can be named; each kernel of the routed path (ROUTED_KERNELS:
+        the router, the expert GEMMs, EP's permute / regroup) logs the stream it is issued on."""
+        def watched(original):
+            def shared_mlp(x, *weights_and_part):
+                self.log.append(("shared_mlp", self.current_stream().name))
+                out = original(kernels, x, *weights_and_part)
+                self._tagged[:] = [(x, "input"), (out, "shared output")]
+                return out
+            return shared_mlp
 
-        def shared_mlp(x, gate_and_up, down):
-            self.log.append(("shared_mlp", self.current_stream().name))
-            out = original(kernels, x, gate_and_up, down)
-            self._tagged[:] = [(x, "input"), (out, "shared output")]
-            return out
-
-        kernels.shared_mlp = shared_mlp
+        kernels.shared_mlp = watched(type(kernels).shared_mlp)
+        kernels.shared_mlp_part = watched(type(kernels).shared_mlp_part)
         for name in ROUTED_KERNELS:
             setattr(kernels, name, self._logged(name, getattr(type(kernels), name).__get__(kernels)))
 

@@ -3,7 +3,9 @@
 A tiny HunyuanImage3Model (3 MoE layers) is built under the patches with tests/stream_double.py's
 RecordingDevice: the patched HunyuanImage3Model.__init__ gives every layer the one side stream, each
 layer's SharedMlp makes its two events. Then each layer's forward runs (prefill: 2 x 32 tokens;
-decode: one token, which leaves an EP rank without rows) and its log must follow the order of
+decode: one token, which leaves an EP rank without rows; the decode step's fixed-shape form,
+SequenceSlot.fixed_shape, two rows: under EP each rank's slice of the shared MLP on the side stream,
+joined before the all-reduce) and its log must follow the order of
 moe/shared_mlp.py: input ready recorded on main -> side waits on it -> shared MLP inside the side
 stream's context -> shared done recorded on side -> record_stream(input, side) -> main waits on
 shared done -> record_stream(shared output, main) -> the one add, and every routed kernel (router,
@@ -31,7 +33,12 @@ from test_moe_layer import HIDDEN, _tiny_model_config, _upstream
 
 pytestmark = pytest.mark.usefixtures("unpatched_upstream")
 
-PHASES = {"prefill": (2, 32), "decode": (1, 1)}       # (batch, tokens per sequence)
+PHASES = {"prefill": (2, 32), "decode": (1, 1), "fixed-shape decode": (2, 1)}       # (batch, tokens per sequence)
+
+
+def fixed_shape_phase(model, phase):
+    """The model's sequence slot set for `phase` (its layers share it: hunyuan.model_init)."""
+    model.sequence_slot.fixed_shape = phase == "fixed-shape decode"
 
 
 def build_recorded_model(world_size=1, rank=0, moe_mode="replicated"):
@@ -60,6 +67,7 @@ def run_and_check(model, device) -> dict:
     for phase, (batch, tokens) in PHASES.items():
         torch.manual_seed(len(phase))
         x = torch.randn(batch, tokens, HIDDEN)
+        fixed_shape_phase(model, phase)
         outputs[phase] = []
         for layer in model.layers:
             with torch.no_grad(), device.recording():
@@ -75,6 +83,7 @@ def inline_outputs(model) -> dict:
     for phase, (batch, tokens) in PHASES.items():
         torch.manual_seed(len(phase))
         x = torch.randn(batch, tokens, HIDDEN)
+        fixed_shape_phase(model, phase)
         with torch.no_grad():
             outputs[phase] = [layer.mlp(x) for layer in model.layers]
     return outputs
@@ -174,12 +183,12 @@ def _join_without_record_stream(self, routed):
     return routed.add_(self.output)
 
 
-def _start_making_events_per_call(self, tokens):
+def _start_making_events_per_call(self, tokens, part=None):
     self.use_stream(self.stream)
-    return _REAL_START(self, tokens)
+    return _REAL_START(self, tokens, part)
 
 
-def _start_without_record_stream(self, tokens):
+def _start_without_record_stream(self, tokens, part=None):
     device, weights = self.device, (self.mlp.gate_and_up_proj.weight, self.mlp.down_proj.weight)
     self.input_ready.record(device.current_stream())
     with device.stream_context(self.stream):
@@ -189,7 +198,7 @@ def _start_without_record_stream(self, tokens):
     return SharedCall(self, output, on_side_stream=True)
 
 
-def _start_waiting_outside_the_side_stream(self, tokens):
+def _start_waiting_outside_the_side_stream(self, tokens, part=None):
     device, weights = self.device, (self.mlp.gate_and_up_proj.weight, self.mlp.down_proj.weight)
     self.input_ready.record(device.current_stream())
     self.input_ready.wait(device.current_stream())

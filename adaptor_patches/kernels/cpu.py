@@ -25,7 +25,9 @@ CPU GEMMs read that one best: on a CPU without native bf16 (AVX2), `x @ w[e]` in
 slower with [in, out]-major weights than with [out, in]-major ones (bench/profile_step.py,
 docs/BENCHMARKS.md), which made the adaptor's denoising step slower than upstream eager's.
 
-One host sync per layer (the counts), free on CPU where there is no device queue.
+One host sync per layer (the counts), free on CPU where there is no device queue; none in the
+decode step's fixed-shape form (routed_experts_fixed, fixed_shape.py: bf16 sorted through
+torch._grouped_mm, 8-bit and int4 every expert or per pair, as counted bytes say).
 
 8-bit experts (`scales` given): both padded projections go through quantized_grouped_matmul with
 every group `largest` rows, which here runs as one bmm per chunk of experts, each chunk dequantized
@@ -49,7 +51,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import int4, quant
+from . import fixed_shape, int4, quant
 from .torch_kernels import (GroupedMmKernels, LoopKernels, dequant_chunks, expert_counts,
                             grouped_mm_applies)
 
@@ -89,6 +91,17 @@ class CpuKernels(GroupedMmKernels):
             return super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to, scales)
         out = self.routed_padded(x, topk_weight, topk_idx, w13, w2, add_to, scales)
         return out if out is not None else super().routed_experts(x, topk_weight, topk_idx, w13, w2, add_to, scales)
+
+    def routed_per_expert(self, x, pairs, w13, w2, scales=None):
+        """The fixed form (fixed_shape.py) of int4 experts: one torch._weight_int4pack_mm_for_cpu per
+        local expert on every token or per pair (its expert taken by index_select), the fewer bytes;
+        a stack left as stored dequantizes its one expert instead. bf16 and 8-bit: the torch set's."""
+        if scales is None or w13.dtype != int4.STORAGE_DTYPE:
+            return super().routed_per_expert(x, pairs, w13, w2, scales)
+        stored = fixed_shape.expert_bytes(w13, w2, *scales)
+        return fixed_shape.per_expert_loop(x.to(torch.bfloat16).contiguous(), pairs, _int4_projection(w13, scales[0]),
+                                           _int4_projection(w2, scales[1]), self.swiglu,
+                                           fixed_shape.per_pair_is_cheaper(pairs, stored, stored))
 
     def routed_padded(self, x, topk_weight, topk_idx, w13, w2, add_to=None, scales=None):
         """routed_experts as padded bmm, or None when padding would cost too much."""
@@ -202,6 +215,19 @@ def int4pack_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
                 rows_in[start:start + rows], packed[expert], group, int4.scales_and_zeros(scale[expert], torch.bfloat16))
         start += rows
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+def _int4_projection(stack: torch.Tensor, scale: torch.Tensor):
+    """project(bf16 rows, experts) of one int4 stack for fixed_shape.per_expert_loop."""
+    if not int4pack_applies(scale.shape[-1]):
+        return fixed_shape.dequantized_projection(stack, scale)
+
+    def project(rows, experts):
+        scale_of = fixed_shape.take_experts(scale, experts)[0]
+        return torch._weight_int4pack_mm_for_cpu(rows, fixed_shape.take_experts(stack, experts)[0],
+                                                 rows.shape[1] // scale.shape[1],
+                                                 int4.scales_and_zeros(scale_of, torch.bfloat16))
+    return project
 
 
 def _swiglu_(x: torch.Tensor) -> torch.Tensor:

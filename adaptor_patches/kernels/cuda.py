@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import int4
+from . import fixed_shape, int4
 from .collective_matmul import process_group
 from .quant import quantize_per_token
 from .torch_kernels import GroupedMmKernels
@@ -154,8 +154,34 @@ class CudaKernels(GroupedMmKernels):
             return w if ops is None or inner_k_tiles(k) is None or n % 8 else tiled_int4(w, ops)
         return super().expert_weight_storage(w)
 
+    def grouped_without_host_sync(self, x, w13, w2, scales):
+        """bf16 experts through torch._grouped_mm, fp8 experts through the W8A8 GEMM (both take device
+        offsets); int8, W8A16 fp8 and int4 experts read their counts on the host (routed_per_expert)."""
+        if scales is None or w13.dtype != _FP8:
+            return super().grouped_without_host_sync(x, w13, w2, scales)
+        return (self._w8a8_gemm(x.device) is not None and w2.dtype == _FP8
+                and not any(width % _ALIGN for width in (x.shape[1], w13.shape[-1], w2.shape[1], w2.shape[-1])))
+
+    def routed_per_expert(self, x, pairs, w13, w2, scales=None):
+        """The fixed form (fixed_shape.py) of int4 experts stored by tiled_int4: one int4 matmul per
+        local expert on every token or per pair (its expert taken by index_select), the fewer bytes.
+        Other experts: the torch set's batched matmuls."""
+        if scales is None or not any(_tiled(w) for w in (w13, w2)):
+            return super().routed_per_expert(x, pairs, w13, w2, scales)
+        ops, stored = self.int4_ops(x.device), fixed_shape.expert_bytes(w13, w2, *scales)
+
+        def projection(stack, scale):
+            if not _tiled(stack):
+                return fixed_shape.dequantized_projection(stack, scale)
+            return lambda rows, experts: ops.weight_int4pack_mm(
+                rows, fixed_shape.take_experts(stack, experts)[0], rows.shape[1] // scale.shape[1],
+                int4.scales_and_zeros(fixed_shape.take_experts(scale, experts)[0], torch.bfloat16))
+        return fixed_shape.per_expert_loop(x.to(torch.bfloat16).contiguous(), pairs, projection(w13, scales[0]),
+                                           projection(w2, scales[1]), self.swiglu,
+                                           fixed_shape.per_pair_is_cheaper(pairs, stored, stored))
+
     def quantized_grouped_matmul(self, x, q, scale, counts):
-        if q.dtype == torch.int32 and q.dim() == 5:             # int4, stored by tiled_int4
+        if _tiled(q):
             if x.shape[0] == 0:
                 return x.new_empty(0, scale.shape[-1])
             return int4_matmul(x, q, scale, counts, self.int4_ops(x.device))
@@ -165,6 +191,11 @@ class CudaKernels(GroupedMmKernels):
         x_q, x_scale = quantize_per_token(x, "fp8")
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return gemm(x_q, column_major(q), x_scale, scale.float().contiguous(), offsets)
+
+
+def _tiled(q: torch.Tensor) -> bool:
+    """An int4 stack stored by tiled_int4."""
+    return q.dtype == torch.int32 and q.dim() == 5
 
 
 def _torch_symm_mem_ops():

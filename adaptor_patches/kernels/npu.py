@@ -142,6 +142,13 @@ class NpuKernels(LoopKernels):
     def quant_compute_run(self, fmt, device):
         return int4.COMPUTE if int4.is_int4(fmt) else self.quant_compute
 
+    def grouped_without_host_sync(self, x, w13, w2, scales):
+        """npu_grouped_matmul takes its group_list as a device tensor in every form (bf16, int8 W8A16 /
+        W8A8, int4): the fixed form runs sorted (fixed_shape.py), permute and unpermute being
+        npu_moe_init_routing_v2 (expert_num = the local experts, every pair's key in range) and
+        npu_moe_finalize_routing. Only an int4 stack left as stored runs the dequantize reference."""
+        return not any(w.dtype == int4.STORAGE_DTYPE for w in (w13, w2))
+
     def grouped_matmul(self, x, w, counts):
         if x.shape[0] == 0:
             return x.new_empty(0, w.shape[-1])

@@ -1,9 +1,12 @@
 """The kernels of the MoE and attention in plain torch: the reference every other set is tested against.
 
     routed_experts(x, topk_weight, topk_idx, w13, w2, scales=None)   the whole routed path of one MoE layer
+    routed_experts_fixed(x, topk_weight, topk_idx, w13, w2, scales=None, first_expert=0)   the same in
+                                           fixed shapes, this rank's experts only (fixed_shape.py)
     expert_weight_storage(w)               how stacked expert weights are stored (once, after loading)
     expert_mlp(sorted_x, w13, w2, counts, scales=None)  down(SwiGLU(gate/up(rows))) per expert group
     shared_mlp(x, gate_and_up, down)       upstream HunyuanMLP's math on its nn.Linear weights
+    shared_mlp_part(x, gate_and_up, down, part, parts)   one of `parts` slices of its intermediate
     grouped_matmul(x, w, counts)           rows of x grouped by expert; w is [E, in, out]
     quantized_grouped_matmul(x, q, scale, counts)   the same with quantized w (int8 / fp8 / int4) and its scales
     route(logits, topk, norm, scale)       upstream topkgating's combine weights, dropless
@@ -34,7 +37,8 @@ undocumented for grouped matmul and the routing ops, so no set calls them with z
 SwiGLU convention: silu is applied to the FIRST half, as npu_swiglu does. Upstream's HunyuanMLP
 computes x1 * silu(x2) (second half activated); the expert weights are stored with the halves
 swapped (moe/experts.py), so stacked experts produce [x2 | x1] and equal upstream's.
-Host syncs: one `.tolist()` of the counts per grouped matmul in the loop, none with grouped_mm.
+Host syncs: one `.tolist()` of the counts per grouped matmul in the loop, none with grouped_mm, none
+in routed_experts_fixed on any set (fixed_shape.py: the decode step's form).
 Inference only: outputs are written with out= and in place; nothing keeps an autograd graph.
 
 Quantized experts (kernels/quant.py, int4.py): `scales` is (w13_scale, w2_scale) -- 8-bit: [E, 2I]
@@ -53,7 +57,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from . import fixed_shape, quant
 from .collective_matmul import CollectiveMatmuls
 
 _ALIGN_BYTES = 16
@@ -85,6 +89,44 @@ class LoopKernels(CollectiveMatmuls):
         sorted_x, row_idx, counts = self.permute(x, topk_idx, w13.shape[0])
         routed = self.unpermute(self.expert_mlp(sorted_x, w13, w2, counts, scales), row_idx, topk_weight)
         return routed if add_to is None else add_to.add_(routed)
+
+    def routed_experts_fixed(self, x: torch.Tensor, topk_weight: torch.Tensor, topk_idx: torch.Tensor,
+                             w13: torch.Tensor, w2: torch.Tensor, add_to: Optional[torch.Tensor] = None,
+                             scales: Optional[tuple] = None, first_expert: int = 0) -> torch.Tensor:
+        """routed_experts over this rank's experts only (global ids first_expert .. + E_local - 1; the
+        other choices add exactly 0), in shapes fixed by T, K and the stacks and without a host sync:
+        the decode step's form (fixed_shape.py says which of its forms a set runs, and why)."""
+        if x.shape[0] == 0:
+            return add_to if add_to is not None else x.new_empty(0, out_features(w2, scales and scales[1]))
+        pairs = fixed_shape.local_pairs(topk_weight, topk_idx, first_expert, w13.shape[0])
+        if self.grouped_without_host_sync(x, w13, w2, scales):
+            sorted_x, row_idx, counts = self.permute(x, fixed_shape.absorbing_key(pairs), pairs.local_experts)
+            routed = self.unpermute(self.expert_mlp(sorted_x, w13, w2, counts, scales), row_idx, pairs.weight)
+        else:
+            routed = self.routed_per_expert(x, pairs, w13, w2, scales).to(x.dtype)
+        return routed if add_to is None else add_to.add_(routed)
+
+    def grouped_without_host_sync(self, x, w13, w2, scales) -> bool:
+        """Whether expert_mlp on these experts takes its group sizes as a device tensor (the fixed form
+        then runs sorted). The loop reads them on the host."""
+        return False
+
+    def routed_per_expert(self, x, pairs, w13, w2, scales=None) -> torch.Tensor:
+        """The fixed form without a grouped matmul: every local expert on every token, or each pair's
+        expert gathered, whichever moves fewer bytes (fixed_shape.per_pair_is_cheaper), as batched
+        matmuls; quantized experts dequantized just before (only the gathered ones per pair)."""
+        w13_scale, w2_scale = scales if scales is not None else (None, None)
+        stored = fixed_shape.expert_bytes(w13, w2, w13_scale, w2_scale)
+        used = stored if scales is None else stored + 2 * x.element_size() * (
+            quant.weights_per_expert(w13) + quant.weights_per_expert(w2))
+        if fixed_shape.per_pair_is_cheaper(pairs, stored, used):
+            index = pairs.expert
+            first = torch.bmm(fixed_shape.pair_rows(x, pairs), fixed_shape.expert_weights(w13, w13_scale, index, x.dtype))
+            out = torch.bmm(self.swiglu(first), fixed_shape.expert_weights(w2, w2_scale, index, x.dtype))
+            return fixed_shape.combine_per_pair(out.squeeze(1), pairs)
+        first = torch.matmul(x, fixed_shape.expert_weights(w13, w13_scale, None, x.dtype))        # [E_local, T, 2I]
+        out = torch.matmul(self.swiglu(first), fixed_shape.expert_weights(w2, w2_scale, None, x.dtype))
+        return fixed_shape.combine_every_expert(out, pairs)
 
     def expert_mlp(self, sorted_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    counts: torch.Tensor, scales: Optional[tuple] = None,
@@ -164,6 +206,16 @@ class LoopKernels(CollectiveMatmuls):
             return x.new_empty(0, down.shape[0])
         x1, x2 = F.linear(x, gate_and_up).chunk(2, dim=-1)
         return F.linear(x1 * F.silu(x2), down)
+
+    def shared_mlp_part(self, x: torch.Tensor, gate_and_up: torch.Tensor, down: torch.Tensor, part: int,
+                        parts: int) -> torch.Tensor:
+        """Slice `part` of `parts` contiguous slices of the shared MLP's intermediate: the slices' sums
+        add up to shared_mlp(x, ...). Its x1 / x2 rows of gate_and_up and its columns of down are
+        views (no copy of the weights)."""
+        inter = gate_and_up.shape[0] // 2
+        start, stop = part * inter // parts, (part + 1) * inter // parts
+        x1, x2 = F.linear(x, gate_and_up[start:stop]), F.linear(x, gate_and_up[inter + start:inter + stop])
+        return F.linear(x1 * F.silu(x2), down[:, start:stop])
 
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """y[rows of group e] = x[rows of group e] @ w[e]; x [N, in], w [E, in, out], counts [E] (sum N)."""
@@ -274,6 +326,13 @@ class GroupedMmKernels(LoopKernels):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
 
+    def grouped_without_host_sync(self, x, w13, w2, scales):
+        """bf16 experts whose two grouped matmuls torch._grouped_mm takes (offsets from device counts).
+        bf16 only: the op's meta function (torch.compile, graph capture) refuses the float32 its CPU
+        eager form takes."""
+        return scales is None and x.dtype == torch.bfloat16 and grouped_mm_fits(x.dtype, x.device, x.shape[-1], w13) \
+            and grouped_mm_fits(x.dtype, x.device, w2.shape[-2], w2)
+
 
 def out_features(w: torch.Tensor, scale: Optional[torch.Tensor]) -> int:
     """A stacked expert weight's output width: its last dim, or its scale's (an int4 stack stores two
@@ -282,12 +341,17 @@ def out_features(w: torch.Tensor, scale: Optional[torch.Tensor]) -> int:
 
 
 def grouped_mm_applies(x, w) -> bool:
+    return grouped_mm_fits(x.dtype, x.device, x.shape[-1], w)
+
+
+def grouped_mm_fits(dtype: torch.dtype, device: torch.device, in_features: int, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes rows of `dtype` and width `in_features` on `device` times w."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.dtype != w.dtype or x.dtype not in _GROUPED_MM_DTYPES.get(x.device.type, ()):
+    if dtype != w.dtype or dtype not in _GROUPED_MM_DTYPES.get(device.type, ()):
         return False
-    size = x.element_size()
-    return (x.shape[-1] * size) % _ALIGN_BYTES == 0 and (w.shape[-1] * size) % _ALIGN_BYTES == 0
+    size = w.element_size()
+    return (in_features * size) % _ALIGN_BYTES == 0 and (w.shape[-1] * size) % _ALIGN_BYTES == 0
 
 
 def dequant_chunks(counts: list, q: torch.Tensor, element_size: int):

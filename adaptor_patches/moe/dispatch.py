@@ -31,6 +31,30 @@ layouts, and the one-token text decode of any layout).
 
 Host syncs per layer: replicated 0, tp 0, ep 1 (one `.tolist()` of the exchanged counts, which
 the all-to-all split sizes need); the loop and CPU kernel sets add theirs (kernels/).
+
+The fixed-shape form (SequenceSlot.fixed_shape: the text phase's decode step replayed as one graph;
+every rank holds every row, no shards). No host sync and no data-dependent shape, on every kernel
+set (kernels/fixed_shape.py); the layer runs (hunyuan.py):
+
+    shared  = layer.shared.start(tokens, part=dispatcher.shared_part)
+    weights = route(layer, tokens)                              every rank routes every row
+    routed  = dispatcher.routed_fixed(experts, tokens, weights) this rank's experts' share
+    return dispatcher.combine_fixed(shared.join(routed))
+
+  Replicated      every expert here: the share is the whole sum; nothing moves.
+  TensorParallel  every expert's slice (and the shared MLP's) here: the existing one all-reduce.
+  ExpertParallel  the gate is replicated, so every rank routes ALL rows and computes its local
+                  experts' share of each (the other choices add 0), and ONE all-reduce of [T, H]
+                  over "moe_ep" sums the shares: it replaces the counts all-to-all, the two row
+                  all-to-alls and the all-gather (cann-recipes' "AllGather" decode scheme: the
+                  device keeps the group list). The shared MLP is whole on every EP rank; each
+                  computes only its slice of the intermediate (shared_part: 1/ep of the weights
+                  read) and adds it to its share before the all-reduce, so every row gets the
+                  shared output exactly once, the slices' sum, and no rank reads the whole shared
+                  MLP per token. The side stream keeps its start / join protocol: started before
+                  the gate, joined before the all-reduce. No int8 rows on the wire (dispatch_format):
+                  there is no all-to-all; the all-reduce carries the bf16 sums.
+  Every rank must route alike, which the same gate weights and rows on the same kernel set give.
 """
 from __future__ import annotations
 
@@ -58,6 +82,18 @@ class Replicated:
         """This rank's output rows -> the layer's output for the rows it came in with."""
         return output
 
+    # ------------------------------------------------------------ the fixed-shape form (module docstring)
+
+    shared_part = None          # (index, parts) of the shared MLP's intermediate this rank computes; None: all
+
+    def routed_fixed(self, experts, rows, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
+        """This rank's experts' share of every row's weighted sum (into `add_to` when given)."""
+        return experts.routed_fixed(rows, topk_weight, topk_idx, add_to=add_to)
+
+    def combine_fixed(self, output: torch.Tensor) -> torch.Tensor:
+        """The ranks' shares of every row -> the layer's output."""
+        return output
+
 
 class TensorParallel(Replicated):
     def local_rows(self, tokens, shards=None):
@@ -72,11 +108,20 @@ class TensorParallel(Replicated):
         dist.all_reduce(output, group=group)
         return output
 
+    def combine_fixed(self, output):
+        dist.all_reduce(output, group=self.rank_context.group("moe_tp"))
+        return output
+
 
 class ExpertParallel(Replicated):
     def __init__(self, shard, rank_context, kernels):
         super().__init__(shard, rank_context, kernels)
         self.dispatch = kernels.dispatch_format(rank_context.expert_format)      # "bf16" | "int8"
+        self.shared_part = (shard.ep_rank, shard.ep_degree)
+
+    def combine_fixed(self, output):
+        dist.all_reduce(output, group=self.rank_context.group("moe_ep"))
+        return output
 
     def _chunks(self, tokens) -> list:
         return split_evenly(tokens.shape[0], self.shard.ep_degree)

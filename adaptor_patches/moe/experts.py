@@ -90,6 +90,12 @@ class GroupedExperts(nn.Module):
         as int8 with these per-row scales (int8 dispatch)."""
         return self.kernels.expert_mlp(sorted_x, self.w13, self.w2, counts, scales=self.scales, x_scale=x_scale)
 
+    def routed_fixed(self, tokens, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
+        """The fixed-shape form (the decode step, kernels/fixed_shape.py): each token's choices among
+        this rank's experts, the others adding 0; no host sync. Decode rows are few: no chunks."""
+        return self.kernels.routed_experts_fixed(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to,
+                                                 scales=self.scales, first_expert=self.shard.first_expert)
+
     def routed(self, tokens, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
         """The weighted sum of each token's experts (every expert is local: replicated or TP), the
         tokens ROUTED_TOKEN_CHUNK at a time (added into `add_to`'s rows in place when given)."""

@@ -36,21 +36,28 @@ class SharedMlp:
         else:
             self.input_ready, self.shared_done = self.device.new_event(), self.device.new_event()
 
-    def start(self, tokens: torch.Tensor) -> "SharedCall":
-        """Start the shared MLP on `tokens` [T, H] (on the side stream when there is one)."""
+    def start(self, tokens: torch.Tensor, part: Optional[tuple] = None) -> "SharedCall":
+        """Start the shared MLP on `tokens` [T, H] (on the side stream when there is one); `part`
+        (index, parts): only that slice of its intermediate (kernels: shared_mlp_part), the ranks'
+        slices summed by the layer's all-reduce."""
         if self.mlp is None:
             return SharedCall(self, None, on_side_stream=False)
         weights = (self.mlp.gate_and_up_proj.weight, self.mlp.down_proj.weight)
         if self.stream is None:
-            return SharedCall(self, self.kernels.shared_mlp(tokens, *weights), on_side_stream=False)
+            return SharedCall(self, self._compute(tokens, weights, part), on_side_stream=False)
         device = self.device
         self.input_ready.record(device.current_stream())
         with device.stream_context(self.stream):
             self.input_ready.wait(self.stream)
-            output = self.kernels.shared_mlp(tokens, *weights)
+            output = self._compute(tokens, weights, part)
             self.shared_done.record(self.stream)
         device.record_stream(tokens, self.stream)
         return SharedCall(self, output, on_side_stream=True)
+
+    def _compute(self, tokens, weights, part):
+        if part is None:
+            return self.kernels.shared_mlp(tokens, *weights)
+        return self.kernels.shared_mlp_part(tokens, *weights, *part)
 
 
 class SharedCall:

@@ -269,3 +269,33 @@ def test_the_designs_table_plans_the_conditioning_images_asked_for():
                                 conditioning_images=images) for images in (0, 3)}
     built = [(few, most) for few, most in zip(rows[0], rows[3]) if few[3] is not None]
     assert built and all(few[3] < most[3] and few[2] == most[2] for few, most in built), rows
+
+
+def test_the_text_decode_step_moves_one_all_reduce_per_moe_layer():
+    """The text phase's decode step (adaptor_patches/text_decode.py: one token per sequence, every row on
+    every rank, the MoE's fixed-shape form) on ep8_cfg.yaml's layout of the real Instruct model: per
+    MoE layer ONE all-reduce of B x hidden bf16 over the EP group, where today's loop has the counts
+    all-to-all, two row all-to-alls and an all-gather; per layer attention TP's all-reduce; the token
+    broadcast over the world; no CFG collective. The planner reports it as a phase of its own."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.memory_plan import plan, read_config
+    from utils.planner.traffic import BF16, INT64, TEXT_DECODE, Sizes, text_decode_lines
+    config, raw = read_config("config/real_instruct")
+    sizes = Sizes.of(config, raw)
+    ep8_cfg = Layout.from_flags(16, cfg_parallel=True, moe_ep=True, vae_parallel=True)
+    for rows in (1, 2):
+        row = rows * 4096 * BF16
+        lines = [(l.purpose, l.kind, l.degree, l.payload, l.calls) for l in text_decode_lines(sizes, ep8_cfg, rows)]
+        assert lines == [("attention TP all-reduce", "all_reduce", 8, row, 32),
+                         ("MoE EP all-reduce (fixed shape)", "all_reduce", 8, row, 32),
+                         ("token broadcast", "broadcast", 16, rows * INT64, 1)], lines
+    today = {(l.kind, l.purpose.split(" (")[0]) for l in text_decode_lines(sizes, ep8_cfg, 1, loop="transformers")}
+    assert {("all_to_all", "MoE EP counts all-to-all"), ("all_gather", "MoE EP all-gather")} <= today, today
+    ulysses = text_decode_lines(sizes, Layout.from_flags(8, moe_tp=True, ulysses=4), 1)
+    assert [(l.purpose, l.degree, l.calls) for l in ulysses] == [
+        ("Ulysses decode all-reduce (o_proj)", 8, 32), ("MoE TP all-reduce (fixed shape)", 8, 32), ("token broadcast", 8, 1)]
+    assert text_decode_lines(sizes, Layout.from_flags(2, cfg_parallel=True), 1)[0].kind == "broadcast"
+    role = plan("config/real_instruct", ep8_cfg, (1024, 1024), "npu")[0]
+    assert role.traffic[TEXT_DECODE] == {"attention TP all-reduce": 448 * 1024, "MoE EP all-reduce (fixed shape)":
+                                         448 * 1024, "token broadcast": 15 * INT64}      # 8192 B x 2 x 7/8 x 32
+    assert plan("config/real_model", ep8_cfg, (1024, 1024), "npu")[0].traffic[TEXT_DECODE] == {}   # no think text

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.planner.traffic import (DENOISING_STEP, PHASES, TEXT_TOKENS, TODAY, Design, branches,  # noqa: F401
-                                   built_design, image_lines, image_tokens, per_step)
+                                   Sizes, built_design, image_lines, image_tokens, per_step, text_decode_lines)
 from utils.runtime.request_schema import MAX_IMAGES as MAX_CONDITIONING_IMAGES     # what one request may bring
 
 GiB = 2**30
@@ -275,10 +275,13 @@ def traffic_by_phase(config, raw: dict, layout, image_size, tp_rank: int = 0, de
                      design=None, context_tokens: int = TEXT_TOKENS, batch: int = 1) -> dict:
     """{phase: {purpose: bytes sent}} of one forward batch of `batch` images on tp rank `tp_rank` of
     CFG branch 0 (design None: the code as built, traffic.built_design); `context_tokens`: the first
-    step's rows besides the image's."""
+    step's rows besides the image's. An Instruct checkpoint adds one step of its text's decode."""
+    from adaptor_patches.model_family import is_instruct
     first = context_tokens + image_tokens(config, image_size)
     lines = image_lines(config, raw, layout, image_size, tp_rank, design=design, device_kind=device_kind,
                         first_step_rows=first, batch=batch)
+    if is_instruct(raw):                # think / recaption: the text's decode step (one request at a time)
+        lines += text_decode_lines(Sizes.of(config, raw), layout)
     return {phase: {k: int(v) for k, v in per_step(lines, phase).items()} for phase in PHASES}
 
 

@@ -106,15 +106,16 @@ def report(roles, layout, image_size, device_memory=None, headroom=HEADROOM, qua
 
 def traffic_report(role) -> list:
     """The rank's traffic lines (utils/planner/traffic.py: what "sent" means per collective)."""
-    from utils.planner.traffic import DENOISING_STEP, PHASES
+    from utils.planner.traffic import DENOISING_STEP, PHASES, TEXT_DECODE
     out = []
     for phase in PHASES:
         lines = (role.traffic or {DENOISING_STEP: role.comm_per_step}).get(phase, {})
         total = sum(lines.values())
         if phase == DENOISING_STEP or total:
             where = f"sent per {phase}" if phase != "VAE decode" else "sent in the VAE decode"
-            text = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in lines.items()) or "nothing"
-            out.append(f"    {where}: {total / 2**20:.1f} MiB ({text})")
+            unit, scale = ("KiB", 2**10) if phase == TEXT_DECODE else ("MiB", 2**20)     # a token's few KiB
+            text = ", ".join(f"{k} {v / scale:.1f}" for k, v in lines.items()) or "nothing"
+            out.append(f"    {where}: {total / scale:.1f} {unit} ({text})")
     return out
 
 

@@ -16,6 +16,8 @@ A line's `payload` is S as named above, per call: deterministic for every kind (
 too: the rows it is handed); only the all-to-all's leaving share can depend on the data.
 
 Lines are per phase of one image:
+  text decode step one token of the think / recaption text (adaptor_patches/text_decode.py: every row on
+                   every rank, the MoE in its fixed-shape form): text_decode_lines, Instruct checkpoints
   first step       the first denoising forward: every text and image token of the sequence
   denoising step   each later forward: the timestep token and the image tokens (the text is cached)
   VAE decode       the band-parallel decode (parallel/vae_bands.py)
@@ -33,8 +35,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-FIRST_STEP, DENOISING_STEP, VAE_DECODE = "first step", "denoising step", "VAE decode"
-PHASES = (FIRST_STEP, DENOISING_STEP, VAE_DECODE)
+TEXT_DECODE, FIRST_STEP, DENOISING_STEP, VAE_DECODE = "text decode step", "first step", "denoising step", "VAE decode"
+PHASES = (TEXT_DECODE, FIRST_STEP, DENOISING_STEP, VAE_DECODE)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "barrier")
 BF16, FP32, INT64 = 2, 4, 8
 MiB = 2 ** 20
@@ -276,6 +278,38 @@ def _expert_parallel_lines(sizes: Sizes, layout, phase: str, rows: int, design: 
                  layers, (n - 1) / n),
             Line(phase, "MoE EP combine all-to-all (bf16 rows)", "all_to_all", n, copies * hidden * BF16, layers,
                  (n - 1) / n)]
+
+
+def text_decode_lines(sizes: Sizes, layout, rows: int = 1, loop: str = "static") -> list:
+    """The collectives of one decode step of the text phase: `rows` sequences (a request each; the text
+    stage runs one request at a time today), one token each, every row on every rank of its branch.
+
+    loop "static" (text_decode.DecodeStep, the MoE's fixed-shape form, moe/dispatch.py):
+      attention   o_proj's all-reduce of [rows, H] per layer over the branch: attention TP, or under
+                  Ulysses its decode form (every head's partial o_proj, one all-reduce over the branch)
+      MoE         ONE all-reduce of [rows, H] per MoE layer over the branch, TP and EP alike (EP: every
+                  rank routes every row, its experts' share and 1/EP of the shared MLP summed)
+      token       rank 0's draw broadcast to every rank (int64 per row)
+      CFG         none: gen_text has no CFG rows; each branch group decodes the same text
+    loop "transformers" (today's loop under the adaptor): one forward of one position per row as the
+    code as built runs it (rows replicated, EP's counts / rows all-to-alls and the all-gather), plus
+    the same broadcast."""
+    if loop == "transformers":
+        branch = replace(layout, world_size=layout.tp, cfg=1, vae_parallel=False)
+        out = forward_lines(replace(sizes, branches=1, batch=rows), branch, TEXT_DECODE, 1, design=TODAY)
+    elif loop == "static":
+        n, row, out = layout.tp, rows * sizes.hidden * BF16, []
+        if n > 1:
+            what = "Ulysses decode all-reduce (o_proj)" if layout.ulysses > 1 else "attention TP all-reduce"
+            out.append(Line(TEXT_DECODE, what, "all_reduce", n, row, sizes.layers))
+        if n > 1 and layout.moe_mode != "replicated" and sizes.moe_layers:
+            out.append(Line(TEXT_DECODE, f"MoE {layout.moe_mode.upper()} all-reduce (fixed shape)", "all_reduce", n,
+                            row, sizes.moe_layers))
+    else:
+        raise ValueError(f"loop: '{loop}' is not static or transformers")
+    if layout.world_size > 1:
+        out.append(Line(TEXT_DECODE, "token broadcast", "broadcast", layout.world_size, rows * INT64))
+    return out
 
 
 def step_cache_lines(phase: str, layout, candidate_steps: int, batch: int = 1) -> list:

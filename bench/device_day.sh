@@ -13,10 +13,16 @@
 #                 vs sequence shares vs Ulysses (issue 29; skipped with one device)
 #   6 instruct    the self-check's instruct section: the tiny Instruct and Instruct-Distil checkpoints
 #                 editing an image on the device vs the CPU (CPU: the adaptor vs upstream eager)
+#   7 text        bench/text_phase.py: the text phase's decode tokens/s on the tiny and mid Instruct
+#                 checkpoints, upstream eager vs today's loop vs the new step eager vs captured (CUDA graph /
+#                 torchair npugraph), host syncs per token, time to first token with and without the
+#                 system-prompt cache, the real model's collectives per decode step (issue 35)
 # Each step runs under `timeout` (STEP_LIMITS; DEVICE_DAY_LIMIT_S overrides them all): a stuck or
 # failing step is recorded (status, exit code, seconds, log) and the next one runs. Writes
 # OUT_DIR/device_day.json and OUT_DIR/device_day.md (default OUT_DIR: outputs/device_day/<UTC time>).
-# --quick: small shapes and the tiny model (what tests/test_device_day.py runs on CPU).
+# --quick: small shapes and the tiny model (what tests/test_device_day.py runs on CPU); its text step
+# runs the new step eager vs captured only, 16 tokens, the captured step on CPU traced by torch.compile's
+# "eager" backend (fullgraph, no inductor compile: that takes minutes on a CPU).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
@@ -26,7 +32,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=${2:-}; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     --*) echo "error: $1: unknown option; use [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]" >&2; exit 2 ;;
     *) out=$1; shift ;;
   esac
@@ -63,6 +69,8 @@ if [ "$quick" = 1 ]; then
   step layouts 240 "$py" bench/layouts.py --device "$device" --quick --model "$tiny"
   step instruct 300 "$py" -m utils.selfcheck --device "$device" --nproc 1 \
        --skip env,kernels,moe-stream,collectives,generation --out "$out/instruct"
+  step text 120 "$py" bench/text_phase.py --device "$device" --quick --variants eager,captured \
+       --json "$out/text_phase.json"
 else
   step selfcheck 240 "$py" -m utils.selfcheck --device "$device" --nproc 1 --skip instruct --out "$out/selfcheck"
   step collectives 180 "$py" -m utils.selfcheck --device "$device" --skip env,kernels,moe-stream,generation,instruct \
@@ -72,6 +80,8 @@ else
   step layouts 240 "$py" bench/layouts.py --device "$device" --steps 4 --rounds 1
   step instruct 180 "$py" -m utils.selfcheck --device "$device" --nproc 1 \
        --skip env,kernels,moe-stream,collectives,generation --out "$out/instruct"
+  step text 240 "$py" bench/text_phase.py --device "$device" --models tiny,mid --tokens 128 \
+       --parts decode,ttft,real --json "$out/text_phase.json"
 fi
 
 "$py" - "$out" "$device" "$quick" <<'PY'
@@ -88,7 +98,7 @@ for line in (out / "steps.tsv").read_text().splitlines():
                    "log": str(log), "tail": log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []}
 for name, path in (("selfcheck", out / "selfcheck" / "selfcheck.json"), ("moe_layer", out / "moe_layer.json"),
                    ("collectives", out / "collectives" / "selfcheck.json"),
-                   ("instruct", out / "instruct" / "selfcheck.json")):
+                   ("instruct", out / "instruct" / "selfcheck.json"), ("text", out / "text_phase.json")):
     if name in steps and path.is_file():
         steps[name]["result"] = json.loads(path.read_text())
 summary = {"device": device, "quick": quick, "steps": steps}

@@ -20,7 +20,7 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
     proc = device_day(tmp_path / "day")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "day" / "device_day.json").read_text())
-    assert list(summary["steps"]) == ["selfcheck", "collectives", "moe_layer", "e2e", "layouts", "instruct"]
+    assert list(summary["steps"]) == ["selfcheck", "collectives", "moe_layer", "e2e", "layouts", "instruct", "text"]
     assert {name: s["status"] for name, s in summary["steps"].items()} == dict.fromkeys(summary["steps"], "pass"), \
         {name: s["tail"] for name, s in summary["steps"].items()}
     rows = summary["steps"]["moe_layer"]["result"]["rows"]
@@ -37,10 +37,16 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
     for name in ("instruct-edit", "distil-edit"):       # on CPU: the adaptor against upstream eager, compared
         row = instruct[f"{name} cpu-eager vs cpu"]
         assert row["status"] == "pass" and 0 < row["value"] <= row["limit"] and row["data"]["psnr_db"] < 200, row
+    text = summary["steps"]["text"]["result"]       # the new decode step, eager and traced as one graph
+    decode = text["decode"]["tiny"]["rows"]
+    assert decode["captured"]["graph"] == "torch.compile (eager)" and decode["eager"]["graph"] == "eager", decode
+    assert all(row["decoded"] == 15 and row["syncs_inside_steps"] == 0 for row in decode.values()), decode
+    assert text["real"]["rows"]["ep8_cfg.yaml: CFG2 x TP8 + MoE EP8, 16 ranks, new step"]["collectives"] == 65
     table = (tmp_path / "day" / "device_day.md").read_text()
     assert "| moe_layer | pass |" in table and "dense-GEMM floor" in table and "upstream eager" in table
     assert "| collectives | matmul_reduce_scatter time | info |" in table
     assert "| instruct | pass |" in table and "| instruct | distil-edit cpu-eager vs cpu | pass |" in table
+    assert "| text | pass |" in table and "| new step, captured (--text-graph on) |" in table
 
 
 @pytest.mark.slow
@@ -48,7 +54,7 @@ def test_a_step_past_its_time_box_is_recorded_not_fatal(tmp_path):
     proc = device_day(tmp_path / "day", env={"DEVICE_DAY_LIMIT_S": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = json.loads((tmp_path / "day" / "device_day.json").read_text())["steps"]
-    assert [s["status"] for s in steps.values()] == ["timeout"] * 6
+    assert [s["status"] for s in steps.values()] == ["timeout"] * 7
     assert all(s["exit_code"] == 124 and s["seconds"] < 15 for s in steps.values())
 
 

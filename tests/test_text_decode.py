@@ -204,3 +204,30 @@ def traced_on_ranks(rank, world_size, model_dir, layout_kwargs):
 def test_the_decode_step_traces_as_one_graph_under_moe_ep(tiny_instruct):
     for eager, graph in run_ranks(2, traced_on_ranks, tiny_instruct, dict(moe="ep")):
         assert graph[2]["graph"] == "torch.compile (eager)" and graph[:2] == eager[:2]
+
+
+@pytest.mark.slow
+def test_a_captured_cuda_graph_replays_the_tokens_of_the_eager_step(instruct_model, monkeypatch):
+    """kernels/decode_graph.CudaGraphStep through tests/graph_double.py: the step captured once and
+    replayed for every later token (the double replays the recorded aten calls on the same tensors,
+    as a CUDA graph replays its kernels) writes the eager step's tokens, on a second call too."""
+    import graph_double
+    from adaptor_patches import text_decode
+    from adaptor_patches.kernels import decode_graph
+    from adaptor_patches.kernels.device import Device
+    graphs = []
+
+    def on_cuda(step, device, mode, inputs, cpu_backend="inductor"):
+        out = decode_graph.captured(step, Device("cuda"), mode, inputs, cpu_backend)
+        graphs.append(out[0])
+        return out
+    monkeypatch.setattr(text_decode, "captured", on_cuda)
+    request = dict(CASES["think_recaption sampled"], image_size="auto")
+    eager = text_of(instruct_model, "static", "off", **request)
+    with graph_double.installed():
+        first = text_of(instruct_model, "static", "on", **request)
+        again = text_of(instruct_model, "static", "on", **dict(request, seed=2))
+    assert first[2]["graph"] == "cuda graph" and first[:2] == eager[:2]
+    assert again[:2] == text_of(instruct_model, "static", "off", **dict(request, seed=2))[:2]
+    captures = [g for g in graphs if isinstance(g, decode_graph.CudaGraphStep)]
+    assert len(captures) == 1 and captures[0].graph.replays == first[2]["decode_steps"] + again[2]["decode_steps"]

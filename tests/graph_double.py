@@ -9,7 +9,9 @@ the capture's outputs exist); `replay()` runs the recorded calls again on the sa
 copying each fresh result into the recorded output. A step that only reads tensors it owns and
 refreshes in place replays right; one that reads a Python value changed between calls, allocates
 what it later reads in a new object, or asks the host for a value (`aten._local_scalar_dense`:
-.item(), bool(), ...) replays wrong or fails here as it would on a GPU.
+.item(), bool(), ...) replays wrong or fails here as it would on a GPU. Bit-exact replays on torch
+2.14; torch 2.7.1's CPU bf16 GEMMs round a last bit differently when the double recomputes into fresh
+memory before copying (a GPU replays into the captured memory itself): logits within one bf16 ulp.
 
     with graph_double.installed():       # torch.cuda.* replaced for the block
         ...                              # kernels.decode_graph.CudaGraphStep(step, inputs)
@@ -47,12 +49,15 @@ class CUDAGraph:
         self.replays = 0
 
     def replay(self) -> None:
+        """The recorded aten calls again, below autocast (a GPU replays kernels: the casts autocast
+        inserted while capturing are recorded calls themselves, nothing is inserted twice)."""
         self.replays += 1
-        for func, args, kwargs, recorded in self.calls:
-            fresh = func(*args, **kwargs)
-            for mine, new in zip(_tensors(recorded), _tensors(fresh)):
-                if mine is not new:
-                    mine.copy_(new)
+        with torch.autocast("cpu", enabled=False):
+            for func, args, kwargs, recorded in self.calls:
+                fresh = func(*args, **kwargs)
+                for mine, new in zip(_tensors(recorded), _tensors(fresh)):
+                    if mine is not new:
+                        mine.copy_(new)
 
 
 def _tensors(value) -> list:

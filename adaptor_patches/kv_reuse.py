@@ -143,7 +143,10 @@ def tokens_only_length(tokenizer_output, length: int) -> list:
 
 
 def arm(model, plan: Optional[PrefixPlan]) -> None:
-    model.model.sequence_slot.prefix = plan
+    """The plan the next fitting forward takes (a model without the patched layers, upstream eager's, has none)."""
+    slot = getattr(model.model, "sequence_slot", None)
+    if slot is not None:
+        slot.prefix = plan
 
 
 def plan_from(prompts: list, ids: torch.Tensor, limit: int, mode: str) -> Optional[PrefixPlan]:

@@ -65,9 +65,12 @@ def reuse_on_rank(rank, world_size, model_dir, flags, out_dir):
 @pytest.mark.usefixtures("unpatched_upstream")
 @pytest.mark.parametrize("flags", [dict(cfg_parallel=True), dict(moe_ep=True)], ids=["cfg2", "moe-ep2"])
 def test_two_ranks_start_from_the_text_prompt(tiny_instruct, tmp_path, flags):
+    """Under CFG parallel the conditional ranks also start past the think text (their rows continue
+    it; the unconditional rows part from it at the user's words)."""
     alone = edit_runs(tiny_instruct, tmp_path / "alone")[False]
     for runs in run_ranks(2, reuse_on_rank, tiny_instruct, flags, tmp_path / "ranks"):
-        _check(runs, alone)
+        record = _check(runs, alone)
+        assert record["cond_prefix_tokens"] > record["prefix_tokens"], record
 
 
 def texts_in_a_row(model_dir, reuse: bool) -> list:

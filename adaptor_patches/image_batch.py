@@ -42,14 +42,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .model_family import takes_conditioning_images
-
-
-class ImagePhaseReached(Exception):
-    """A text stage's generate_image reached its image call: `arguments` are that call's (the handoff)."""
-
-    def __init__(self, arguments: dict):
-        super().__init__("the text phase is over; the image phase runs as a batch")
-        self.arguments = arguments
+from .text_phase import ImagePhaseReached
 
 
 @dataclass

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .model_family import takes_conditioning_images
+from .text_batch import decode_together, shares_text
 from .text_phase import ImagePhaseReached
 
 
@@ -92,7 +93,10 @@ def text_stage(model, calls: list, keep_going: Callable = lambda exc: False) -> 
     keyword arguments of upstream's generate_image for that request). A request whose text phase
     raises gets its exception in its place when keep_going(exc), else the exception propagates
     (a failed collective must end the job). Every rank runs it with the same calls and gets the
-    same handoffs (text_phase.py: every token chosen on global rank 0)."""
+    same handoffs (text_phase.py: every token chosen on global rank 0). Two or more requests: their
+    text calls decoded together, as rows of one call (text_batch.py); the handoffs are the same."""
+    if shares_text(model, calls):
+        return decode_together(model, calls, keep_going, _text_phase_of_one)
     out = []
     for kwargs in calls:
         try:

@@ -38,7 +38,7 @@ LAYERS = (
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
     ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "text_sampling", "text_decode",
-     "image_batch", "compat", "compat_base", "compat_instruct", "metrics"),
+     "text_rows", "text_batch", "image_batch", "compat", "compat_base", "compat_instruct", "metrics"),
 )
 EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__")
 

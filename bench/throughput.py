@@ -10,9 +10,11 @@ batches   one `--prompts FILE` launch of N compatible images per B in --batch-si
           requests' steps over the images)
 text      B think texts (--bot-task think, --text-tokens each, on a copy of the checkpoint with the
           instruct template: tests/text_checkpoint.py) at --batch-size B vs B at --batch-size 1:
-          text tokens per second of the text stage (metrics.jsonl's text_phase_s). Today a batch's
-          text stage runs its requests one after another (adaptor_patches/image_batch.text_stage, the
-          seam a batched decode replaces): equal rates are today's expected result
+          text tokens per second of the text stage (metrics.jsonl's text_phase_s). At --batch-size B
+          the B texts are decoded together, as the rows of one call (adaptor_patches/text_batch.py):
+          every row reports the call's seconds, so an image's share of them is text_phase_s / B.
+          Forwards: a text of n tokens alone is one prefill and n - 1 decode steps (n forwards); B texts
+          decoded together take max(n) forwards of B rows (the loop's look every 8 tokens aside)
 launches  the same N prompts as N fresh `run_image_gen.py --prompt` processes vs one `--prompts` launch
 server    `--serve` at --max-batch 1 and at the largest B: C client threads send R requests in all
           (each client sequentially): p50 / p95 latency and images per hour while saturated
@@ -120,14 +122,19 @@ def think_texts(model: Path, common: list, nproc: int, sizes: list, tokens: int,
     rows = []
     for batch in sizes:
         lines = [{"prompt": PROMPTS[i % len(PROMPTS)], "seed": 100 + i} for i in range(batch)]
-        rates = {}
+        rates, seconds, forwards = {}, {}, {}
         for name, size in (("batched", batch), ("sequential", 1)):
             run = prompts_run(text_model, common, nproc, lines, size, work / f"text{batch}_{name}")
             made = sum(image["text_tokens"] for image in run["images"])
-            seconds = sum(image.get("text_phase_s", 0.0) for image in run["images"])
-            rates[name] = round(made / seconds, 1) if seconds else 0.0
+            counts = [image["text_tokens"] for image in run["images"]]
+            forwards[name] = max(counts) if size > 1 else sum(counts)
+            seconds[name] = sum(image.get("text_phase_s", 0.0) / image["batch_size"] for image in run["images"])
+            rates[name] = round(made / seconds[name], 1) if seconds[name] else 0.0
         rows.append({"texts": batch, "tokens_each": tokens, "batched_tokens_per_s": rates["batched"],
-                     "sequential_tokens_per_s": rates["sequential"]})
+                     "sequential_tokens_per_s": rates["sequential"], "batched_s": round(seconds["batched"], 3),
+                     "sequential_s": round(seconds["sequential"], 3), "batched_forwards": forwards["batched"],
+                     "sequential_forwards": forwards["sequential"],
+                     "speedup": round(seconds["sequential"] / seconds["batched"], 2) if seconds["batched"] else None})
     return rows
 
 
@@ -225,10 +232,13 @@ def main():
         print()
     if "text" in parts:
         rows = result["text"] = think_texts(model, common, args.nproc, sizes, args.text_tokens, work)
-        print("| B think texts | tokens each (at most) | tokens/s, one batch | tokens/s, one after another |")
-        print("|---|---|---|---|")
+        print("| B think texts | tokens each (at most) | forwards, one batch / one after another | text stage s, "
+              "one batch | one after another | tokens/s, one batch | one after another | speed-up |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['texts']} | {r['tokens_each']} | {r['batched_tokens_per_s']} | {r['sequential_tokens_per_s']} |")
+            print(f"| {r['texts']} | {r['tokens_each']} | {r['batched_forwards']} / {r['sequential_forwards']} | "
+                  f"{r['batched_s']} | {r['sequential_s']} | {r['batched_tokens_per_s']} | "
+                  f"{r['sequential_tokens_per_s']} | {r['speedup']}x |")
         print()
     if "launches" in parts:
         b = result["launches"] = batch_vs_launches(model, common, args.prompts, args.nproc, work)

@@ -67,7 +67,8 @@ TOKENS_INSTRUCT = "hunyuan_image_3.tokenization_hunyuan_image_3"
 # One replacement, three jobs: the text calls seeded from the job's seed, a batch's text stage stopped
 # where upstream prepares the image (its arguments are the handoff), and a batch's text calls asked
 # for and answered as rows of one call (text_batch.py).
-PREPARE_MODEL_INPUTS = text_batch.prepare_in_script(image_batch.stops_before_image(text_phase.prepare_model_inputs_seeded))
+PREPARE_MODEL_INPUTS = text_batch.prepare_in_script(
+    image_batch.stops_before_image(text_phase.prepare_model_inputs_seeded))
 # The text call: fitted and recorded (text_phase.py); in a batch's text stage asked for and answered.
 TEXT_CALL = text_batch.text_call_in_script(text_phase.generate_recording_text)
 

@@ -132,8 +132,8 @@ def _prepare(model, asks: list) -> dict:
     images = [_images(a.prepare.get("image")) for a in asks]
     if any(images):     # upstream's check takes one request's images: each row's built as its preprocess does
         align = bool(arguments.get("infer_align_image_size", False))
-        arguments["batch_cond_images"] = [model.image_processor.build_cond_images(image_list=row, infer_align_image_size=align)
-                                          for row in images]
+        build = model.image_processor.build_cond_images
+        arguments["batch_cond_images"] = [build(image_list=row, infer_align_image_size=align) for row in images]
     arguments["seed"] = [a.seed for a in asks]
     return model.prepare_model_inputs(**arguments)
 

@@ -36,7 +36,7 @@ VOCAB = 40
 SIZE, PAD = 35, 0
 
 
-def _choices(processors, samplers, lengths, width):
+def _choices(processors, samplers, lengths):
     """The batched choice over right-padded rows, and one choice per row alone."""
     batched = DeviceChoice.from_processors([*processors(), RowSamplers(samplers, torch.tensor(lengths))],
                                            len(samplers), VOCAB, 0, False, "cpu")
@@ -51,7 +51,7 @@ def _decode(processors, samplers, prompts, steps=24, seed=0):
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     ids = torch.tensor([p + [PAD] * (width - len(p)) for p in prompts])
-    batched, alone = _choices(processors, samplers, lengths, width)
+    batched, alone = _choices(processors, samplers, lengths)
     rows = [torch.tensor([p]) for p in prompts]
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -59,7 +59,8 @@ def _decode(processors, samplers, prompts, steps=24, seed=0):
         ids = torch.cat([ids, batched(ids, scores.clone())[:, None]], dim=1)
         rows = [torch.cat([row, choice(row, scores[r:r + 1].clone())[:, None]], dim=1)
                 for r, (row, choice) in enumerate(zip(rows, alone))]
-    return [ids[r, width:].tolist() for r in range(len(prompts))], [row[0, n:].tolist() for row, n in zip(rows, lengths)]
+    together = [ids[r, width:].tolist() for r in range(len(prompts))]
+    return together, [row[0, n:].tolist() for row, n in zip(rows, lengths)]
 
 
 @pytest.mark.parametrize("do_sample", [True, False], ids=["sampled", "greedy"])
@@ -181,8 +182,8 @@ def test_instruct_rows_stop_apart_and_the_forwards_are_the_longest_rows(models):
     model = models["instruct"]
     requests = [dict(INSTRUCT, prompt="a red fox standing in fresh snow", seed=5),
                 dict(INSTRUCT, prompt="ramen", seed=2),
-                dict(prompt="a dog", seed=4, image_size="auto", bot_task="think", max_new_tokens=40)]  # upstream raises:
-    #                                                        its think text never reaches a ratio token
+                # its think text never reaches a ratio token: upstream raises
+                dict(prompt="a dog", seed=4, image_size="auto", bot_task="think", max_new_tokens=40)]
     alone, together, alone_forwards, forwards = alone_and_together(model, requests)
     lengths = [len(h.text_phase.calls[0].new_token_ids) for h in together[:2]]
     assert lengths[0] > 16 and lengths[1] < 8 and all(h.text_phase.ratio["valid"] for h in together[:2]), lengths
@@ -202,7 +203,8 @@ def test_instruct_edits_and_greedy_texts_decoded_together(models, tmp_path):
     model = models["instruct"]
     requests = [dict(INSTRUCT, prompt="make the fox blue", seed=7, image=[a]),
                 dict(INSTRUCT, prompt="a red lighthouse in the same style", seed=2, image=[b]),
-                dict(INSTRUCT, prompt="a lighthouse", seed=3, bot_task="recaption", do_sample=False, image_size="256x256"),
+                dict(INSTRUCT, prompt="a lighthouse", seed=3, bot_task="recaption", do_sample=False,
+                     image_size="256x256"),
                 dict(INSTRUCT, prompt="a fox in the snow at night", seed=1, bot_task="recaption", do_sample=False,
                      image_size="256x256")]
     _, together, _, _ = alone_and_together(model, requests)

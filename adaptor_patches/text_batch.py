@@ -140,6 +140,7 @@ def _replay(model, answer: Answer) -> torch.Tensor:
     call draws from the next stream) and its TextCall."""
     phase = _phase_of(model)
     phase.sampler(True)
+    phase.prompt_kv, phase.prompt_kv_row = answer.context, answer.row       # the image's first step starts from it
     prompt = answer.prompt.shape[1]
     phase.calls.append(TextCall("text", prompt, answer.output[0, prompt:].tolist(), answer.seconds, answer.decode))
     return answer.output

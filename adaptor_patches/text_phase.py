@@ -148,7 +148,8 @@ class TextPhase:
     text: Optional[str] = None
     ratio: Optional[dict] = None
     last_decode: Optional[dict] = None  # set by the static loop of the call being run, taken by its TextCall
-    prompt_kv: Optional[object] = None  # the last text call's prompt KV (kv_reuse.PromptKV), until the image's first step
+    prompt_kv: Optional[object] = None  # the last text call's KV (kv_reuse.PromptKV), until the image's first step
+    prompt_kv_row: int = 0              # this request's row of it (a batch's text calls share one)
     kv_reuse: Optional[dict] = None     # what the image's first step reused of it (kv_reuse.py)
     _samplers: int = 0
 

@@ -68,6 +68,8 @@ class Answer:
     cond_images: Optional[list]
     seconds: float
     decode: Optional[dict]
+    context: Optional[object] = None        # the batched call's kv_reuse.PromptKV; this request is row `row`
+    row: int = 0
 
     def prepared(self, model) -> dict:
         """The stand-in for the call's prepare_model_inputs result (upstream reads only these)."""
@@ -201,10 +203,11 @@ def decode_rows(model, asks: list) -> list:
         model._active_text_phase = before
     seconds = time.perf_counter() - start
     decode = dict(phase.last_decode or {}, rows=len(asks))
-    return _split(model, asks, inputs, output, seconds, decode)
+    return _split(model, asks, inputs, output, seconds, decode, phase.prompt_kv)
 
 
-def _split(model, asks: list, inputs: dict, output: torch.Tensor, seconds: float, decode: dict) -> list:
+def _split(model, asks: list, inputs: dict, output: torch.Tensor, seconds: float, decode: dict,
+           context=None) -> list:
     prompts = inputs["input_ids"]
     width = prompts.shape[1]
     stops = _stops(model, asks[0], inputs)
@@ -218,5 +221,5 @@ def _split(model, asks: list, inputs: dict, output: torch.Tensor, seconds: float
             raise RuntimeError(f"text batch: row {row} neither stopped nor reached its bound ({len(new)} tokens)")
         prompt = prompts[row:row + 1, :length]
         answers.append(Answer(torch.cat([prompt, output[row:row + 1, width:width + count]], dim=1), prompt,
-                              [images[row]] if images is not None else None, seconds, dict(decode)))
+                              [images[row]] if images is not None else None, seconds, dict(decode), context, row))
     return answers

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from adaptor_patches import (autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, kv_reuse,
-                             text_decode, text_phase)
+                             text_batch, text_decode, text_phase)
 from adaptor_patches.kernels import device as device_mod
 from adaptor_patches.kernels.device import Device
 
@@ -64,10 +64,14 @@ TOKENS_BASE = "hunyuan_image_3.tokenizer_wrapper"    # the base model's tokenize
 TOKENS_INSTRUCT = "hunyuan_image_3.tokenization_hunyuan_image_3"
 
 
-# One replacement, three jobs: the text calls seeded from the job's seed, a batch's text stage stopped
-# where upstream prepares the image (its arguments are the handoff), and an image call whose rows
-# continue their text calls' prompts arming the reuse of that KV in its first step (kv_reuse.py).
-PREPARE_MODEL_INPUTS = image_batch.stops_before_image(kv_reuse.image_call_reuses_prompt_kv(text_phase.prepare_model_inputs_seeded))
+# One replacement, four jobs: the text calls seeded from the job's seed, a batch's text stage stopped
+# where upstream prepares the image (its arguments are the handoff), a batch's text calls asked for and
+# answered as rows of one call (text_batch.py), and an image call whose rows continue their text calls
+# arming the reuse of that KV in its first step (kv_reuse.py).
+PREPARE_MODEL_INPUTS = text_batch.prepare_in_script(
+    image_batch.stops_before_image(kv_reuse.image_call_reuses_prompt_kv(text_phase.prepare_model_inputs_seeded)))
+# The text call: fitted and recorded (text_phase.py); in a batch's text stage asked for and answered.
+TEXT_CALL = text_batch.text_call_in_script(text_phase.generate_recording_text)
 
 
 def _model_rows(M: str, text_call: str) -> tuple:
@@ -89,8 +93,10 @@ def _model_rows(M: str, text_call: str) -> tuple:
         # transformers 5 ignores upstream's seeded generator and every process would sample its own text.
         Patch(mm, "_get_logits_processor", text_phase.logits_processor_with_shared_sampler,
               "text tokens chosen on global rank 0 from the job's seed, broadcast to every rank", shim=True),
-        Patch(mm, text_call, text_phase.generate_recording_text,
-              "text calls fitted to the context and recorded (tokens, time)", shim=True),
+        Patch(mm, text_call, TEXT_CALL,
+              "text calls fitted to the context and recorded (tokens, time); in a batch's text stage each "
+              "request's call is asked for and answered by one call of all the requests' rows "
+              "(adaptor_patches/text_batch.py)", shim=True),
         Patch(mm, "_sample", text_decode.static_sample,
               "the text phase's token loop: a prefill into a static KV, then a decode step with fixed shapes and no "
               "host sync (captured as one graph per device: --text-graph), tokens chosen on the device, stops "
@@ -102,7 +108,8 @@ def _model_rows(M: str, text_call: str) -> tuple:
               "the base model's text calls draw none); a batch's text stage stops where upstream prepares the "
               "image, that call's arguments its handoff (adaptor_patches/image_batch.py); an image call whose rows "
               "continue their text calls arms the reuse of that prompt KV in its first step (adaptor_patches/"
-              "kv_reuse.py; nothing to reuse in the shims-only reference: its text loop is transformers')", shim=True),
+              "kv_reuse.py; nothing to reuse in the shims-only reference: its text loop is transformers'); a batch's "
+              "text calls' inputs are prepared once for all the rows (adaptor_patches/text_batch.py)", shim=True),
         Patch(mm, "__init__", hunyuan.causal_mm_init,
               "the whole model (text model, layers, VAE) built for one RankContext, kept as model.rank_context"),
         Patch(mm, "from_pretrained", hunyuan.causal_mm_from_pretrained,

@@ -172,9 +172,9 @@ def model_forward(original, _device):
         if plan is None or not plan.fits(arguments.get("mode", "gen_text"), seq):
             return _on_shares(self, original, arguments, context, slot) if sharded else original(**arguments)
         slot.prefix = None                                      # one forward's
-        arguments = kv_reuse.cut_arguments(arguments, plan, context)
+        arguments, length = kv_reuse.cut_arguments(arguments, plan, context)
         output = _on_shares(self, original, arguments, context, slot) if sharded else original(**arguments)
-        return _with_hidden(output, kv_reuse.restore_rows(output[0], plan.length))
+        return _with_hidden(output, kv_reuse.restore_rows(output[0], length)) if length else output
 
     return forward
 

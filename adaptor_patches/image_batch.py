@@ -6,15 +6,19 @@ The job as stages (docs/ARCHITECTURE.md, "The two phases as stages"):
     image_batches(model, handoffs)        -> [[index, ...], ...]           requests that share a generated size
     denoise_batch(model, handoffs, ...)   -> [PIL image, ...]              one denoising loop for them all
 
-`text_stage` is the text phase of a batch. Today it runs each request's text phase in turn through
-the path a single image takes: upstream's own `generate_image` (think / recaption, the ratio token
-of image size auto, through transformers' `generate` and text_phase.py's shared sampler), stopped
-where upstream would prepare its image call (`prepare_model_inputs(mode="gen_image")`, the
+`text_stage` is the text phase of a batch. Each request runs the path a single image takes:
+upstream's own `generate_image` (think / recaption / think_recaption, the ratio token of image size
+auto, through transformers' `generate`, text_decode.py's loop and text_phase.py's shared sampler),
+stopped where upstream would prepare its image call (`prepare_model_inputs(mode="gen_image")`, the
 `stops_before_image` row). What upstream was about to pass there IS the handoff: the prompt, the
 cot text as upstream formats it, the system prompt after its `drop_think` switch, the seed, the
-image size the ratio chose (or the request's), the conditioning images. A batched decode (B
-sequences in one decode step) replaces the loop inside `text_stage` and returns the same
-TextHandoffs.
+image size the ratio chose (or the request's), the conditioning images. One request: exactly that.
+Two or more: their text calls are decoded together (text_batch.py): the calls that may share one
+(text_rows.share_key: all but the rows' prompts, system prompts, cot texts, images and seeds alike)
+are made as ONE call of B right-padded rows (one prefill, decode steps of B rows, a row that stopped
+emitting pad until all stopped), each row drawing from its own request's sampler, and answered back
+into each request's generate_image; the others run alone. The TextHandoffs are the ones each request
+returns alone (its tokens, text, ratio, image-call arguments), each request's exception in its place.
 
 `denoise_batch` is upstream's own batch machinery: `prepare_model_inputs` with lists (prompts,
 cot texts, system prompts, seeds, images; the sequences right-padded, each row's RoPE, image
@@ -42,14 +46,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .model_family import takes_conditioning_images
-
-
-class ImagePhaseReached(Exception):
-    """A text stage's generate_image reached its image call: `arguments` are that call's (the handoff)."""
-
-    def __init__(self, arguments: dict):
-        super().__init__("the text phase is over; the image phase runs as a batch")
-        self.arguments = arguments
+from .text_batch import decode_together, shares_text
+from .text_phase import ImagePhaseReached
 
 
 @dataclass
@@ -99,7 +97,10 @@ def text_stage(model, calls: list, keep_going: Callable = lambda exc: False) -> 
     keyword arguments of upstream's generate_image for that request). A request whose text phase
     raises gets its exception in its place when keep_going(exc), else the exception propagates
     (a failed collective must end the job). Every rank runs it with the same calls and gets the
-    same handoffs (text_phase.py: every token chosen on global rank 0)."""
+    same handoffs (text_phase.py: every token chosen on global rank 0). Two or more requests: their
+    text calls decoded together, as rows of one call (text_batch.py); the handoffs are the same."""
+    if shares_text(model, calls):
+        return decode_together(model, calls, keep_going, _text_phase_of_one)
     out = []
     for kwargs in calls:
         try:

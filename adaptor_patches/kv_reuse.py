@@ -8,8 +8,9 @@ conditioning images; only the user's words differ: `<cfg>` tokens in the uncondi
 every request of a job prefills the same system prompt (`en_unified`: ~1.4k tokens).
 
   StaticKV       the text phase's cache (text_decode.py): every layer's keys / values preallocated
-  PromptKV       a text call's prompt KV and token ids, kept after the call (the request's TextPhase
-                 carries it to the image phase; the model keeps the last one for the next request)
+  PromptKV       a text call's KV and token ids (its prompt and the text it wrote), kept after the call
+                 (the request's TextPhase carries it to the image phase; the model keeps the last
+                 system prompt for the next request)
   PrefixPlan     "the next forward's first `length` positions are known": their keys / values,
                  one row per row of that forward. Armed on the model's SequenceSlot; the patched
                  HunyuanImage3Model.forward (hunyuan.py) takes it: writes the prefix into the
@@ -20,8 +21,11 @@ every request of a job prefills the same system prompt (`en_unified`: ~1.4k toke
                  text prefill the row's last token)
 
 The prefix length is the longest run of identical tokens shared by EVERY row of the forward and the
-prompt its KV came from (`common_prefix`, on the host from the tokenizers' CPU outputs: no device
-read). From the text call into the image call: the same request's tokens, images and conditioning
+context its KV came from (`common_prefix`, on the host from the tokenizers' CPU outputs: no device
+read); a forward cuts at the shortest prefix of the rows it holds, so under CFG parallel (and for
+Distil's one branch) the conditional rows also skip the think / recaption text, which the
+unconditional rows do not share (re-tokenized, the image call's text may part from the written
+tokens early: the common prefix says how far they agree). From the text call into the image call: the same request's tokens, images and conditioning
 latents (drawn from the job's seed in both calls: text_phase.prepare_model_inputs_seeded), so the
 prefix runs through the images. From one request into the next: only up to the first position whose
 embedding is not its token's (an image, a timestep token: `tokens_only_length`), since another
@@ -71,32 +75,39 @@ class StaticKV:
 
 @dataclass
 class PromptKV:
-    """A text call's prompt: token ids (CPU [B, S]), how many leading positions hold only token
-    embeddings per row, and every layer's keys / values over the prompt ([B, heads, S, D])."""
+    """A text call's context: token ids (CPU [B, L], a row's tail padded with -1), how many leading
+    positions hold only token embeddings per row, and every layer's keys / values over those positions
+    ([B, heads, L, D]): the prompt and the text written after it (all but its last token, never fed)."""
     ids: torch.Tensor
     tokens_only: list
     keys: dict
     values: dict
 
     @classmethod
-    def snapshot(cls, kv: StaticKV, tokenizer_output, length: int) -> Optional["PromptKV"]:
+    def snapshot(cls, kv: StaticKV, tokenizer_output, rows: list) -> Optional["PromptKV"]:
+        """`rows`: per row, the token ids its KV holds in position order (host lists)."""
         if tokenizer_output is None or not kv.keys:
             return None
-        ids = tokenizer_output.tokens[:, :length]
-        return cls(ids, tokens_only_length(tokenizer_output, length),
+        length = max(len(r) for r in rows)
+        ids = torch.full((len(rows), length), -1, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        return cls(ids, tokens_only_length(tokenizer_output, tokenizer_output.tokens.shape[1]),
                    {i: k[:, :, :length].clone() for i, k in kv.keys.items()},
                    {i: v[:, :, :length].clone() for i, v in kv.values.items()})
 
 
 @dataclass
 class PrefixPlan:
-    """The next forward's known prefix: `length` positions, keys / values [B_all, heads, length, D] per
-    layer for every row of the (whole, before any CFG split) batch. Taken only by a forward of its
-    mode and sequence length `seq` (a plan a failed call left behind fits no other forward)."""
-    length: int
+    """The next forward's known prefix: per row of the whole (before any CFG split) batch, how many
+    leading positions are known (`lengths`), and their keys / values [B_all, heads, max length, D] per
+    layer. A forward cuts at the shortest prefix of the rows it holds (one process: every row; under
+    CFG parallel its branch's, so the conditional ranks also skip the think text the unconditional
+    rows do not share). Taken only by a forward of its mode and sequence length `seq` (a plan a failed
+    call left behind fits no other forward)."""
+    lengths: list
     keys: dict
     values: dict
-    rows: int
     mode: str = "gen_image"
     seq: int = 0
 
@@ -104,13 +115,15 @@ class PrefixPlan:
         return mode == self.mode and seq == self.seq
 
     def local(self, rows: int, context) -> tuple:
-        """(keys, values) of the rows a forward of `rows` holds: under CFG parallel its branch's half."""
-        if rows == self.rows:
-            return self.keys, self.values
-        if context is not None and context.layout.cfg == 2 and 2 * rows == self.rows:
+        """(length, keys, values) for a forward of `rows` rows: under CFG parallel its branch's half."""
+        part = slice(0, rows)
+        if rows != len(self.lengths):
+            if context is None or context.layout.cfg != 2 or 2 * rows != len(self.lengths):
+                raise ValueError(f"kv reuse: a forward of {rows} rows for a prefix of {len(self.lengths)}")
             part = slice(context.cfg_rank * rows, (context.cfg_rank + 1) * rows)
-            return {i: k[part] for i, k in self.keys.items()}, {i: v[part] for i, v in self.values.items()}
-        raise ValueError(f"kv reuse: a forward of {rows} rows for a prefix of {self.rows}")
+        length = min(self.lengths[part])
+        return length, {i: k[part, :, :length] for i, k in self.keys.items()}, \
+            {i: v[part, :, :length] for i, v in self.values.items()}
 
 
 def common_prefix(ids: torch.Tensor, known: torch.Tensor) -> int:
@@ -143,21 +156,24 @@ def tokens_only_length(tokenizer_output, length: int) -> list:
 
 
 def arm(model, plan: Optional[PrefixPlan]) -> None:
-    model.model.sequence_slot.prefix = plan
+    """The plan the next fitting forward takes (a model without the patched layers, upstream eager's, has none)."""
+    slot = getattr(model.model, "sequence_slot", None)
+    if slot is not None:
+        slot.prefix = plan
 
 
 def plan_from(prompts: list, ids: torch.Tensor, limit: int, mode: str) -> Optional[PrefixPlan]:
     """A plan for a forward of token rows `ids` [R, S] (host) whose row r continues prompts[r] =
-    (PromptKV, its row); the prefix stops at `limit`."""
-    length = limit
-    for row, (prompt, source) in enumerate(prompts):
-        length = min(length, common_prefix(ids[row:row + 1], prompt.ids[source:source + 1]))
-    if length < MIN_PREFIX:
+    (PromptKV, its row); every prefix stops at `limit`; None when no row's reaches MIN_PREFIX."""
+    lengths = [min(limit, common_prefix(ids[row:row + 1], prompt.ids[source:source + 1]))
+               for row, (prompt, source) in enumerate(prompts)]
+    if max(lengths) < MIN_PREFIX:
         return None
+    longest = max(lengths)
     layers = prompts[0][0].keys.keys()
-    keys = {i: torch.stack([p.keys[i][s, :, :length] for p, s in prompts]) for i in layers}
-    values = {i: torch.stack([p.values[i][s, :, :length] for p, s in prompts]) for i in layers}
-    return PrefixPlan(length, keys, values, len(prompts), mode, ids.shape[1])
+    keys = {i: torch.stack([p.keys[i][s, :, :longest] for p, s in prompts]) for i in layers}
+    values = {i: torch.stack([p.values[i][s, :, :longest] for p, s in prompts]) for i in layers}
+    return PrefixPlan(lengths, keys, values, mode, ids.shape[1])
 
 
 def job_prompt_plan(model, tokenizer_output, length: int) -> Optional[PrefixPlan]:
@@ -183,12 +199,15 @@ def keep_job_prompt(model, prompt: Optional[PromptKV]) -> None:
 
 # ---------------------------------------------------------------- the cut (HunyuanImage3Model.forward)
 
-def cut_arguments(arguments: dict, plan: PrefixPlan, context) -> dict:
-    """The forward's arguments for positions [length, S), the prefix written into its cache first."""
+def cut_arguments(arguments: dict, plan: PrefixPlan, context) -> tuple:
+    """(the forward's arguments for positions [length, S), length), the prefix written into its cache
+    first; length 0: nothing to cut (the arguments as they are)."""
     embeds = arguments.get("inputs_embeds")
     rows = (embeds if embeds is not None else arguments["input_ids"]).shape[0]
-    keys, values = plan.local(rows, context)
-    cache, length = arguments["past_key_values"], plan.length
+    length, keys, values = plan.local(rows, context)
+    if length < MIN_PREFIX:
+        return arguments, 0
+    cache = arguments["past_key_values"]
     positions = torch.arange(length, device=next(iter(keys.values())).device)[None].expand(rows, -1)
     for layer, key in keys.items():
         cache.update(key, values[layer], layer, {"cache_position": positions})
@@ -200,7 +219,7 @@ def cut_arguments(arguments: dict, plan: PrefixPlan, context) -> dict:
         out["attention_mask"] = out["attention_mask"][:, :, length:, :]
     if out.get("custom_pos_emb") is not None:
         out["custom_pos_emb"] = tuple(t[:, length:] for t in out["custom_pos_emb"])
-    return out
+    return out, length
 
 
 def restore_rows(hidden: torch.Tensor, length: int) -> torch.Tensor:
@@ -235,8 +254,10 @@ def image_call_reuses_prompt_kv(inner=None):
                        for row in range(rows)]                     # rows: [cond B ; uncond B]
             plan = plan_from(prompts, tokens, seq - 1, "gen_image")
             arm(self, plan)
-            record = {"prefix_tokens": plan.length if plan else 0, "first_step_positions": seq - (plan.length if plan else 0),
-                      "positions": seq, "rows": rows}
+            lengths = plan.lengths if plan else [0] * rows
+            branch = len(phases)                                    # the conditional rows come first
+            record = {"prefix_tokens": min(lengths), "cond_prefix_tokens": min(lengths[:branch]),
+                      "first_step_positions": seq - min(lengths), "positions": seq, "rows": rows}
             for phase in phases:
                 phase.kv_reuse = record
             return inputs

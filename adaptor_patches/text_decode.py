@@ -168,7 +168,7 @@ class TextLoop:
         model, kwargs = self.model, dict(self.model_kwargs, past_key_values=kv)
         output = self.model_kwargs.get("tokenizer_output")
         plan = kv_reuse.job_prompt_plan(model, output, self.prompt)
-        self.reused = plan.length if plan is not None else 0
+        self.reused = min(plan.lengths) if plan is not None else 0
         kv_reuse.arm(model, plan)
         kv.visible = self.prompt
         try:
@@ -176,9 +176,6 @@ class TextLoop:
         finally:
             kv.visible = None
             kv_reuse.arm(model, None)
-        prompt = PromptKV.snapshot(kv, output, self.prompt)
-        _phase_of(model).prompt_kv = prompt              # the image call's first step starts from it
-        kv_reuse.keep_job_prompt(model, prompt)
         logits = outputs.logits
         last = (self.real_lengths - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
         return torch.gather(logits, 1, last).squeeze(1).to(copy=True, dtype=torch.float32)
@@ -218,7 +215,9 @@ class TextLoop:
             self._commit(steps, self.choice(ids[:, :self.prompt + steps], logits), step)
             step.positions.add_(1)
             steps += 1
-        kept = min(steps, max(self.finished_at.tolist()) + 1)
+        finished = self.finished_at.tolist()
+        kept = min(steps, max(finished) + 1)
+        self._keep_context(finished, steps)
         if self.streamer is not None:
             self._stream(streamed, kept)
             self.streamer.end()
@@ -227,6 +226,21 @@ class TextLoop:
                        "steps_discarded": steps - kept, "prefill_s": round(prefill_s, 6),
                        "prefill_positions_reused": self.reused}
         return ids[:, :self.prompt + kept]
+
+    def _keep_context(self, finished: list, steps: int) -> None:
+        """The call's KV as a PromptKV on the request's TextPhase (the image call's first step starts
+        from it) and, its system prompt, on the model (the next prefill): per row the prompt and the
+        tokens fed back before the row stopped (the last one never is)."""
+        output = self.model_kwargs.get("tokenizer_output")
+        if output is None:
+            return
+        real = self.real_lengths.tolist()
+        written = self.ids[:, self.prompt:self.prompt + steps - 1].tolist()
+        rows = [output.tokens[i, :real[i]].tolist() + written[i][:min(finished[i] + 1, steps - 1)]
+                for i in range(self.batch)]
+        context = PromptKV.snapshot(self.kv, output, rows)
+        _phase_of(self.model).prompt_kv = context
+        kv_reuse.keep_job_prompt(self.model, context)
 
     def _commit(self, index: int, tokens: torch.Tensor, step: Optional[DecodeStep]) -> None:
         """Token `index` of every row: a finished row's is the pad token (transformers' rule)."""

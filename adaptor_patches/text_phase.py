@@ -39,9 +39,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .image_batch import ImagePhaseReached
-
 _SEED_STRIDE = 1_000_003            # call i of a job draws from seed + (i + 1) * stride
+
+
+class ImagePhaseReached(Exception):
+    """A text stage's generate_image reached its image call: `arguments` are that call's (the handoff:
+    image_batch.py, which raises it where upstream prepares the image)."""
+
+    def __init__(self, arguments: dict):
+        super().__init__("the text phase is over; the image phase runs as a batch")
+        self.arguments = arguments
 
 
 TEXT_TASKS = ("think", "recaption", "think_recaption")
@@ -112,6 +119,12 @@ class SharedTokenSampler:
         return one_hot.scatter_(1, tokens.unsqueeze(1), 0.0)
 
 
+def call_sampler(seed: int, index: int, do_sample: bool) -> SharedTokenSampler:
+    """The sampler of text call `index` (1: the first) of a request with `seed`: its own stream, the same
+    whether the call runs alone or as a row of a batch (text_rows.py)."""
+    return SharedTokenSampler(seed + index * _SEED_STRIDE, do_sample)
+
+
 @dataclass
 class TextCall:
     """One autoregressive call: the cot text (think / recaption) or the ratio token."""
@@ -135,7 +148,8 @@ class TextPhase:
     text: Optional[str] = None
     ratio: Optional[dict] = None
     last_decode: Optional[dict] = None  # set by the static loop of the call being run, taken by its TextCall
-    prompt_kv: Optional[object] = None  # the last text call's prompt KV (kv_reuse.PromptKV), until the image's first step
+    prompt_kv: Optional[object] = None  # the last text call's KV (kv_reuse.PromptKV), until the image's first step
+    prompt_kv_row: int = 0              # this request's row of it (a batch's text calls share one)
     kv_reuse: Optional[dict] = None     # what the image's first step reused of it (kv_reuse.py)
     _samplers: int = 0
 
@@ -145,7 +159,7 @@ class TextPhase:
             seed = int(torch.randint(0, 2**62, (1,)).item())
             self.seed = seed
         self._samplers += 1
-        return SharedTokenSampler(seed + self._samplers * _SEED_STRIDE, do_sample)
+        return call_sampler(seed, self._samplers, do_sample)
 
     def summary(self) -> dict:
         new_tokens = sum(len(c.new_token_ids) for c in self.calls)

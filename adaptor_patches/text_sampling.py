@@ -15,6 +15,10 @@ Same tokens as today: the scores are the same float32 values through the same op
 CPU rank 0 draws from the sampler's own CPU generator (torch.multinomial on the same probabilities),
 so a seed gives the same text; on an accelerator the draw comes from a generator on the device,
 seeded alike (a different stream of numbers than the CPU's: a text per seed still, not today's).
+
+A batched call (several requests' texts as the rows of one call: text_rows.py) ends its list with
+`RowSamplers`, one sampler per row: rank 0 draws row r from row r's own generator (the request's
+seed and call, as alone), and the processors see each row as it is alone (`_rows_view`).
 """
 from __future__ import annotations
 
@@ -92,20 +96,55 @@ def force(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.where((tokens >= 0)[:, None], one_hot, scores)
 
 
+def has_device_form(processor) -> bool:
+    """Whether DeviceChoice takes this processor (a fresh stage-transition one, the ratio slice, the
+    tensor-only warpers)."""
+    name = type(processor).__name__
+    if name == "_StageTransitionLogitsProcessor":
+        return not any(processor.pending_tokens) and not any(processor.completed)
+    return name == "_ConditionalSliceVocabLogitsProcessor" or isinstance(processor, TENSOR_ONLY)
+
+
+class BatchNeedsStaticLoop(RuntimeError):
+    """A batched call reached transformers' own loop, whose right-padded rows would read a pad's logits."""
+
+
+class RowSamplers:
+    """The last logits processor of a batched text call: one SharedTokenSampler per row (each request's
+    own seed and call index), and the rows' real prompt lengths [B] (the rows are right-padded).
+    Only DeviceChoice takes it; transformers' loop calling it is refused alike on every rank."""
+
+    def __init__(self, samplers: list, real_lengths: torch.Tensor):
+        self.samplers, self.real_lengths = list(samplers), real_lengths.reshape(-1)
+        self.do_sample = any(s.do_sample for s in self.samplers)
+
+    def __call__(self, input_ids, scores):
+        raise BatchNeedsStaticLoop("a batched text call needs the static token loop (text_decode.py)")
+
+
 class DeviceChoice:
-    """The call's processors on the device, then rank 0's token for every row, broadcast."""
+    """The call's processors on the device, then rank 0's token for every row, broadcast. With
+    RowSamplers each row draws from its own generator."""
 
     def __init__(self, steps: list, sampler, rank: int, distributed: bool, device):
         self.steps, self.sampler, self.rank, self.distributed = steps, sampler, rank, distributed
-        self.generator = sampler.generator_on(device)
+        self.rows = sampler.samplers if isinstance(sampler, RowSamplers) else None
+        if self.rows is None:
+            self.generator = sampler.generator_on(device)
+        else:
+            self.generators = [row.generator_on(device) for row in self.rows]
+            self.real_lengths = sampler.real_lengths.to(device)
+            self._prompt = None
 
     @classmethod
     def from_processors(cls, processors, batch: int, vocab: int, rank: int, distributed: bool, device):
         """None when a processor has no device form here (the call keeps transformers' loop)."""
         from .text_phase import SharedTokenSampler
         processors = list(processors)
-        if not processors or not isinstance(processors[-1], SharedTokenSampler):
+        if not processors or not isinstance(processors[-1], (SharedTokenSampler, RowSamplers)):
             return None
+        if isinstance(processors[-1], RowSamplers) and not all(map(has_device_form, processors[:-1])):
+            raise BatchNeedsStaticLoop(f"a batched text call's processors {processors[:-1]} need transformers' loop")
         steps = []
         for processor in processors[:-1]:
             name = type(processor).__name__
@@ -123,15 +162,35 @@ class DeviceChoice:
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """int64 [batch]: every rank gets rank 0's tokens."""
         scores = logits
+        if self.rows is not None:
+            input_ids = self._rows_view(input_ids)
         for step in self.steps:
             scores = step(input_ids, scores)
-        if self.rank == 0:
+        if self.rank == 0 and self.rows is None:
             tokens = rank0_draw(scores, self.sampler.do_sample, self.generator)
+        elif self.rank == 0:
+            tokens = torch.cat([rank0_draw(scores[r:r + 1], row.do_sample, generator)
+                                for r, (row, generator) in enumerate(zip(self.rows, self.generators))])
         else:
             tokens = torch.empty(scores.shape[0], dtype=torch.int64, device=scores.device)
         if self.distributed:
             dist.broadcast(tokens, src=0)
         return tokens
+
+
+    def _rows_view(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens as each row holds them alone: the loop writes a right-padded row's new tokens after
+        the pads (column prompt + step, every row alike); here each row's prompt is right-aligned to them
+        and the pads before it become the row's first token. The last token and the set of tokens of
+        every row are then its own alone (what the processors read: the last token, or the set for a
+        repetition penalty). The prompt part is gathered at the first call (the prompt alone)."""
+        if self._prompt is None:
+            width = input_ids.shape[1]
+            columns = torch.arange(width, device=input_ids.device)[None, :]
+            shift = (width - self.real_lengths)[:, None]
+            self._prompt = torch.gather(input_ids, 1, (columns - shift).clamp(min=0))
+        width = self._prompt.shape[1]
+        return torch.cat([self._prompt, input_ids[:, width:]], dim=1) if input_ids.shape[1] > width else self._prompt
 
 
 def rank0_draw(scores: torch.Tensor, do_sample: bool, generator) -> torch.Tensor:

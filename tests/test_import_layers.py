@@ -37,8 +37,8 @@ LAYERS = (
     ("weights.checkpoint",),                # the one checkpoint object
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
-    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "text_sampling", "kv_reuse", "text_decode",
-     "image_batch", "compat", "compat_base", "compat_instruct", "metrics"),
+    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "text_sampling", "kv_reuse",
+     "text_decode", "text_rows", "text_batch", "image_batch", "compat", "compat_base", "compat_instruct", "metrics"),
 )
 EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__")
 

@@ -65,9 +65,12 @@ def reuse_on_rank(rank, world_size, model_dir, flags, out_dir):
 @pytest.mark.usefixtures("unpatched_upstream")
 @pytest.mark.parametrize("flags", [dict(cfg_parallel=True), dict(moe_ep=True)], ids=["cfg2", "moe-ep2"])
 def test_two_ranks_start_from_the_text_prompt(tiny_instruct, tmp_path, flags):
+    """Under CFG parallel the conditional ranks also start past the think text (their rows continue
+    it; the unconditional rows part from it at the user's words)."""
     alone = edit_runs(tiny_instruct, tmp_path / "alone")[False]
     for runs in run_ranks(2, reuse_on_rank, tiny_instruct, flags, tmp_path / "ranks"):
-        _check(runs, alone)
+        record = _check(runs, alone)
+        assert record["cond_prefix_tokens"] > record["prefix_tokens"], record
 
 
 def texts_in_a_row(model_dir, reuse: bool) -> list:
@@ -107,3 +110,39 @@ def test_a_prefix_stops_before_the_first_position_an_image_fills():
                              cond_timestep_scatter_index=torch.tensor([[6], [3]]))
     assert kv_reuse.tokens_only_length(output, 8) == [5, 3]
     assert kv_reuse.common_prefix(output.tokens, torch.tensor([[1, 2, 3, 9], [1, 2, 3, 4]])) == 3
+
+
+def batch_images(model_dir, out_dir, reuse: bool) -> list:
+    """Two edits (different prompts, seeds and images) decoded and denoised as one batch: [(PNG, record)]."""
+    from adaptor_patches.image_batch import denoise_batch, text_stage
+    try:
+        model = load(model_dir, False)
+        model.kv_reuse = reuse
+        calls = [dict(EDIT, prompt="a red fox standing in fresh snow", seed=7, image=[demo_image("input_0_0.png")],
+                      use_system_prompt="None", image_size="256x256"),
+                 dict(EDIT, prompt="put a hat on it", seed=11, image=[demo_image("input_1_0.png")],
+                      use_system_prompt="None", image_size="256x256")]
+        handoffs = text_stage(model, calls)
+        images = denoise_batch(model, handoffs, dict(diff_infer_steps=2))
+        out = []
+        for i, (image, handoff) in enumerate(zip(images, handoffs)):
+            path = out_dir / f"reuse-{reuse}-{i}.png"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            image.save(path)
+            out.append((path, handoff.text_phase.kv_reuse, handoff.text_phase.prompt_kv_row))
+        return out
+    finally:
+        model_adaptor.remove()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("unpatched_upstream")
+def test_a_batch_starts_each_row_from_its_own_request(tiny_instruct, tmp_path):
+    """The text calls of a batch run as rows of one call (text_batch.py): each request's first step
+    starts from its own row of that call's KV."""
+    fresh = batch_images(tiny_instruct, tmp_path, reuse=False)
+    reused = batch_images(tiny_instruct, tmp_path, reuse=True)
+    assert [row for _, _, row in reused] == [0, 1]
+    for (path, record, _), (reference, none, _) in zip(reused, fresh):
+        assert none is None and record["prefix_tokens"] >= 256, record
+        assert psnr(path, reference) >= 40

@@ -204,3 +204,92 @@ def traced_on_ranks(rank, world_size, model_dir, layout_kwargs):
 def test_the_decode_step_traces_as_one_graph_under_moe_ep(tiny_instruct):
     for eager, graph in run_ranks(2, traced_on_ranks, tiny_instruct, dict(moe="ep")):
         assert graph[2]["graph"] == "torch.compile (eager)" and graph[:2] == eager[:2]
+
+
+@pytest.mark.slow
+def test_a_captured_cuda_graph_replays_the_tokens_of_the_eager_step(instruct_model, monkeypatch):
+    """kernels/decode_graph.CudaGraphStep through tests/graph_double.py: the step captured once and
+    replayed for every later token (the double replays the recorded aten calls on the same tensors,
+    as a CUDA graph replays its kernels) writes the eager step's tokens, on a second call too."""
+    import graph_double
+    from adaptor_patches import text_decode
+    from adaptor_patches.kernels import decode_graph
+    from adaptor_patches.kernels.device import Device
+    graphs = []
+
+    def on_cuda(step, device, mode, inputs, cpu_backend="inductor"):
+        out = decode_graph.captured(step, Device("cuda"), mode, inputs, cpu_backend)
+        graphs.append(out[0])
+        return out
+    monkeypatch.setattr(text_decode, "captured", on_cuda)
+    request = dict(CASES["think_recaption sampled"], image_size="auto")
+    eager = text_of(instruct_model, "static", "off", **request)
+    instruct_model.__dict__.pop("_decode_steps", None)          # no step another test captured
+    try:
+        with graph_double.installed():
+            first = text_of(instruct_model, "static", "on", **request)
+            again = text_of(instruct_model, "static", "on", **dict(request, seed=2))
+    finally:
+        instruct_model.__dict__.pop("_decode_steps", None)
+    assert first[2]["graph"] == "cuda graph" and first[:2] == eager[:2]
+    assert again[:2] == text_of(instruct_model, "static", "off", **dict(request, seed=2))[:2]
+    captures = [g for g in graphs if isinstance(g, decode_graph.CudaGraphStep)]
+    assert len(captures) == 1 and captures[0].graph.replays == first[2]["decode_steps"] + again[2]["decode_steps"]
+
+
+def one_layer_checkpoints(root) -> dict:
+    """{dtype: checkpoint}: a one-layer tiny Instruct checkpoint (inductor compiles it in ~15 s) and
+    its float32 copy (every tensor widened, config.json's dtype float32)."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from utils.make_tiny_model import make_tiny_model
+    bf16 = make_tiny_model(root / "bf16", variant="instruct", layers=1)
+    fp32 = root / "fp32"
+    fp32.mkdir()
+    for path in bf16.iterdir():
+        if path.suffix == ".safetensors":
+            save_file({k: v.float() for k, v in load_file(path).items()}, fp32 / path.name, metadata={"format": "pt"})
+        else:
+            shutil.copy(path, fp32 / path.name)
+    config = json.loads((fp32 / "config.json").read_text())
+    config["torch_dtype"] = "float32"
+    config.pop("dtype", None)
+    (fp32 / "config.json").write_text(json.dumps(config))
+    return {torch.bfloat16: bf16, torch.float32: fp32}
+
+
+# inductor's fused CPU kernels sum in another order than eager aten: measured 3e-6 (fp32) and one bf16
+# ulp of logits of magnitude ~4 (0.0156-0.0195); a CUDA graph replays the eager kernels themselves.
+INDUCTOR_LOGIT_BOUND = {torch.float32: 1e-4, torch.bfloat16: 0.05}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("unpatched_upstream")
+def test_the_inductor_compiled_step_keeps_the_greedy_text_and_the_logits_within_rounding(tmp_path):
+    from adaptor_patches import text_decode
+    from adaptor_patches.image_batch import text_stage
+    from utils.runtime.rank_model import load_rank_model
+    step_call = text_decode.DecodeStep.__call__
+    for dtype, checkpoint in one_layer_checkpoints(tmp_path).items():
+        model, _ = load_rank_model(checkpoint, "cpu")
+        assert model.lm_head.weight.dtype == dtype
+        logits, tokens = {}, {}
+        try:
+            def recorded(self):
+                out = step_call(self)
+                logits.setdefault(self.graph, []).append(out.clone())
+                return out
+            text_decode.DecodeStep.__call__ = recorded
+            for graph in ("off", "on"):
+                model.text_graph = graph
+                handoff = text_stage(model, [dict(prompt=PROMPT, seed=5, image_size="auto", bot_task="think_recaption",
+                                                  use_system_prompt="None", max_new_tokens=40, do_sample=False)])[0]
+                tokens[graph] = handoff.text_phase.calls[0].new_token_ids
+        finally:
+            text_decode.DecodeStep.__call__ = step_call
+            model_adaptor.remove()
+        eager, compiled = logits["eager"], logits["torch.compile (inductor)"]
+        assert tokens["on"] == tokens["off"] and len(eager) == len(compiled) >= 6
+        worst = max(float((a - b).abs().max()) for a, b in zip(eager, compiled))
+        assert worst <= INDUCTOR_LOGIT_BOUND[dtype], (dtype, worst)

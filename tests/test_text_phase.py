@@ -82,14 +82,6 @@ def generate_on_ranks(rank, world_size, model_dir):
     device = model_adaptor.apply("cpu")
     try:
         model = load_model(model_dir, RankContext(Layout(world_size), rank, device))
-        caches = []
-        generate = model._generate
-
-        def capture(*args, **kwargs):
-            if kwargs.get("mode") == "gen_text":
-                caches.append(kwargs["past_key_values"])
-            return generate(*args, **kwargs)
-        model._generate = capture
         processors = model._get_logits_processor(generation_config=model.generation_config, input_ids_seq_length=4,
                                                  encoder_input_ids=torch.zeros(1, 4, dtype=torch.int64),
                                                  logits_processor=None, device="cpu", model_kwargs={})
@@ -101,7 +93,7 @@ def generate_on_ranks(rank, world_size, model_dir):
         with torch.no_grad():
             image = model.generate_image(prompt=PROMPT, seed=1, image_size="auto", bot_task="think",
                                          max_new_tokens=6, diff_infer_steps=1)
-        kv_heads = sorted({layer.keys.shape[1] for cache in caches for layer in cache.layers})
+        kv_heads = sorted({keys.shape[1] for step in model._decode_steps.values() for keys in step.kv.keys.values()})
         phase = model.last_text_phase.summary()
         return phase["text"], phase["ratio"], hashlib.sha256(np.asarray(image).tobytes()).hexdigest(), kv_heads, order_ok
     finally:

@@ -32,6 +32,7 @@ from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, Rendezv
 from utils.runtime.api_key import LAUNCHER_ENV
 from utils.runtime.errors import FieldError
 from utils.runtime.rank_console import RANK_LOG_DIR
+from utils.runtime import request_schema as schema
 from utils.runtime.request_schema import join_image_names
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
@@ -45,8 +46,9 @@ ROOT_CAUSE_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)", re.S)
 def flags(margs: dict) -> list[str]:
     out = []
     for key, val in margs.items():
-        if key == "multi-stream" and isinstance(val, bool):
-            val = "on" if val else "off"
+        spec = schema.by_flag(key)
+        if isinstance(val, bool) and (key == "multi-stream" or (spec is not None and spec.kind == "choice")):
+            val = "on" if val else "off"            # YAML's unquoted on / off
         if val is None or val is False or val == []:
             continue
         if isinstance(val, str) and val.startswith("-"):

@@ -85,8 +85,9 @@ def from_model_args(margs: dict, resolve: Optional[Callable] = None) -> argparse
         name = key.replace("-", "_")
         if value is None or not hasattr(args, name):
             continue
-        if name == "multi_stream":
-            value = ON_OFF.get(value, value)
+        spec = schema.by_flag(key.replace("_", "-"))
+        if name == "multi_stream" or (isinstance(value, bool) and spec is not None and spec.kind == "choice"):
+            value = ON_OFF.get(value, value)            # YAML's unquoted on / off
         elif name == "image":                   # a list or "a.png,b.png", each path resolved
             names = schema.REQUEST["image"].check(value)
             value = schema.ImagePaths([str(resolve(p)) if resolve is not None else p for p in names], names.given)

@@ -162,6 +162,8 @@ class Field:
             return value
         if self.kind == "images":
             return self.check_images(value, name)
+        if self.kind == "choice" and isinstance(value, bool) and {"on", "off"} <= set(self.choices):
+            value = "on" if value else "off"            # YAML 1.1 reads an unquoted on / off as true / false
         if not isinstance(value, str):
             self.refuse(f"{value!r} is not text", field=name)
         bad = utf8_problem(value)

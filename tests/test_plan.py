@@ -278,7 +278,7 @@ def test_the_text_decode_step_moves_one_all_reduce_per_moe_layer():
     all-to-all, two row all-to-alls and an all-gather; per layer attention TP's all-reduce; the token
     broadcast over the world; no CFG collective. The planner reports it as a phase of its own."""
     from adaptor_patches.parallel.layout import Layout
-    from utils.planner.memory_plan import plan, read_config
+    from utils.planner.memory_plan import plan, read_config, traffic_by_phase
     from utils.planner.traffic import BF16, INT64, TEXT_DECODE, Sizes, text_decode_lines
     config, raw = read_config("config/real_instruct")
     sizes = Sizes.of(config, raw)
@@ -299,3 +299,5 @@ def test_the_text_decode_step_moves_one_all_reduce_per_moe_layer():
     assert role.traffic[TEXT_DECODE] == {"attention TP all-reduce": 448 * 1024, "MoE EP all-reduce (fixed shape)":
                                          448 * 1024, "token broadcast": 15 * INT64}      # 8192 B x 2 x 7/8 x 32
     assert plan("config/real_model", ep8_cfg, (1024, 1024), "npu")[0].traffic[TEXT_DECODE] == {}   # no think text
+    batched = traffic_by_phase(config, raw, ep8_cfg, (1024, 1024), batch=2)[TEXT_DECODE]    # rows decoded together
+    assert batched["MoE EP all-reduce (fixed shape)"] == 2 * 448 * 1024, batched

@@ -280,8 +280,8 @@ def traffic_by_phase(config, raw: dict, layout, image_size, tp_rank: int = 0, de
     first = context_tokens + image_tokens(config, image_size)
     lines = image_lines(config, raw, layout, image_size, tp_rank, design=design, device_kind=device_kind,
                         first_step_rows=first, batch=batch)
-    if is_instruct(raw):                # think / recaption: the text's decode step (one request at a time)
-        lines += text_decode_lines(Sizes.of(config, raw), layout)
+    if is_instruct(raw):                # think / recaption: the text's decode step, the batch's rows together
+        lines += text_decode_lines(Sizes.of(config, raw), layout, rows=batch)
     return {phase: {k: int(v) for k, v in per_step(lines, phase).items()} for phase in PHASES}
 
 

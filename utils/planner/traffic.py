@@ -281,8 +281,8 @@ def _expert_parallel_lines(sizes: Sizes, layout, phase: str, rows: int, design: 
 
 
 def text_decode_lines(sizes: Sizes, layout, rows: int = 1, loop: str = "static") -> list:
-    """The collectives of one decode step of the text phase: `rows` sequences (a request each; the text
-    stage runs one request at a time today), one token each, every row on every rank of its branch.
+    """The collectives of one decode step of the text phase: `rows` sequences (a request each: a batch's
+    text calls decode together, text_batch.py), one token each, every row on every rank of its branch.
 
     loop "static" (text_decode.DecodeStep, the MoE's fixed-shape form, moe/dispatch.py):
       attention   o_proj's all-reduce of [rows, H] per layer over the branch: attention TP, or under

@@ -322,7 +322,8 @@ def reuse_part(path: Path, args) -> dict:
         same_text = runs[True]["cot"] == runs[False]["cot"]
         rows[name] = {"images": len(images), "text_prompt_tokens": runs[True]["text_prompt_tokens"],
                       "positions": record.get("positions"), "rows": record.get("rows"),
-                      "prefix_tokens": record.get("prefix_tokens"),
+                      "prefix_tokens": record.get("prefix_tokens"), "cond_prefix_tokens": record.get("cond_prefix_tokens"),
+                      "kv_reuse": record,
                       "first_step_positions_reuse": record.get("first_step_positions"),
                       "first_step_positions_no_reuse": record.get("positions") if same_text else None,
                       "first_step_s_no_reuse": runs[False]["first_step_s"][clock],
@@ -403,11 +404,12 @@ def tables(result: dict) -> str:
         part = result["reuse"]
         out += [f"\n### The image phase's first step, {part['model']} model, {part['image_size']}, think_recaption, "
                 f"en_unified, {CLOCKS[result['clock']]}\n", "| request | context positions x rows | first step computes: "
-                "no reuse / reuse | prefix reused | first step (s): no reuse / reuse (of which conditioning encoders) "
-                "| a later step (s) |", "|---|---|---|---|---|---|"]
+                "no reuse / reuse | prefix reused (conditional rows alone) | first step (s): no reuse / reuse (of which "
+                "conditioning encoders) | a later step (s) |", "|---|---|---|---|---|---|"]
         for name, row in part["rows"].items():
             out.append(f"| {name} | {row['positions']} x {row['rows']} | {row['first_step_positions_no_reuse']} / "
-                       f"{row['first_step_positions_reuse']} | {row['prefix_tokens']} | {row['first_step_s_no_reuse']:.2f}"
+                       f"{row['first_step_positions_reuse']} | {row['prefix_tokens']} ({row['cond_prefix_tokens']}) | "
+                       f"{row['first_step_s_no_reuse']:.2f}"
                        f" / {row['first_step_s_reuse']:.2f} ({row['encoders_s_reuse']:.2f}) | {row['later_step_s']:.2f} |")
     if "ttft" in result:
         out += [f"\n### Time to first token of a job's later requests (en_unified system prompt), "

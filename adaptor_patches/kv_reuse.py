@@ -110,17 +110,22 @@ class PrefixPlan:
     values: dict
     mode: str = "gen_image"
     seq: int = 0
+    vit_ends: Optional[list] = None     # per row: the end of its last ViT-encoded position (0: none)
 
     def fits(self, mode: str, seq: int) -> bool:
         return mode == self.mode and seq == self.seq
 
+    def part(self, rows: int, context) -> slice:
+        """The plan's rows a forward of `rows` rows holds: all, or under CFG parallel its branch's half."""
+        if rows == len(self.lengths):
+            return slice(0, rows)
+        if context is None or context.layout.cfg != 2 or 2 * rows != len(self.lengths):
+            raise ValueError(f"kv reuse: a forward of {rows} rows for a prefix of {len(self.lengths)}")
+        return slice(context.cfg_rank * rows, (context.cfg_rank + 1) * rows)
+
     def local(self, rows: int, context) -> tuple:
         """(length, keys, values) for a forward of `rows` rows: under CFG parallel its branch's half."""
-        part = slice(0, rows)
-        if rows != len(self.lengths):
-            if context is None or context.layout.cfg != 2 or 2 * rows != len(self.lengths):
-                raise ValueError(f"kv reuse: a forward of {rows} rows for a prefix of {len(self.lengths)}")
-            part = slice(context.cfg_rank * rows, (context.cfg_rank + 1) * rows)
+        part = self.part(rows, context)
         length = min(self.lengths[part])
         return length, {i: k[part, :, :length] for i, k in self.keys.items()}, \
             {i: v[part, :, :length] for i, v in self.values.items()}
@@ -222,6 +227,24 @@ def cut_arguments(arguments: dict, plan: PrefixPlan, context) -> tuple:
     return out, length
 
 
+def without_covered_vision(model, arguments: dict) -> dict:
+    """The image's first step, when every conditioning image's ViT tokens of this rank's rows lie in the
+    reused prefix: the vision encoder is not run (its output would land only on positions the cut
+    drops). Arguments of upstream's HunyuanImage3ForCausalMM.forward (the Instruct model's)."""
+    slot = getattr(model.model, "sequence_slot", None)
+    plan = slot.prefix if slot is not None else None
+    ids = arguments.get("input_ids")
+    if plan is None or not plan.vit_ends or ids is None or arguments.get("cond_vit_images") is None \
+            or not plan.fits(arguments.get("mode"), ids.shape[1]):
+        return arguments
+    context = getattr(model, "rank_context", None)
+    rows = ids.shape[0] // 2 if context is not None and context.layout.cfg == 2 else ids.shape[0]
+    part = plan.part(rows, context)
+    if max(plan.vit_ends[part]) > min(plan.lengths[part]) or min(plan.lengths[part]) < MIN_PREFIX:
+        return arguments
+    return dict(arguments, cond_vit_images=None, cond_vit_image_mask=None, cond_vit_image_kwargs=None)
+
+
 def restore_rows(hidden: torch.Tensor, length: int) -> torch.Tensor:
     """[B, S - length, H] -> [B, S, H], zeros before `length`."""
     return torch.cat([hidden.new_zeros(hidden.shape[0], length, hidden.shape[2]), hidden], dim=1)
@@ -253,6 +276,8 @@ def image_call_reuses_prompt_kv(inner=None):
             prompts = [(phases[row % len(phases)].prompt_kv, getattr(phases[row % len(phases)], "prompt_kv_row", 0))
                        for row in range(rows)]                     # rows: [cond B ; uncond B]
             plan = plan_from(prompts, tokens, seq - 1, "gen_image")
+            if plan is not None:
+                plan.vit_ends = _vit_ends(inputs["tokenizer_output"])
             arm(self, plan)
             lengths = plan.lengths if plan else [0] * rows
             branch = len(phases)                                    # the conditional rows come first
@@ -265,3 +290,16 @@ def image_call_reuses_prompt_kv(inner=None):
         return prepare_model_inputs
 
     return make
+
+
+def _vit_ends(tokenizer_output) -> list:
+    """Per row: 1 + the last position a ViT token fills (0 when none), from the tokenizer's host mask."""
+    mask = getattr(tokenizer_output, "vit_image_mask", None)
+    rows = tokenizer_output.tokens.shape[0]
+    if mask is None:
+        return [0] * rows
+    ends = []
+    for row in range(rows):
+        hits = mask[row].bool().nonzero()
+        ends.append(int(hits[-1]) + 1 if len(hits) else 0)
+    return ends

@@ -29,10 +29,18 @@ def edit_runs(model_dir, out_dir, layout=None, rank: int = 0) -> dict:
     """{reuse on/off: Run} of one edit, the same model; reuse on also checks its record."""
     try:
         model = load(model_dir, False, layout, rank)
+        encode, encoded = model._forward_vision_encoder, []
+
+        def counted(*args, **kwargs):
+            encoded[-1] += 1
+            return encode(*args, **kwargs)
+        model._forward_vision_encoder = counted
         runs = {}
         for reuse in (False, True):
             model.kv_reuse = reuse
+            encoded.append(0)
             runs[reuse] = generate(model, out_dir / f"rank-{rank}", f"reuse-{reuse}", **EDIT)
+            runs[reuse].vision_encodes = encoded[-1]
         return runs
     finally:
         model_adaptor.remove()
@@ -43,6 +51,7 @@ def _check(runs: dict, reference) -> dict:
     # the conditioning image's 256 VAE tokens and its ViT tokens are in the prefix, the generated image is not
     assert record["prefix_tokens"] >= 256 and record["first_step_positions"] == record["positions"] - record["prefix_tokens"]
     assert "kv_reuse" not in runs[False].text_phase
+    assert runs[True].vision_encodes == 1 < runs[False].vision_encodes     # the text call only, not the first step
     assert runs[True].cot_text == reference.cot_text
     assert psnr(runs[True].png, reference.png) >= 40
     assert latent_rel_err(runs[True].latents, reference.latents) <= 2e-2

@@ -110,7 +110,7 @@ class PrefixPlan:
     values: dict
     mode: str = "gen_image"
     seq: int = 0
-    vit_ends: Optional[list] = None     # per row: the end of its last ViT-encoded position (0: none)
+    conditioning_ends: Optional[list] = None    # per row: the end of its conditioning images' positions (0: none)
 
     def fits(self, mode: str, seq: int) -> bool:
         return mode == self.mode and seq == self.seq
@@ -227,22 +227,28 @@ def cut_arguments(arguments: dict, plan: PrefixPlan, context) -> tuple:
     return out, length
 
 
-def without_covered_vision(model, arguments: dict) -> dict:
-    """The image's first step, when every conditioning image's ViT tokens of this rank's rows lie in the
-    reused prefix: the vision encoder is not run (its output would land only on positions the cut
-    drops). Arguments of upstream's HunyuanImage3ForCausalMM.forward (the Instruct model's)."""
+CONDITIONING_INPUTS = ("cond_vit_images", "cond_vit_image_mask", "cond_vit_image_kwargs", "cond_vae_images",
+                      "cond_vae_image_mask", "cond_timesteps", "cond_timesteps_index")
+
+
+def without_covered_conditioning(model, arguments: dict) -> dict:
+    """The image's first step, when every conditioning image of this rank's rows (its ViT tokens, VAE
+    latents and their timestep token) lies in the reused prefix: the encoders are not run (SigLIP2, the
+    latents' embedder: their output would land only on positions the cut drops). Arguments of upstream's
+    HunyuanImage3ForCausalMM.forward (the Instruct model's)."""
     slot = getattr(model.model, "sequence_slot", None)
     plan = slot.prefix if slot is not None else None
     ids = arguments.get("input_ids")
-    if plan is None or not plan.vit_ends or ids is None or arguments.get("cond_vit_images") is None \
+    if plan is None or not plan.conditioning_ends or ids is None \
+            or all(arguments.get(name) is None for name in CONDITIONING_INPUTS) \
             or not plan.fits(arguments.get("mode"), ids.shape[1]):
         return arguments
     context = getattr(model, "rank_context", None)
     rows = ids.shape[0] // 2 if context is not None and context.layout.cfg == 2 else ids.shape[0]
     part = plan.part(rows, context)
-    if max(plan.vit_ends[part]) > min(plan.lengths[part]) or min(plan.lengths[part]) < MIN_PREFIX:
+    if max(plan.conditioning_ends[part]) > min(plan.lengths[part]) or min(plan.lengths[part]) < MIN_PREFIX:
         return arguments
-    return dict(arguments, cond_vit_images=None, cond_vit_image_mask=None, cond_vit_image_kwargs=None)
+    return dict(arguments, **{name: None for name in CONDITIONING_INPUTS})
 
 
 def restore_rows(hidden: torch.Tensor, length: int) -> torch.Tensor:
@@ -277,7 +283,7 @@ def image_call_reuses_prompt_kv(inner=None):
                        for row in range(rows)]                     # rows: [cond B ; uncond B]
             plan = plan_from(prompts, tokens, seq - 1, "gen_image")
             if plan is not None:
-                plan.vit_ends = _vit_ends(inputs["tokenizer_output"])
+                plan.conditioning_ends = _conditioning_ends(inputs["tokenizer_output"])
             arm(self, plan)
             lengths = plan.lengths if plan else [0] * rows
             branch = len(phases)                                    # the conditional rows come first
@@ -292,14 +298,20 @@ def image_call_reuses_prompt_kv(inner=None):
     return make
 
 
-def _vit_ends(tokenizer_output) -> list:
-    """Per row: 1 + the last position a ViT token fills (0 when none), from the tokenizer's host mask."""
-    mask = getattr(tokenizer_output, "vit_image_mask", None)
+def _conditioning_ends(tokenizer_output) -> list:
+    """Per row: 1 + the last position a conditioning image fills (its ViT tokens, VAE latents or their
+    timestep token; 0 when none), from the tokenizer's host outputs."""
     rows = tokenizer_output.tokens.shape[0]
-    if mask is None:
-        return [0] * rows
-    ends = []
-    for row in range(rows):
-        hits = mask[row].bool().nonzero()
-        ends.append(int(hits[-1]) + 1 if len(hits) else 0)
+    ends = [0] * rows
+    for name in ("vit_image_mask", "vae_image_mask", "cond_timestep_scatter_index"):
+        value = getattr(tokenizer_output, name, None)
+        if not isinstance(value, torch.Tensor) or value.shape[0] != rows:
+            continue
+        for row in range(rows):
+            if name.endswith("mask"):
+                hits = value[row].bool().nonzero()
+                last = int(hits[-1]) + 1 if len(hits) else 0
+            else:
+                last = int(value[row].max()) + 1 if value[row].numel() else 0
+            ends[row] = max(ends[row], last)
     return ends

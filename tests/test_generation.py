@@ -8,19 +8,21 @@ this one: attention TP without its all-reduce 21.4 dB / 0.55 (latent rel err), M
 all-reduce 31.7 dB / 0.17, MoE EP with rows meeting the wrong local expert 33.6 dB / 0.14.
 
 Tolerances: the adaptor must reproduce upstream-eager (only the four compat shims) on the same
-checkpoint to PSNR >= 40 dB and final-latent relative error <= 2e-2. Both runs compute in bf16;
+checkpoint to PSNR >= 40 dB and final-latent relative error <= 3e-2. Both runs compute in bf16;
 the MoE patch changes the summation order of expert outputs and TP sums bf16 partial products,
 which moves bf16 results by a few ulps per layer, and that is what the bound leaves room for.
 Measured (seed 7, 3 steps, vs upstream eager): 1 rank 52.3 dB / 1.16e-2; 2 ranks TP 51.7 /
 1.41e-2, MoE TP 51.7 / 1.35e-2, MoE EP 51.6 / 1.41e-2 (compat stack: 53.4 / 1.00e-2, 51.7 /
-1.43e-2, 52.0 / 1.38e-2, 51.7 / 1.43e-2).
+1.43e-2, 52.0 / 1.38e-2, 51.7 / 1.43e-2). The latents' bound is 3e-2: on a CPU without AVX-512 (AMD
+EPYC, AVX2 only, 2026-12-04) torch 2.7.1's bf16 kernels put the compat stack at 48.0 dB / 2.35e-2 and
+the 2-rank MoE runs up to 2.8e-2, while every broken split above stays at 0.14 or more.
 """
 import pytest
 
 from generation import generate, generate_args, latent_rel_err, psnr, run_cli_in_process, run_in_pool
 
 PSNR_MIN_DB = 40.0
-LATENT_REL_ERR_MAX = 2e-2
+LATENT_REL_ERR_MAX = 3e-2
 
 
 @pytest.fixture(scope="module")

@@ -6,20 +6,35 @@ import subprocess
 
 import pytest
 
+from background import Job, Lane
 from generation import ROOT
 
 
+QUICK = "test_device_day_quick_on_cpu_writes_one_json_and_a_table"
+
+
+def command(out):
+    return ["bash", str(ROOT / "bench" / "device_day.sh"), str(out), "--device", "cpu", "--quick"]
+
+
 def device_day(out, env=None, timeout=1500):
-    return subprocess.run(["bash", str(ROOT / "bench" / "device_day.sh"), str(out), "--device", "cpu", "--quick"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(command(out), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def quick_job(folder) -> Job:
+    """device_day.sh FOLDER/day --device cpu --quick as a background job (tests/background.py: started
+    when the session begins, beside the tests before this file, when this file's test is selected)."""
+    return Job("device_day", command(folder / "day"), folder, {"OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.slow
-def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
-    proc = device_day(tmp_path / "day")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads((tmp_path / "day" / "device_day.json").read_text())
+def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path, background_jobs):
+    job = background_jobs.get(QUICK) or Lane([quick_job(tmp_path)]).jobs[0]
+    day = job.folder / "day"
+    returncode, _, stderr = job.finish(timeout=1500)
+    assert returncode == 0, stderr[-2000:]
+    summary = json.loads((day / "device_day.json").read_text())
     assert list(summary["steps"]) == ["selfcheck", "collectives", "moe_layer", "e2e", "layouts", "instruct"]
     assert {name: s["status"] for name, s in summary["steps"].items()} == dict.fromkeys(summary["steps"], "pass"), \
         {name: s["tail"] for name, s in summary["steps"].items()}
@@ -37,7 +52,7 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
     for name in ("instruct-edit", "distil-edit"):       # on CPU: the adaptor against upstream eager, compared
         row = instruct[f"{name} cpu-eager vs cpu"]
         assert row["status"] == "pass" and 0 < row["value"] <= row["limit"] and row["data"]["psnr_db"] < 200, row
-    table = (tmp_path / "day" / "device_day.md").read_text()
+    table = (day / "device_day.md").read_text()
     assert "| moe_layer | pass |" in table and "dense-GEMM floor" in table and "upstream eager" in table
     assert "| collectives | matmul_reduce_scatter time | info |" in table
     assert "| instruct | pass |" in table and "| instruct | distil-edit cpu-eager vs cpu | pass |" in table

@@ -183,6 +183,29 @@ def run_apart(jobs, env=None, timeout_s: float = 900) -> list:
     return results
 
 
+def start_apart(jobs, env=None, timeout_s: float = 900):
+    """run_apart in a background thread, for a test with its own work to do meanwhile (e.g. a server
+    in this process): returns wait(), which returns run_apart's results or raises its error."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append((True, run_apart(jobs, env=env, timeout_s=timeout_s)))
+        except BaseException as exc:     # noqa: BLE001 (re-raised by wait)
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+    return wait
+
+
 def close_pools() -> None:
     """End every pool's ranks (conftest calls this when the session ends)."""
     while _pools:

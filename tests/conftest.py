@@ -14,6 +14,15 @@ def pytest_sessionfinish(session, exitstatus):
     close_pools()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests that wait for a background_jobs command last, so that it has the whole session to
+    run beside the others (the rest keep their order)."""
+    import test_device_day
+    import test_selfcheck
+    waiting = {test_device_day.QUICK, test_selfcheck.RUN_SH}
+    items.sort(key=lambda item: item.name in waiting)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: spawns ranks or a fresh interpreter (seconds each); "
                                        "`pytest -m 'not slow'` is the fast tier")

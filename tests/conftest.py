@@ -14,11 +14,37 @@ def pytest_sessionfinish(session, exitstatus):
     close_pools()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests that wait for a background_jobs command last, so that it has the whole session to
+    run beside the others (the rest keep their order)."""
+    import test_device_day
+    import test_selfcheck
+    waiting = {test_device_day.QUICK, test_selfcheck.RUN_SH}
+    items.sort(key=lambda item: item.name in waiting)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: spawns ranks or a fresh interpreter (seconds each); "
                                        "`pytest -m 'not slow'` is the fast tier")
     config.addinivalue_line("markers", "compat: also run on the oldest supported stack (torch 2.7.1, "
                                        "transformers 5.2.0): `pytest -m 'not slow or compat'` there")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_jobs(request, tmp_path_factory):
+    """{test name: background.Job} of the commands some slow tests only wait for, those of the
+    session's tests, started when the session begins, one after another (tests/background.py):
+    bench/device_day.sh --quick, then run.sh --selfcheck, minutes of mostly one-core steps that run
+    beside the tests before theirs instead of after them."""
+    import test_device_day
+    import test_selfcheck
+    from background import Lane
+    makers = {test_device_day.QUICK: test_device_day.quick_job, test_selfcheck.RUN_SH: test_selfcheck.run_sh_job}
+    selected = {item.name for item in request.session.items}
+    jobs = {name: make(tmp_path_factory.mktemp(make.__module__)) for name, make in makers.items() if name in selected}
+    lane = Lane(list(jobs.values()))
+    yield jobs
+    lane.stop()
 
 
 @pytest.fixture(scope="session")

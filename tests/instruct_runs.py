@@ -113,6 +113,32 @@ def run_cases(model_dir, out_dir: Path, shims_only: bool, cases: dict, quantize:
         model_adaptor.remove()
 
 
+def run_with_timestep_r_as_t(model_dir, out_dir: Path, name: str, case: dict) -> dict:
+    """run_cases (full adaptor) with the scheduler's next timestep fed as the meanflow token's
+    `timesteps_r` replaced by the timestep itself: {name: Run}."""
+    from hunyuan_image_3.hunyuan_image_3_pipeline import FlowMatchDiscreteScheduler
+    original = FlowMatchDiscreteScheduler.get_timestep_r
+    FlowMatchDiscreteScheduler.get_timestep_r = lambda _self, t: t
+    try:
+        return run_cases(model_dir, out_dir, False, {name: case})
+    finally:
+        FlowMatchDiscreteScheduler.get_timestep_r = original
+
+
+def cases_apart(jobs: dict) -> dict:
+    """{key: {case: Run}} of jobs {key: (model_dir, out_dir, shims_only, cases[, quantize])}, one job
+    per case on tests/multirank.run_apart's one-process pools, side by side (each case on a fresh
+    load, as a single process: the images run_cases makes in this process)."""
+    from multirank import run_apart
+    split = [(key, name, (model_dir, out_dir, shims_only, {name: case}, *quantize))
+             for key, (model_dir, out_dir, shims_only, cases, *quantize) in jobs.items() for name, case in cases.items()]
+    runs = run_apart([(run_cases, *args) for _, _, args in split])
+    out = {key: {} for key in jobs}
+    for (key, name, _), result in zip(split, runs):
+        out[key][name] = result[name]
+    return out
+
+
 def cases_on_rank(rank: int, world_size: int, model_dir, flags: dict, cases: dict, out_dir,
                   quantize: Optional[str] = None) -> dict:
     """One rank of a pool (tests/multirank.run_ranks): the checkpoint loaded for the layout

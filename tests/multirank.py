@@ -1,6 +1,7 @@
 """Run a function on N real gloo ranks (spawned processes) and collect what each returns.
 
     results = run_ranks(2, my_fn, arg1, arg2)      # my_fn(rank, world_size, *args) -> picklable
+    a, b = run_apart([(fn_a, x), (fn_b, y)])       # independent one-process jobs, side by side
 
 The ranks of each world size form a pool that lives for the whole test session (RankPool), so a
 call costs the function's own time, not a fresh start of N interpreters; and every pool's ranks
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 COLLECTIVE_TIMEOUT_S = 60
+APART_WORKERS = 4           # run_apart's pools at most (one per core below that)
 # What every rank imports anyway (~10 s of CPU per interpreter on the CI machine), imported once by
 # the forkserver the ranks are forked from. It runs no torch op, so no OpenMP pool is forked.
 PRELOAD = ("torch", "torch.distributed", "transformers", "hunyuan_image_3.modeling_hunyuan_image_3",
@@ -128,17 +131,79 @@ class RankPool:
 _pools: dict = {}
 
 
-def run_ranks(world_size: int, fn, *args, env=None, timeout_s: float = 300):
-    """fn(rank, world_size, *args) on every rank of the session's pool of `world_size` ranks."""
-    pool = _pools.get(world_size)
+def run_ranks(world_size: int, fn, *args, env=None, timeout_s: float = 300, pool=None):
+    """fn(rank, world_size, *args) on every rank of the session's pool of `world_size` ranks (`pool`:
+    another pool's key, for run_apart's one-rank pools)."""
+    key = world_size if pool is None else pool
+    pool = _pools.get(key)
     if pool is None:
-        pool = _pools[world_size] = RankPool(world_size)
+        pool = _pools[key] = RankPool(world_size)
     try:
         return pool.run(fn, args, dict(env or {}), timeout_s)
     except BaseException:
-        _pools.pop(world_size, None)
+        _pools.pop(key, None)
         pool.close(graceful=False)
         raise
+
+
+def _call(_rank, _world_size, fn, *args):
+    return fn(*args)
+
+
+def run_apart(jobs, env=None, timeout_s: float = 900) -> list:
+    """Independent one-process jobs [(fn, *args)], fn(*args) -> picklable, side by side on one-rank
+    pools (a process each, forked from the preloaded forkserver, one torch thread each, as the
+    tests' in-process runs use): the results in the jobs' order. For work that would otherwise run
+    one job after another on one core, e.g. an eager and a patched reference image; a job sees a
+    process group of world size 1, as a single process. A failed job raises RankFailed (after the
+    others have ended)."""
+    workers = max(1, min(len(jobs), os.cpu_count() or 1, APART_WORKERS))
+    results, errors, todo = [None] * len(jobs), [], list(enumerate(jobs))
+    lock = threading.Lock()
+
+    def worker(key):
+        while True:
+            with lock:
+                if not todo or errors:
+                    return
+                index, (fn, *args) = todo.pop(0)
+            try:
+                results[index] = run_ranks(1, _call, fn, *args, env=env, timeout_s=timeout_s, pool=key)[0]
+            except BaseException as exc:     # noqa: BLE001 (re-raised below)
+                with lock:
+                    errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(("apart", i),), daemon=True) for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def start_apart(jobs, env=None, timeout_s: float = 900):
+    """run_apart in a background thread, for a test with its own work to do meanwhile (e.g. a server
+    in this process): returns wait(), which returns run_apart's results or raises its error."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append((True, run_apart(jobs, env=env, timeout_s=timeout_s)))
+        except BaseException as exc:     # noqa: BLE001 (re-raised by wait)
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+    return wait
 
 
 def close_pools() -> None:

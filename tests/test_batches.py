@@ -30,6 +30,7 @@ import json
 import pytest
 
 from generation import psnr, run_cli_in_process, run_in_pool
+from multirank import run_apart
 from test_instruct_jobs import write_inputs
 from text_checkpoint import make_text_checkpoint
 
@@ -142,17 +143,14 @@ def instruct(tiny_instruct, tiny_distil, tmp_path_factory):
     texts = write_lines(tmp / "texts.jsonl", [{"prompt": "a red fox", "seed": 5},
                                               {"prompt": "a lighthouse at dusk on a rocky coast", "seed": 6}])
     common = ["--diff-infer-steps", 2, "--image-size", "256x256", "--bot-task", "image"]
-    outs, pool = {}, []
+    outs, alone, pool = {}, [], []
     for name, model, lines, batch, ranks, flags in (
             ("edits alone", tiny_instruct, edits, 1, 1, []), ("edits cfg2", tiny_instruct, edits, 2, 2, ["--cfg-parallel"]),
             ("distil alone", tiny_distil, texts, 1, 1, []), ("distil tp2", tiny_distil, texts, 2, 2, [])):
         outs[name] = tmp / name.replace(" ", "_")
-        job = prompts_job(model, lines, outs[name], batch, *common, *flags)
-        if ranks == 1:
-            proc = run_cli_in_process(job)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        else:
-            pool.append(job)
+        (alone if ranks == 1 else pool).append(prompts_job(model, lines, outs[name], batch, *common, *flags))
+    for proc in run_apart([(run_cli_in_process, job) for job in alone]):      # one process each, side by side
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run_in_pool(2, pool)
     return outs
 

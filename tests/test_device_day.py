@@ -6,20 +6,35 @@ import subprocess
 
 import pytest
 
+from background import Job, Lane
 from generation import ROOT
 
 
+QUICK = "test_device_day_quick_on_cpu_writes_one_json_and_a_table"
+
+
+def command(out):
+    return ["bash", str(ROOT / "bench" / "device_day.sh"), str(out), "--device", "cpu", "--quick"]
+
+
 def device_day(out, env=None, timeout=1500):
-    return subprocess.run(["bash", str(ROOT / "bench" / "device_day.sh"), str(out), "--device", "cpu", "--quick"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(command(out), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def quick_job(folder) -> Job:
+    """device_day.sh FOLDER/day --device cpu --quick as a background job (tests/background.py: started
+    when the session begins, beside the tests before this file, when this file's test is selected)."""
+    return Job("device_day", command(folder / "day"), folder, {"OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.slow
-def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
-    proc = device_day(tmp_path / "day")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads((tmp_path / "day" / "device_day.json").read_text())
+def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path, background_jobs):
+    job = background_jobs.get(QUICK) or Lane([quick_job(tmp_path)]).jobs[0]
+    day = job.folder / "day"
+    returncode, _, stderr = job.finish(timeout=1500)
+    assert returncode == 0, stderr[-2000:]
+    summary = json.loads((day / "device_day.json").read_text())
     assert list(summary["steps"]) == ["selfcheck", "collectives", "moe_layer", "e2e", "layouts", "instruct", "text"]
     assert {name: s["status"] for name, s in summary["steps"].items()} == dict.fromkeys(summary["steps"], "pass"), \
         {name: s["tail"] for name, s in summary["steps"].items()}
@@ -42,7 +57,7 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path):
     assert decode["captured"]["graph"] == "torch.compile (eager)" and decode["eager"]["graph"] == "eager", decode
     assert all(row["decoded"] == 15 and row["syncs_inside_steps"] == 0 for row in decode.values()), decode
     assert text["real"]["rows"]["ep8_cfg.yaml: CFG2 x TP8 + MoE EP8, 16 ranks, new step"]["collectives"] == 65
-    table = (tmp_path / "day" / "device_day.md").read_text()
+    table = (day / "device_day.md").read_text()
     assert "| moe_layer | pass |" in table and "dense-GEMM floor" in table and "upstream eager" in table
     assert "| collectives | matmul_reduce_scatter time | info |" in table
     assert "| instruct | pass |" in table and "| instruct | distil-edit cpu-eager vs cpu | pass |" in table

@@ -36,7 +36,7 @@ from PIL import Image
 
 from generation import psnr, scaled_checkpoint
 from instruct_runs import PROMPT, SEED, demo_image, run_cases
-from multirank import free_port
+from multirank import free_port, start_apart
 
 SCALE = 10.0                       # the checkpoint's diff_guidance_scale is 2.5
 DEFAULT_SCALE = 2.5
@@ -108,9 +108,11 @@ def served_images(model, tmp_path) -> list:
 
 @pytest.mark.slow
 def test_a_distil_image_at_the_yaml_and_body_scales_is_upstreams_at_that_scale(gained_distil, tmp_path):
-    eager = run_cases(gained_distil, tmp_path / "eager", True, {"guided": dict(
-        image=INPUT, bot_task="image", image_size=SIZE, steps=STEPS, diff_guidance_scale=SCALE)})["guided"]
+    # upstream eager's image in a one-process job (multirank.start_apart) while this process serves
+    eager = start_apart([(run_cases, gained_distil, tmp_path / "eager", True, {"guided": dict(
+        image=INPUT, bot_task="image", image_size=SIZE, steps=STEPS, diff_guidance_scale=SCALE)})])
     job_scale, body_default = served_images(gained_distil, tmp_path)
+    eager = eager()[0]["guided"]
     assert Image.open(job_scale).size == (256, 256)
     same, moved = psnr(job_scale, eager.png), psnr(job_scale, body_default)
     print(f"served at {SCALE} vs upstream eager at {SCALE}: {same:.1f} dB; vs the body's {DEFAULT_SCALE}: {moved:.1f} dB")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from generation import latent_rel_err, psnr, scaled_checkpoint
-from instruct_runs import demo_image, run_cases
+from instruct_runs import cases_apart, demo_image, run_cases
 
 PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 2e-2
@@ -41,16 +41,19 @@ PATHS = {
 }
 
 
+def both_modes(model_dir, out, cases) -> dict:
+    """{"eager" | "patched": {case: Run}}: every case under both, side by side (instruct_runs.cases_apart)."""
+    return cases_apart({mode: (model_dir, out / mode, mode == "eager", cases) for mode in ("eager", "patched")})
+
+
 @pytest.fixture(scope="module")
 def instruct_runs(tiny_instruct, tmp_path_factory):
-    out = tmp_path_factory.mktemp("instruct")
-    return {mode: run_cases(tiny_instruct, out / mode, mode == "eager", INSTRUCT_CASES) for mode in ("eager", "patched")}
+    return both_modes(tiny_instruct, tmp_path_factory.mktemp("instruct"), INSTRUCT_CASES)
 
 
 @pytest.fixture(scope="module")
 def distil_runs(tiny_distil, tmp_path_factory):
-    out = tmp_path_factory.mktemp("distil")
-    return {mode: run_cases(tiny_distil, out / mode, mode == "eager", DISTIL_CASES) for mode in ("eager", "patched")}
+    return both_modes(tiny_distil, tmp_path_factory.mktemp("distil"), DISTIL_CASES)
 
 
 def assert_close(runs, case):
@@ -96,30 +99,27 @@ def test_edit_with_image_size_auto_records_the_ratio_call(instruct_runs):
 @pytest.mark.parametrize("checkpoint, paths", [("instruct", ("vit_tokens", "vae_latents")),
                                               ("distil", ("vit_tokens", "vae_latents", "guidance_token",
                                                           "meanflow_token"))])
-def test_each_conditioning_path_moves_the_image_beyond_kernel_noise(checkpoint, paths, request, tmp_path, monkeypatch):
+def test_each_conditioning_path_moves_the_image_beyond_kernel_noise(checkpoint, paths, request, tmp_path):
     """Zero one path (its tensors x0) and regenerate with the full adaptor: the image must move more
-    than full-vs-eager differ by PATH_MARGIN_DB, and past the equivalence bound."""
-    from instruct_runs import generate, load
-    import model_adaptor
+    than full-vs-eager differ by PATH_MARGIN_DB, and past the equivalence bound. (Each run is a
+    one-process job, side by side: multirank.run_apart.)"""
+    from instruct_runs import run_with_timestep_r_as_t
+    from multirank import run_apart
     model_dir = request.getfixturevalue(f"tiny_{checkpoint}")
     runs = request.getfixturevalue(f"{checkpoint}_runs")
     case_name = "edit_fixed_size" if checkpoint == "instruct" else "distil_edit"
     case = (INSTRUCT_CASES if checkpoint == "instruct" else DISTIL_CASES)[case_name]
     reference = runs["patched"][case_name]
     noise = psnr(reference.png, runs["eager"][case_name].png)
+    jobs = {path: (run_cases, scaled_checkpoint(model_dir, tmp_path / path,
+                                                lambda key, p=PATHS[path]: 0 if key.startswith(p) else 1),
+                   tmp_path, False, {path: case}) for path in paths}
+    if "meanflow_token" in paths:       # its value matters too: the timestep itself instead of the next one
+        jobs["meanflow_value"] = (run_with_timestep_r_as_t, model_dir, tmp_path, "meanflow_value", case)
     moved = {}
-    try:
-        for path in paths:
-            zeroed = scaled_checkpoint(model_dir, tmp_path / path, lambda key, p=PATHS[path]: 0 if key.startswith(p) else 1)
-            run = generate(load(zeroed, shims_only=False), tmp_path, path, **case)
-            moved[path] = (psnr(run.png, reference.png), latent_rel_err(run.latents, reference.latents))
-        if "meanflow_token" in paths:       # its value matters too: the timestep itself instead of the next one
-            from hunyuan_image_3.hunyuan_image_3_pipeline import FlowMatchDiscreteScheduler
-            monkeypatch.setattr(FlowMatchDiscreteScheduler, "get_timestep_r", lambda _self, t: t)
-            run = generate(load(model_dir, shims_only=False), tmp_path, "meanflow_value", **case)
-            moved["meanflow_value"] = (psnr(run.png, reference.png), latent_rel_err(run.latents, reference.latents))
-    finally:
-        model_adaptor.remove()
+    for path, result in zip(jobs, run_apart(list(jobs.values()))):
+        run = result[path]
+        moved[path] = (psnr(run.png, reference.png), latent_rel_err(run.latents, reference.latents))
     print(f"{checkpoint}: full vs eager {noise:.1f} dB; zeroed " +
           ", ".join(f"{k} {db:.1f} dB / {err:.1e}" for k, (db, err) in moved.items()))
     for path, (db, err) in moved.items():

@@ -30,7 +30,7 @@ from PIL import Image
 
 from browser import chromium, wait_for
 from generation import ROOT, psnr, run_cli_in_process
-from multirank import free_port, run_ranks
+from multirank import free_port, run_apart, run_ranks
 
 pytestmark = pytest.mark.slow
 PROMPT = "make the fox blue"
@@ -70,9 +70,11 @@ def inputs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(tiny_instruct, inputs, tmp_path_factory):
+    """The two single-process CLI runs, side by side (multirank.run_apart: one process each)."""
     out = tmp_path_factory.mktemp("instruct_cli")
-    edit_two = cli(tiny_instruct, out, "edit_two", *EDIT_TWO, "--image", f"{inputs / 'a.png'},{inputs / 'b.png'}")
-    guided = cli(tiny_instruct, out, "guided", *GUIDED, "--image", inputs / "a.png", "--metrics-json", out / "m.json")
+    edit_two, guided = run_apart([
+        (cli, tiny_instruct, out, "edit_two", *EDIT_TWO, "--image", f"{inputs / 'a.png'},{inputs / 'b.png'}"),
+        (cli, tiny_instruct, out, "guided", *GUIDED, "--image", inputs / "a.png", "--metrics-json", out / "m.json")])
     steps = len(json.loads((out / "m.json").read_text())["rounds"][0]["denoise_step_s"])
     assert steps == STEPS, f"--diff-infer-steps {STEPS} ran {steps} denoising steps on the Instruct model"
     return {"edit_two": edit_two, "guided": guided[0]}

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from generation import latent_rel_err, psnr, run_cli_in_process, scaled_checkpoint
-from instruct_runs import cases_on_rank, demo_image, run_cases
+from instruct_runs import cases_apart, cases_on_rank, demo_image
 from multirank import run_ranks
 
 PSNR_MIN_DB = 40.0
@@ -97,13 +97,13 @@ def case_of(case: str) -> dict:
 
 @pytest.fixture(scope="module")
 def single(checkpoints, tmp_path_factory):
-    """{case: Run} of the single process (and {INT8_CASE}_int8: its 8-bit experts)."""
+    """{case: Run} of the single process (and {INT8_CASE}_int8: its 8-bit experts), each case a
+    one-process job, side by side (instruct_runs.cases_apart)."""
     out = tmp_path_factory.mktemp("instruct_single")
-    runs = run_cases(checkpoints["instruct"], out / "bf16", False, CASES)
-    runs.update(run_cases(checkpoints["distil"], out / "distil", False, DISTIL_CASES))
-    runs[f"{INT8_CASE}_int8"] = run_cases(checkpoints["instruct"], out / "int8", False, {INT8_CASE: CASES[INT8_CASE]},
-                                          quantize="int8")[INT8_CASE]
-    return runs
+    runs = cases_apart({"bf16": (checkpoints["instruct"], out / "bf16", False, CASES),
+                        "distil": (checkpoints["distil"], out / "distil", False, DISTIL_CASES),
+                        "int8": (checkpoints["instruct"], out / "int8", False, {INT8_CASE: CASES[INT8_CASE]}, "int8")})
+    return {**runs["bf16"], **runs["distil"], f"{INT8_CASE}_int8": runs["int8"][INT8_CASE]}
 
 
 @pytest.fixture(scope="module")

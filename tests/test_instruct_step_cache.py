@@ -96,31 +96,39 @@ def _edit(model, out_dir, name, settings=None, **upstream):
     return result, run.summary() if run is not None else None, list(model.phase_timer.transformer_steps)
 
 
-@pytest.fixture(scope="module")
-def ours(tiny_instruct, tmp_path_factory):
-    """The full adaptor, one load: no cache, taylor, adaptive."""
-    import model_adaptor
-    from instruct_runs import load
-    out = tmp_path_factory.mktemp("instruct_cache")
-    try:
-        model = load(tiny_instruct, shims_only=False)
-        return {name: _edit(model, out, name, settings) for name, settings in
-                (("none", None), ("taylor", TAYLOR), ("adaptive", ADAPTIVE))}
-    finally:
-        model_adaptor.remove()
-
-
-@pytest.mark.slow
-def test_instruct_cache_off_is_byte_identical_to_the_code_without_the_feature(tiny_instruct, ours, tmp_path):
+def _edit_job(model_dir, out_dir, name, settings=None, shims_only=False, bypass=False, upstream=None):
+    """One edit on its own load, a multirank.run_apart job: _edit's (Run, cache record, steps that ran
+    the transformer). `bypass`: the code without the feature (no patched decoder_layer_forward, no
+    cache slot); `upstream`: generate_image's own Taylor-cache arguments (with shims_only: upstream eager)."""
+    import contextlib
     import model_adaptor
     from instruct_runs import load
     without = tuple(p for p in model_adaptor.PATCHES if p.make is not model_adaptor.hunyuan.decoder_layer_forward)
     try:
-        with mock.patch.object(model_adaptor, "PATCHES", without), \
-                mock.patch.object(step_cache, "slot_of", lambda model: None):
-            bypassed, record, _ = _edit(load(tiny_instruct, shims_only=False), tmp_path, "bypassed")
+        with contextlib.ExitStack() as stack:
+            if bypass:
+                stack.enter_context(mock.patch.object(model_adaptor, "PATCHES", without))
+                stack.enter_context(mock.patch.object(step_cache, "slot_of", lambda model: None))
+            return _edit(load(model_dir, shims_only=shims_only), out_dir, name, settings, **(upstream or {}))
     finally:
         model_adaptor.remove()
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_instruct, tmp_path_factory):
+    """The full adaptor: no cache, taylor, adaptive; the code without the feature ("bypassed"); and
+    upstream eager with its own Taylor cache ("upstream_taylor"). Each its own load, side by side
+    (multirank.run_apart: one process per job, one torch thread, as in this process)."""
+    from multirank import run_apart
+    out = tmp_path_factory.mktemp("instruct_cache")
+    jobs = {"none": (None,), "taylor": (TAYLOR,), "adaptive": (ADAPTIVE,), "bypassed": (None, False, True),
+            "upstream_taylor": (None, True, False, UPSTREAM_KWARGS)}
+    return dict(zip(jobs, run_apart([(_edit_job, tiny_instruct, out, name, *args) for name, args in jobs.items()])))
+
+
+@pytest.mark.slow
+def test_instruct_cache_off_is_byte_identical_to_the_code_without_the_feature(ours):
+    bypassed, record, _ = ours["bypassed"]
     assert record is None
     assert bypassed.png.read_bytes() == ours["none"][0].png.read_bytes()
     assert torch.equal(torch.load(bypassed.latents), torch.load(ours["none"][0].latents))
@@ -142,20 +150,14 @@ def test_instruct_taylor_and_adaptive_skip_steps_and_stay_near_no_cache(ours):
 
 @pytest.mark.compat
 @pytest.mark.slow
-def test_upstream_s_own_taylor_cache_runs_under_the_shims_on_the_steps_our_mapping_computes(tiny_instruct, tmp_path,
-                                                                                           ours):
+def test_upstream_s_own_taylor_cache_runs_under_the_shims_on_the_steps_our_mapping_computes(ours):
     """Upstream eager with its own cache (generate_image(use_taylor_cache=True), compat shims only): the
     steps that ran its transformer are the steps --step-cache taylor computes for the same flags."""
-    import model_adaptor
-    from instruct_runs import load
     from utils.runtime.job_args import parse_args
     from utils.runtime.upstream_taylor import upstream_step_cache
     args = parse_args(UPSTREAM_FLAGS)
     mapped = upstream_step_cache(lambda name: getattr(args, name))
-    try:
-        cached, _, ran = _edit(load(tiny_instruct, shims_only=True), tmp_path, "upstream_taylor", **UPSTREAM_KWARGS)
-    finally:
-        model_adaptor.remove()
+    cached, _, ran = ours["upstream_taylor"]
     assert ran == full_steps(mapped, STEPS) == [0, 1, 3, 4], (ran, mapped)
     none = ours["none"][0]
     db, err = psnr(cached.png, none.png), latent_rel_err(cached.latents, none.latents)

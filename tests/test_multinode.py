@@ -1,17 +1,20 @@
 """A real two-node launch: two run.sh processes on this machine as node 0 and node 1 (nnodes: 2,
-master_addr 127.0.0.1, one rank each, MoE EP) against the same job on one node with two ranks;
+master_addr 127.0.0.1, one rank each, MoE EP) against the same job on one node with two ranks (the
+ranks' argv of run.sh --dry-run, on a tests/multirank.py pool);
 and the nodes that never meet (utils/launcher/node_rendezvous.py). How to run it on two real
 hosts: config/README.md."""
 from __future__ import annotations
 
+import shlex
 import subprocess
 import time
 
 import pytest
 import yaml
 
+from generation import run_in_pool
 from multirank import free_port
-from test_launcher import RUN_SH, ROOT, launcher_env
+from test_launcher import RUN_SH, ROOT, launcher_env, run_launcher_in_process
 
 RENDEZVOUS_TIMEOUT_S = 5
 
@@ -66,9 +69,13 @@ def test_two_nodes_give_the_single_node_image_byte_for_byte(tmp_path, tiny_model
     assert (rc0, rc1) == (0, 0), out0[-2000:] + err0[-2000:] + out1[-2000:] + err1[-2000:]
     assert "world_size=2 adaptor=full cfg=1 tp=2 moe=ep" in out0, out0[-2000:]
     assert "[rank" not in out1 + err1, out1 + err1           # node 1 holds rank 1: its console shows no rank output
+    # The single-node reference: the ranks' argv of the same job on one node (run.sh --dry-run), run by
+    # two ranks of the session's pool (tests/multirank.py) as torchrun would start them on one node.
     single = job_yaml(tmp_path / "single.yaml", tiny_model, tmp_path / "one_node.png", free_port(), 2)
-    (rc, out, err), = finish([start(single)])
-    assert rc == 0, out[-2000:] + err[-2000:]
+    dry = run_launcher_in_process(single, "--dry-run", "--no-plan")
+    assert dry.returncode == 0 and "--nproc_per_node=2" in dry.stdout, dry.stderr
+    command = shlex.split(dry.stdout.strip().splitlines()[-1])
+    run_in_pool(2, [command[command.index("run_image_gen.py") + 1:]])
     assert (tmp_path / "two_nodes.png").read_bytes() == (tmp_path / "one_node.png").read_bytes()
 
 

@@ -35,3 +35,27 @@ def test_two_rank_collectives():
 def test_rank_exception_is_reported():
     with pytest.raises(RankFailed, match="boom on rank 1"):
         run_ranks(2, _fails_on_rank1)
+
+
+def _pid_and_world(value):
+    import os
+    return value, os.getpid(), dist.get_world_size()
+
+
+def _fails_on(value):
+    if value == 2:
+        raise ValueError("boom on job 2")
+    return value
+
+
+@pytest.mark.slow
+def test_run_apart_keeps_the_jobs_order_runs_them_in_their_own_processes_and_reports_a_failure():
+    import os
+    from multirank import run_apart
+    results = run_apart([(_pid_and_world, i) for i in range(4)])
+    assert [value for value, _, _ in results] == [0, 1, 2, 3]
+    assert {world for _, _, world in results} == {1}
+    assert os.getpid() not in {pid for _, pid, _ in results}
+    assert len({pid for _, pid, _ in results}) == min(4, os.cpu_count() or 1)
+    with pytest.raises(RankFailed, match="boom on job 2"):
+        run_apart([(_fails_on, i) for i in range(4)])

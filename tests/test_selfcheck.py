@@ -19,6 +19,7 @@ from utils.selfcheck.checks import SHAPES
 from utils.selfcheck.checks.generation import layout_flags, ulysses_flags
 from utils.selfcheck.checks.kernels import kernel_checks
 from utils.selfcheck.checks.moe_stream import moe_stream_checks, overlap_share
+from background import Job, Lane
 from multirank import run_ranks
 
 ROOT = selfcheck.ROOT
@@ -148,16 +149,27 @@ def test_a_failing_check_makes_the_exit_code_1(tmp_path, monkeypatch):
     assert report["failed"] == len(failed)
 
 
+RUN_SH = "test_run_sh_selfcheck_on_cpu_passes_every_section"
+
+
+def run_sh_job(folder) -> Job:
+    """`bash run.sh --selfcheck ... --out FOLDER/out` as a background job (tests/background.py: started
+    when the session begins, after device_day.sh's, when this file's test is selected)."""
+    return Job("selfcheck", ["bash", "run.sh", "--selfcheck", "--device", "cpu", "--nproc", "2", "--repeat", "2",
+                             "--skip", "instruct", "--out", str(folder / "out")], folder, {"OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.slow
-def test_run_sh_selfcheck_on_cpu_passes_every_section(tmp_path):
+def test_run_sh_selfcheck_on_cpu_passes_every_section(tmp_path, background_jobs):
     """What a user runs: every section on CPU with 2 gloo ranks (collectives, a 2-rank generation),
     but instruct: tests/test_device_day.py runs that one (device_day.sh's instruct step is this CLI)."""
-    proc = subprocess.run(["bash", "run.sh", "--selfcheck", "--device", "cpu", "--nproc", "2", "--repeat", "2",
-                           "--skip", "instruct", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    job = background_jobs.get(RUN_SH) or Lane([run_sh_job(tmp_path)]).jobs[0]
+    returncode, stdout, stderr = job.finish(timeout=1500)
+    proc = subprocess.CompletedProcess(job.command, returncode, stdout, stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "selfcheck.json").read_text())
-    assert stat.S_IMODE((tmp_path / "selfcheck.json").stat().st_mode) == 0o644
+    out = job.folder / "out"
+    report = json.loads((out / "selfcheck.json").read_text())
+    assert stat.S_IMODE((out / "selfcheck.json").stat().st_mode) == 0o644
     by_section = {}
     for r in report["results"]:
         by_section.setdefault(r["section"], []).append(r)

@@ -192,7 +192,7 @@ def _with_hidden(output, hidden):
 def _on_shares(self, original, arguments, context, slot):
     embeds = arguments.get("inputs_embeds")
     batch, seq = (embeds if embeds is not None else arguments["input_ids"]).shape[:2]
-    if not context.layout.shards_forward(seq):              # the one-token decode: upstream embeds it
+    if not context.layout.shards_forward(seq, batch * seq):     # the one-token decode, a short suffix
         return original(**arguments)
     if embeds is None:
         embeds = self.wte(arguments["input_ids"])

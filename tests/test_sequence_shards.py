@@ -149,3 +149,13 @@ def test_one_head_exchange_serves_every_attention_layer_of_a_model(tiny_model):
     assert exchanges[0].heads == layout.attention_heads(config, 1)
     assert [h.query_heads() for h in layout.ulysses_heads(config, 1)] == \
         [layout.attention_heads(config, r).query_heads() for r in (1, 3)]      # tp rank 1's group: 1 and 3
+
+
+def test_a_forward_too_short_for_every_rank_keeps_every_row():
+    """A prefill after a reused prefix (kv_reuse.py) can be a few positions: shares that would leave a
+    rank empty (padded: 9 rows over 4 ranks is 3, 3, 3, 0) keep every row on every rank instead (an
+    empty share broke Ulysses' reshape and stalled the group)."""
+    from adaptor_patches.parallel.layout import Layout
+    layout = Layout(4, 1, "ep")
+    assert layout.shards_forward(9) and layout.shards_forward(12, 12) and layout.shards_forward(200, 200)
+    assert not layout.shards_forward(9, 9) and not layout.shards_forward(3, 3) and not layout.shards_forward(1, 4)

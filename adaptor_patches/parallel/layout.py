@@ -285,11 +285,15 @@ class Layout:
         keeps the rows replicated under MoE EP (the design before; --sequence-shares off)."""
         return self.tp > 1 and self.sequence_shares and (self.moe_mode == "ep" or self.ulysses > 1)
 
-    def shards_forward(self, query_len: int) -> bool:
-        """Does a forward of `query_len` positions per batch row hold sequence shares between its
-        layers? Every forward of more than one position under sequence_sharded (denoising steps,
-        text prefill); the one-token text decode keeps every row on every rank (today's path)."""
-        return self.sequence_sharded and query_len > 1
+    def shards_forward(self, query_len: int, rows: Optional[int] = None) -> bool:
+        """Does a forward of `query_len` positions per batch row (`rows` in all) hold sequence shares
+        between its layers? Every forward of more than one position under sequence_sharded (denoising
+        steps, text prefill) whose padded shares leave no rank empty; the one-token text decode, and a
+        forward too short to give every rank a row (a prefill after a reused prefix: kv_reuse.py), keep
+        every row on every rank."""
+        if not self.sequence_sharded or query_len <= 1:
+            return False
+        return rows is None or min(padded_shares(rows, self.tp)) > 0
 
     @property
     def weights(self) -> "Layout":

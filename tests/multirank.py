@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import sys
 import threading
 import traceback
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 COLLECTIVE_TIMEOUT_S = 60
+FAILURE_GRACE_S = 30        # how long the other ranks of a call get to report after one rank failed
 APART_WORKERS = 4           # run_apart's pools at most (one per core below that)
 # What every rank imports anyway (~10 s of CPU per interpreter on the CI machine), imported once by
 # the forkserver the ranks are forked from. It runs no torch op, so no OpenMP pool is forked.
@@ -111,7 +113,13 @@ class RankPool:
             queue.put((fn, args, env))
         results, failures = {}, []
         for _ in range(self.world_size):
-            rank, ok, payload = self.results.get(timeout=timeout_s)
+            try:        # once a rank failed, the others may wait in a collective for good (gloo's all-to-all)
+                rank, ok, payload = self.results.get(timeout=FAILURE_GRACE_S if failures else timeout_s)
+            except queue.Empty:
+                if not failures:
+                    raise
+                failures.append(f"the other ranks did not finish within {FAILURE_GRACE_S} s of that failure")
+                break
             (results.__setitem__(rank, payload) if ok else failures.append(f"rank {rank}:\n{payload}"))
         if failures:
             raise RankFailed("\n".join(failures))

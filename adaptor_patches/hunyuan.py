@@ -113,7 +113,7 @@ def causal_mm_forward(original, _device):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if getattr(getattr(self.model, "sequence_slot", None), "prefix", None) is not None:   # a step over a reused prefix
+        if getattr(getattr(getattr(self, "model", None), "sequence_slot", None), "prefix", None) is not None:   # a step over a reused prefix
             arguments = kv_reuse.without_covered_conditioning(self, signature.bind(self, *args, **kwargs).arguments)
             args, kwargs = (), {k: v for k, v in arguments.items() if k != "self"}
         watch = denoise_watch.watch_of(self)          # a served image: progress and an agreed cancel per step

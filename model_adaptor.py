@@ -203,6 +203,9 @@ PATCHES = (
           "latents enter the VAE in its own dtype", shim=True),
     Patch(f"{VAE}:AutoencoderKLConv3D", "encode", compat.vae_in_own_dtype,
           "conditioning images enter the VAE encoder in its own dtype", shim=True),
+    Patch(f"{VAE}:Conv3d", "forward", autoencoder_kl_3d.conv3d_forward,
+          "the VAE's convolutions through the device layer's conv3d (CPU fp32: oneDNN's, 8-9x torch's "
+          "slow_conv3d); upstream's forward where it chunks an input over 2 GiB"),
     Patch(f"{VAE}:Decoder", "__init__", autoencoder_kl_3d.decoder_init,
           "the VAE decoder remembers the RankContext it is built for (its split)"),
     Patch(f"{VAE}:Decoder", "forward", autoencoder_kl_3d.decoder_forward,

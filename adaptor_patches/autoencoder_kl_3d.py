@@ -1,5 +1,7 @@
 """Replacements for upstream `hunyuan_image_3/autoencoder_kl_3d.py` (rows of model_adaptor.PATCHES).
 
+  Conv3d.forward     the VAE's convolutions through kernels.device.conv3d (on CPU oneDNN's, not
+                     torch's im2col slow_conv3d); upstream's own forward where it chunks a big input
   Decoder.__init__   remembers the RankContext it is built for (the VAE is built inside the
                      patched HunyuanImage3ForCausalMM.__init__, so it is the model's)
   Decoder.forward    VAE-parallel decode (parallel/vae_bands.py) over the context's "vae" group
@@ -12,10 +14,24 @@ from __future__ import annotations
 import functools
 import logging
 
+from .kernels.device import conv3d
 from .parallel import vae_bands
 from .parallel.context import context_being_built
 
 log = logging.getLogger(__name__)
+
+
+UPSTREAM_CHUNK_GIB = 2      # upstream's Conv3d splits an input over this many GiB (2 bytes per element) in time
+
+
+def conv3d_forward(original, _device):
+    @functools.wraps(original)
+    def forward(self, input):
+        if self.padding_mode != "zeros" or input[0].numel() * 2 / 1024**3 > UPSTREAM_CHUNK_GIB:
+            return original(self, input)
+        return conv3d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+    return forward
 
 
 def decoder_init(original, device):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 BACKEND_KINDS = ("npu", "cuda", "cpu")
 DEVICE_CHOICES = ("auto",) + BACKEND_KINDS
@@ -27,6 +28,19 @@ DIST_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
 class DeviceError(RuntimeError):
     """The requested device cannot be used here."""
+
+
+def conv3d(x, weight, bias, stride, padding, dilation, groups):
+    """F.conv3d, but on CPU in fp32 through oneDNN's convolution: torch's own dispatch runs a CPU fp32
+    Conv3d as aten::slow_conv3d_forward (im2col) whatever torch.backends.mkldnn says, which was 65 %
+    of the tiny VAE's 256x256 decode; aten::mkldnn_convolution computes the same sums 8-9x faster
+    ([1,32,4,128,128] x [32,32,3,3,3]: 0.040 vs 0.353 s), equal within fp32 rounding, not bit for bit."""
+    if (x.device.type == "cpu" and x.dim() == 5 and x.dtype == weight.dtype == torch.float32
+            and not isinstance(padding, str) and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled):
+        return torch.ops.aten.mkldnn_convolution(x.contiguous(), weight.contiguous(), bias, list(padding),
+                                                 list(stride), list(dilation), groups)
+    return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
 
 
 def _npu_module():

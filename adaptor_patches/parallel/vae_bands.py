@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..kernels.device import conv3d
 from .collectives import all_gather_dim0
 from .layout import split_evenly
 
@@ -126,7 +127,7 @@ class Bands:
 
 def conv_without_height_padding(conv, x):
     pad_t, _, pad_w = conv.padding
-    return F.conv3d(x, conv.weight, conv.bias, padding=(pad_t, 0, pad_w))
+    return conv3d(x, conv.weight, conv.bias, conv.stride, (pad_t, 0, pad_w), conv.dilation, conv.groups)
 
 
 def resnet_block(block, x, bands: Bands):

@@ -223,9 +223,16 @@ _originals: dict = {}
 _active: Optional[tuple] = None
 
 
+def upstream_module(module_name: str):
+    """An upstream module, imported with its import-time `torch.compile`s deferred to their first call
+    (compat.compile_deferred: no inductor import at every process start)."""
+    with compat.compile_deferred():
+        return importlib.import_module(module_name)
+
+
 def _resolve_owner(target: str):
     module_name, _, class_name = target.partition(":")
-    owner = importlib.import_module(module_name)
+    owner = upstream_module(module_name)
     return getattr(owner, class_name) if class_name else owner
 
 
@@ -234,7 +241,7 @@ def check_upstream() -> None:
     if os.environ.get(ALLOW_MISMATCH_ENV) == "1":
         return
     for module_name, pinned in PINNED_UPSTREAM_SHA256.items():
-        path = Path(importlib.import_module(module_name).__file__)
+        path = Path(upstream_module(module_name).__file__)
         actual = hashlib.sha256(path.read_bytes()).hexdigest()
         if actual != pinned:
             raise UpstreamMismatchError(

@@ -44,12 +44,42 @@ def test_apply_is_idempotent_and_reapplies_on_new_settings():
 
 
 @pytest.mark.slow
-def test_no_side_effects_at_import():
-    code = ("import sys; sys.path.insert(0, '.'); import model_adaptor; "
-            "import hunyuan_image_3.hunyuan as h; import torch; "
-            "assert h.torch is torch and not model_adaptor.is_applied(); print('ok')")
+def test_no_side_effects_at_import_and_no_inductor_import_at_apply():
+    """Importing model_adaptor changes nothing; applying it imports upstream with upstream's import-time
+    `torch.compile`s deferred (compat.compile_deferred): inductor is not imported, torch.compile is
+    torch's again after."""
+    code = ("import sys; sys.path.insert(0, '.'); import torch; compile_fn = torch.compile; import model_adaptor; "
+            "h = model_adaptor.upstream_module('hunyuan_image_3.hunyuan'); "
+            "assert h.torch is torch and not model_adaptor.is_applied() and torch.compile is compile_fn; "
+            "model_adaptor.apply('cpu'); "
+            "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor imported'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_a_deferred_compile_compiles_at_its_first_call_with_the_options_given():
+    from adaptor_patches.compat import DeferredCompile, compile_deferred
+    compiled = []
+
+    def fake_compile(fn, **options):
+        compiled.append(options)
+        return lambda *args: fn(*args) + 1
+
+    def double(x):
+        return 2 * x
+
+    real, torch.compile = torch.compile, fake_compile
+    try:
+        with compile_deferred():
+            bare, with_options = torch.compile(double), torch.compile(mode="max-autotune")(double)
+            module = torch.compile(torch.nn.Identity())
+        assert torch.compile is fake_compile
+    finally:
+        torch.compile = real
+    assert isinstance(bare, DeferredCompile) and bare.__wrapped__ is double and bare._torchdynamo_orig_callable is double
+    assert not isinstance(module, DeferredCompile) and compiled == [{}], "a module is compiled as asked, at once"
+    assert bare(3) == 7 and with_options(3) == 7 and bare(1) == 3
+    assert compiled == [{}, {}, {"mode": "max-autotune"}], "each compiled once, at its first call, with its options"
 
 
 def test_cpu_shims_neutralise_cuda_calls():

@@ -86,15 +86,32 @@ def entry_points(tiny_model, tmp_path):
     }
 
 
+ENTRIES = ("run_image_gen", "launcher", "planner", "selfcheck", "converter")
+
+
+@pytest.fixture(scope="module")
+def entry_consoles(tiny_model, tmp_path_factory):
+    """{entry: its CompletedProcess}: every entry point run once under ENTRY_WITH_WARNINGS, two at a
+    time (each is one process on one thread: side by side on the two cores instead of in turn)."""
+    from concurrent.futures import ThreadPoolExecutor
+    tmp_path = tmp_path_factory.mktemp("entries")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK_LOG_DIR", "RANK", "WORLD_SIZE", "PYTHONWARNINGS")}
+
+    def run(argv):
+        return subprocess.run([sys.executable, "-c", ENTRY_WITH_WARNINGS, str(ROOT), *map(str, argv)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"},
+                              stdin=subprocess.DEVNULL)
+    commands = entry_points(tiny_model, tmp_path)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(ENTRIES, pool.map(run, [commands[entry] for entry in ENTRIES])))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("entry", ["run_image_gen", "launcher", "planner", "selfcheck", "converter"])
-def test_every_entry_point_keeps_the_known_harmless_warnings_off_its_console(tmp_path, tiny_model, entry):
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_every_entry_point_keeps_the_known_harmless_warnings_off_its_console(entry_consoles, entry):
     """Outside run.sh too: the planner printed transformers' `rope_scaling` FutureWarning and the
     `Siglip2ImageProcessorFast` deprecation before its own first line; the self-check the latter."""
-    argv = [str(a) for a in entry_points(tiny_model, tmp_path)[entry]]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK_LOG_DIR", "RANK", "WORLD_SIZE", "PYTHONWARNINGS")}
-    res = subprocess.run([sys.executable, "-c", ENTRY_WITH_WARNINGS, str(ROOT), *argv], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    res = entry_consoles[entry]
     console = res.stdout + res.stderr
     assert res.returncode == 0, console[-3000:]
     shown = [message for message in KNOWN_HARMLESS if message in console]

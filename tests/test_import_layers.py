@@ -21,6 +21,7 @@ PROJECT = ("adaptor_patches", "utils", "bench", "model_adaptor.py", "run_image_g
 
 # Bottom first. A tuple is one layer; its members may import each other (but not in a circle).
 LAYERS = (
+    ("kernel_names",),                      # the kernel layer's names, torch-free (the launcher's schema reads them)
     ("kernels.device", "model_family"),     # model_family: which upstream model file runs a checkpoint (a leaf)
     ("kernels.int4", "kernels.quant", "kernels.collective_matmul", "kernels.fixed_shape", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
      "kernels.__init__", "kernels.decode_graph"),
@@ -210,7 +211,7 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     graph = {"kernels.cpu": {"kernels.npu"}, "kernels.npu": {"kernels.cpu"}, "parallel.layout": {"moe.experts"},
              "moe.experts": set()}
     assert cycles(graph) == [["kernels.cpu", "kernels.npu"]]
-    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 2) imports moe.experts (layer 13)"]
+    assert upward_imports(graph, layer_of()) == ["parallel.layout (layer 3) imports moe.experts (layer 14)"]
 
 
 def test_no_import_cycle_anywhere_in_the_project():

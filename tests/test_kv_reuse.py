@@ -58,11 +58,16 @@ def _check(runs: dict, reference) -> dict:
     return record
 
 
+@pytest.fixture(scope="module")
+def one_process(tiny_instruct, tmp_path_factory) -> dict:
+    """edit_runs on one process, once for the tests below (the two-rank ones compare with its image)."""
+    return edit_runs(tiny_instruct, tmp_path_factory.mktemp("one_process"))
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("unpatched_upstream")
-def test_the_first_step_starts_from_the_text_prompt_and_draws_the_same_image(tiny_instruct, tmp_path):
-    runs = edit_runs(tiny_instruct, tmp_path)
-    _check(runs, runs[False])
+def test_the_first_step_starts_from_the_text_prompt_and_draws_the_same_image(one_process):
+    _check(one_process, one_process[False])
 
 
 def reuse_on_rank(rank, world_size, model_dir, flags, out_dir):
@@ -73,10 +78,10 @@ def reuse_on_rank(rank, world_size, model_dir, flags, out_dir):
 @pytest.mark.slow
 @pytest.mark.usefixtures("unpatched_upstream")
 @pytest.mark.parametrize("flags", [dict(cfg_parallel=True), dict(moe_ep=True)], ids=["cfg2", "moe-ep2"])
-def test_two_ranks_start_from_the_text_prompt(tiny_instruct, tmp_path, flags):
+def test_two_ranks_start_from_the_text_prompt(tiny_instruct, one_process, tmp_path, flags):
     """Under CFG parallel the conditional ranks also start past the think text (their rows continue
     it; the unconditional rows part from it at the user's words)."""
-    alone = edit_runs(tiny_instruct, tmp_path / "alone")[False]
+    alone = one_process[False]
     for runs in run_ranks(2, reuse_on_rank, tiny_instruct, flags, tmp_path / "ranks"):
         record = _check(runs, alone)
         assert record["cond_prefix_tokens"] > record["prefix_tokens"], record

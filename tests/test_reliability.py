@@ -120,6 +120,15 @@ def test_seed_outside_the_range_is_one_error_line(tiny_model, seed):
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: seed: "), proc.stderr
 
 
+def _running(pid) -> bool:
+    """Neither gone nor a zombie waiting for its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _rank_pids(parent_pid):
     """{RANK: pid} of torchrun's worker processes."""
     found = {}
@@ -151,17 +160,23 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
     with open(log, "w") as out:
         job = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    stopped = None
+    stopped, rank_0_out = None, False
     try:
         deadline = time.monotonic() + 120
         while "loaded" not in log.read_text():
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        stopped = _rank_pids(job.pid)[1]
+        ranks = _rank_pids(job.pid)
+        stopped = ranks[1]
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
-        job.wait(timeout=timeout_s + margin_s)
-        elapsed = time.monotonic() - t0
+        while _running(ranks[0]) and time.monotonic() - t0 < timeout_s + margin_s:
+            time.sleep(0.2)
+        elapsed, rank_0_out = time.monotonic() - t0, not _running(ranks[0])
+        # Rank 0 is out: torchrun now SIGTERMs the job, and a stopped rank only takes that signal once
+        # continued (else torchrun's 30 s grace ends in its SIGKILL): continued here, so the job ends now.
+        os.kill(stopped, signal.SIGCONT)
+        job.wait(timeout=margin_s)
     finally:
         if job.poll() is None:
             job.kill()
@@ -171,7 +186,7 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
             except ProcessLookupError:
                 pass
     text = log.read_text()
-    assert job.returncode != 0 and elapsed <= timeout_s + margin_s, (elapsed, text[-3000:])
+    assert rank_0_out and job.returncode != 0 and elapsed <= timeout_s + margin_s, (elapsed, text[-3000:])
     assert "error: rank 0: a collective failed while generation 1" in text, text[-3000:]
     assert not (tmp_path / "never.png").exists()
 

@@ -21,8 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-BACKEND_KINDS = ("npu", "cuda", "cpu")
-DEVICE_CHOICES = ("auto",) + BACKEND_KINDS
+from ..kernel_names import BACKEND_KINDS, DEVICE_CHOICES  # noqa: F401  (the device layer's names)
 DIST_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
 

@@ -31,24 +31,13 @@ from typing import Optional, Tuple
 
 import torch
 
-BASE = "int4"
-GROUP_SIZES = (32, 64, 128, 256)
-DEFAULT_GROUP = 128
+from ..kernel_names import INT4 as BASE, INT4_COMPUTE as COMPUTE, INT4_DEFAULT_GROUP as DEFAULT_GROUP, \
+    INT4_FORMATS as FORMATS, INT4_GROUP_SIZES as GROUP_SIZES, int4_format_name as format_name  # noqa: F401
+
 QMAX = 7
 STORAGE_DTYPE = torch.uint8
 SCALE_DTYPE = torch.bfloat16
 SCALE_DTYPE_NAME = "BF16"
-COMPUTE = "w4a16"
-
-
-def format_name(group: int = DEFAULT_GROUP) -> str:
-    """The expert format of groups of `group` input channels ("int4" for the default 128)."""
-    if group not in GROUP_SIZES:
-        raise ValueError(f"int4 group size {group} is not one of {', '.join(map(str, GROUP_SIZES))}")
-    return BASE if group == DEFAULT_GROUP else f"{BASE}-g{group}"
-
-
-FORMATS = tuple(format_name(g) for g in sorted(GROUP_SIZES, key=lambda g: g != DEFAULT_GROUP))
 
 
 def is_int4(fmt: Optional[str]) -> bool:

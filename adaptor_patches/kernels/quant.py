@@ -46,9 +46,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import int4
-
-EIGHT_BIT = ("int8", "fp8")
-FORMATS = EIGHT_BIT + int4.FORMATS
+from ..kernel_names import COMPUTE_MEANS, EIGHT_BIT, EXPERT_FORMATS as FORMATS, OLD_COMPUTE_NAMES, \
+    QUANT_COMPUTES  # noqa: F401  (the quant layer's names)
 STORAGE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, int4.BASE: int4.STORAGE_DTYPE}
 QMAX = {"int8": 127.0, "fp8": 448.0}
 
@@ -137,12 +136,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 
 # ---------------------------------------------------------------- how 8-bit experts compute
-
-QUANT_COMPUTES = ("w8a16", "w8a8", int4.COMPUTE)
-COMPUTE_MEANS = {"w8a16": "8-bit weights, activations in bf16",
-                 "w8a8": "8-bit weights, activations quantized per token",
-                 int4.COMPUTE: "4-bit weights, activations in bf16"}
-OLD_COMPUTE_NAMES = {"weight": "w8a16", "8bit": "w8a8"}      # --quant-compute's spellings before issue 27
 
 # (device kind, expert format) -> the computes its kernel set runs, each truly (kernels/npu.py,
 # cuda.py, torch_kernels.py). fp8 on NPU: npu_grouped_matmul takes int8 (and int4) weights only, no

@@ -19,9 +19,7 @@ import re
 from dataclasses import dataclass, field as dataclass_field, make_dataclass, replace
 from typing import Any, Callable, Optional
 
-from adaptor_patches.kernels.device import DEVICE_CHOICES
-from adaptor_patches.kernels import COMPUTE_MEANS, OLD_COMPUTE_NAMES, QUANT_COMPUTES
-from adaptor_patches.kernels.quant import FORMATS as EXPERT_FORMATS
+from adaptor_patches.kernel_names import COMPUTE_MEANS, DEVICE_CHOICES, EXPERT_FORMATS, OLD_COMPUTE_NAMES, QUANT_COMPUTES
 from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS, StepCacheError, \
     StepCacheSettings, settings_from_value
 from utils.runtime.api_key import ENV_NAME, key_problem

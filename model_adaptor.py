@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from adaptor_patches import (autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, kv_reuse,
-                             text_batch, text_decode, text_phase)
+                             model_family, text_batch, text_decode, text_phase)
 from adaptor_patches.kernels import device as device_mod
 from adaptor_patches.kernels.device import Device
 
@@ -223,16 +222,9 @@ _originals: dict = {}
 _active: Optional[tuple] = None
 
 
-def upstream_module(module_name: str):
-    """An upstream module, imported with its import-time `torch.compile`s deferred to their first call
-    (compat.compile_deferred: no inductor import at every process start)."""
-    with compat.compile_deferred():
-        return importlib.import_module(module_name)
-
-
 def _resolve_owner(target: str):
     module_name, _, class_name = target.partition(":")
-    owner = upstream_module(module_name)
+    owner = model_family.upstream_module(module_name)
     return getattr(owner, class_name) if class_name else owner
 
 
@@ -241,7 +233,7 @@ def check_upstream() -> None:
     if os.environ.get(ALLOW_MISMATCH_ENV) == "1":
         return
     for module_name, pinned in PINNED_UPSTREAM_SHA256.items():
-        path = Path(upstream_module(module_name).__file__)
+        path = Path(model_family.upstream_module(module_name).__file__)
         actual = hashlib.sha256(path.read_bytes()).hexdigest()
         if actual != pinned:
             raise UpstreamMismatchError(

@@ -201,39 +201,3 @@ def init_weights_skip_loaded(original, _device):
         return original(self, module)
     return _init_weights
 
-
-class DeferredCompile:
-    """A function upstream decorated with `torch.compile` at import time, compiled at its first call
-    instead (the same compile, the same options). Wrapping a function with the default backend
-    imports inductor (~1.4 s of CPU per process, every rank and CLI run), and the adaptor replaces
-    the only such functions upstream has (cache_utils' FFT split: compat_instruct.eager_not_compiled)."""
-
-    def __init__(self, compile_fn, fn, options: dict):
-        functools.update_wrapper(self, fn)
-        self._torchdynamo_orig_callable = fn
-        self._compile, self._options, self._compiled = compile_fn, options, None
-
-    def __call__(self, *args, **kwargs):
-        if self._compiled is None:
-            self._compiled = self._compile(self.__wrapped__, **self._options)
-        return self._compiled(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def compile_deferred():
-    """While upstream's modules are imported: `torch.compile(fn)` / `@torch.compile(...)` on a plain
-    function gives a DeferredCompile; a module (or anything else) is compiled as asked."""
-    real = torch.compile
-
-    def deferred(model=None, **options):
-        if model is None:
-            return lambda fn: deferred(fn, **options)
-        if inspect.isfunction(model):
-            return DeferredCompile(real, model, options)
-        return real(model, **options)
-
-    torch.compile = deferred
-    try:
-        yield
-    finally:
-        torch.compile = real

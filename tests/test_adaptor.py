@@ -46,19 +46,19 @@ def test_apply_is_idempotent_and_reapplies_on_new_settings():
 @pytest.mark.slow
 def test_no_side_effects_at_import_and_no_inductor_import_at_apply():
     """Importing model_adaptor changes nothing; applying it imports upstream with upstream's import-time
-    `torch.compile`s deferred (compat.compile_deferred): inductor is not imported, torch.compile is
+    `torch.compile`s deferred (model_family.compile_deferred): inductor is not imported, torch.compile is
     torch's again after."""
     code = ("import sys; sys.path.insert(0, '.'); import torch; compile_fn = torch.compile; import model_adaptor; "
-            "h = model_adaptor.upstream_module('hunyuan_image_3.hunyuan'); "
+            "from adaptor_patches.model_family import upstream_module; h = upstream_module('hunyuan_image_3.hunyuan'); "
             "assert h.torch is torch and not model_adaptor.is_applied() and torch.compile is compile_fn; "
-            "model_adaptor.apply('cpu'); "
+            "model_adaptor.apply('cpu'); model_adaptor.model_family.model_class({'cfg_distilled': True}); "
             "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor imported'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
 def test_a_deferred_compile_compiles_at_its_first_call_with_the_options_given():
-    from adaptor_patches.compat import DeferredCompile, compile_deferred
+    from adaptor_patches.model_family import DeferredCompile, compile_deferred
     compiled = []
 
     def fake_compile(fn, **options):

@@ -479,3 +479,27 @@ def test_recipe_converted_folder_layout_is_checked_before_launch(tmp_path, base,
     base["model_args"]["quantize"] = "int5"
     assert_one_error(run_launcher(write_yaml(tmp_path, base), "--dry-run"),
                      "error: model_args.quantize: 'int5' is not one of none, int8, fp8, int4")
+
+
+def torchrun_report(exitcodes: dict) -> str:
+    """torchrun's own failure report (its ChildFailedError's message) for workers {rank: exit code} that
+    failed within one second: torchrun names the lowest rank as the root cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    failures = {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>") for rank, code in exitcodes.items()}
+    return ChildFailedError("run_image_gen.py", failures).format_msg()
+
+
+def test_the_rank_that_died_is_named_not_the_one_that_saw_it_go():
+    """torchrun's report names rank 0 (a tie in whole seconds) though rank 0 only reported the lost peer:
+    the launcher names rank 1, killed by SIGTERM, and exits 143 as the job's first failure did."""
+    from utils.launcher.launch import job_exit_code, root_cause
+    lost = "error: rank 0: a collective failed while generation 1 (text phase, denoising or VAE decode): reset\n"
+    both = torchrun_report({0: 1, 1: -15})
+    assert "Root Cause (first observed failure):\n[0]:" in both         # torchrun's own choice
+    assert root_cause(lost + both) == (1, -15) and job_exit_code(1, lost + both) == 143
+    assert root_cause(both) == (0, 1) and job_exit_code(1, both) == 1, "rank 0 failed on its own: it stays named"
+    only = torchrun_report({1: -9})
+    assert root_cause(lost + only) == (1, -9) and job_exit_code(1, only) == 137
+    assert root_cause("no report") is None and job_exit_code(1, "no report") == 1
+    earlier = torchrun_report({0: 2})
+    assert root_cause(earlier + lost + both) == (1, -15), "the last report decides"

@@ -22,6 +22,12 @@ from multirank import free_port
 from test_launcher import RUN_SH, ROOT, launcher_env, log_from, remove_log
 
 STEPS = 300
+# torchrun's look at its workers (--monitor-interval, PET_MONITOR_INTERVAL; 0.1 s by default). At 0.1 s
+# it SIGTERMed the survivor before its next collective failed in one loaded run of four or five (no
+# survivor line). At 2 s the survivor always hears of the loss first, writes its line and exits, and
+# torchrun's next look finds both ranks failed: its report then names rank 0, and the launcher must
+# still name the rank that died (launch.root_cause).
+MONITOR_INTERVAL_S = 2
 STEP_LINE = f"/{STEPS} ["        # tqdm's progress line of the denoise loop
 
 
@@ -72,7 +78,8 @@ def job(tiny_model, tmp_path):
     path.write_text(yaml.safe_dump(config))
     out, err = tmp_path / "console.out", tmp_path / "console.err"
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
-        proc = subprocess.Popen(["bash", str(RUN_SH), str(path), "--no-plan"], cwd=ROOT, env=launcher_env(),
+        proc = subprocess.Popen(["bash", str(RUN_SH), str(path), "--no-plan"], cwd=ROOT,
+                                env={**launcher_env(), "PET_MONITOR_INTERVAL": str(MONITOR_INTERVAL_S)},
                                 stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240

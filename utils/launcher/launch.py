@@ -39,8 +39,7 @@ DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
 USAGE = ("usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB] | "
          "run.sh --selfcheck [--device D] [--nproc N]")
 
-ROOT_CAUSE_EXITCODE = re.compile(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", re.S)
-ROOT_CAUSE_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)", re.S)
+FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", re.S | re.M)   # torchrun's report
 
 
 def flags(margs: dict) -> list[str]:
@@ -249,10 +248,10 @@ def run_tee(cmd: list[str], env: dict, log) -> int:
         return 128 + received[0]
     code = job_exit_code(rc, tail.decode(errors="replace"))
     if console.hiding:
-        rank = ROOT_CAUSE_RANK.findall(tail.decode(errors="replace"))
-        who = f"rank {rank[-1]}" if rank else "a rank"
+        cause = root_cause(tail.decode(errors="replace"))
+        who = f"rank {cause[0]}" if cause else "a rank"
         where = getattr(log, "name", "the log")
-        rank_log = Path(where).with_suffix("") / f"rank{rank[-1]}.log" if rank else None
+        rank_log = Path(where).with_suffix("") / f"rank{cause[0]}.log" if cause else None
         own = f" and in {rank_log}" if rank_log and rank_log.is_file() else ""     # its traceback too
         print(f"error: job: {who} failed (exit {code}); its own messages are above{own}, torchrun's report is in "
               f"{where}", file=sys.stderr, flush=True)
@@ -292,10 +291,31 @@ def kill_leftovers(processes: list) -> int:
     return killed
 
 
+def root_cause(output: str):
+    """(rank, exit code) of the worker that failed first, from torchrun's last failure report; None without one.
+
+    torchrun names the failure with the earliest timestamp, in whole seconds, a tie going to the lowest
+    rank: a rank that only saw a peer go (its `error: rank N: a collective failed` line) and exited before
+    torchrun's next look at its workers (every 0.1 s) was named instead of the rank that died. Such a rank
+    gives way to a rank of the same report that did not report a lost peer."""
+    report = output[output.rfind("Failures:"):] if "Failures:" in output else ""
+    others, _, root = report.partition("Root Cause")
+    named = FAILED_RANK.search(root)
+    if named is None:
+        return None
+    cause = (int(named[1]), int(named[2]))
+
+    def lost_a_peer(rank: int) -> bool:
+        return f"error: rank {rank}: a collective failed" in output
+    if lost_a_peer(cause[0]):
+        cause = next(((int(r), int(c)) for r, c in FAILED_RANK.findall(others) if not lost_a_peer(int(r))), cause)
+    return cause
+
+
 def job_exit_code(rc: int, output: str) -> int:
     """torchrun exits 1 whenever a worker fails; recover the root-cause worker's own code."""
-    causes = ROOT_CAUSE_EXITCODE.findall(output) if rc == 1 else []
-    code = int(causes[-1]) if causes else rc
+    cause = root_cause(output) if rc == 1 else None
+    code = cause[1] if cause else rc
     return 128 - code if code < 0 else code or rc
 
 

@@ -200,4 +200,3 @@ def init_weights_skip_loaded(original, _device):
             return None
         return original(self, module)
     return _init_weights
-

@@ -246,9 +246,10 @@ def run_tee(cmd: list[str], env: dict, log) -> int:
         print(f"error: job: stopped by {name}{f' ({left} rank processes killed)' if left else ''}; nothing is left "
               f"running, the job's output is in {getattr(log, 'name', 'the log')}", file=sys.stderr, flush=True)
         return 128 + received[0]
-    code = job_exit_code(rc, tail.decode(errors="replace"))
+    output = tail.decode(errors="replace")
+    code = job_exit_code(rc, output)
     if console.hiding:
-        cause = root_cause(tail.decode(errors="replace"))
+        cause = root_cause(output)
         who = f"rank {cause[0]}" if cause else "a rank"
         where = getattr(log, "name", "the log")
         rank_log = Path(where).with_suffix("") / f"rank{cause[0]}.log" if cause else None

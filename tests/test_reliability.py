@@ -17,6 +17,7 @@ import pytest
 
 from generation import ROOT, run_cli, run_cli_in_process
 from multirank import free_port
+from test_signals import alive
 
 LOAD_MARKER = "Loading weights"
 
@@ -120,15 +121,6 @@ def test_seed_outside_the_range_is_one_error_line(tiny_model, seed):
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: seed: "), proc.stderr
 
 
-def _running(pid) -> bool:
-    """Neither gone nor a zombie waiting for its parent."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _rank_pids(parent_pid):
     """{RANK: pid} of torchrun's worker processes."""
     found = {}
@@ -170,9 +162,9 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
         stopped = ranks[1]
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
-        while _running(ranks[0]) and time.monotonic() - t0 < timeout_s + margin_s:
+        while alive(ranks[0]) and time.monotonic() - t0 < timeout_s + margin_s:
             time.sleep(0.2)
-        elapsed, rank_0_out = time.monotonic() - t0, not _running(ranks[0])
+        elapsed, rank_0_out = time.monotonic() - t0, not alive(ranks[0])
         # Rank 0 is out: torchrun now SIGTERMs the job, and a stopped rank only takes that signal once
         # continued (else torchrun's 30 s grace ends in its SIGKILL): continued here, so the job ends now.
         os.kill(stopped, signal.SIGCONT)

@@ -209,7 +209,8 @@ PATCHES = (
           "the VAE decoder remembers the RankContext it is built for (its split)"),
     Patch(f"{VAE}:Decoder", "forward", autoencoder_kl_3d.decoder_forward,
           "VAE-parallel decode: latent rows split over all ranks, halo-exchanged convs, "
-          "GroupNorm on all-gathered statistics, full image all-gathered to every rank"),
+          "GroupNorm on all-gathered statistics, full image all-gathered to every rank; without it "
+          "only rank 0 decodes (the others' images are never read)"),
 )
 
 

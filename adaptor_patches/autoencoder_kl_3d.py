@@ -5,13 +5,17 @@
   Decoder.__init__   remembers the RankContext it is built for (the VAE is built inside the
                      patched HunyuanImage3ForCausalMM.__init__, so it is the model's)
   Decoder.forward    VAE-parallel decode (parallel/vae_bands.py) over the context's "vae" group
-                     when the layout asks for it on several ranks; otherwise upstream's forward
+                     when the layout asks for it on several ranks; otherwise rank 0 runs upstream's
+                     forward and the other ranks, whose images nothing reads (only rank 0 writes or
+                     answers), return a zero image of its shape without decoding (upstream 1ea1526
+                     meant the same with its rank-0-only return, which its own pipeline cannot index)
 
 (compat.py's `AutoencoderKLConv3D.decode` shim, dtype and autocast off CUDA, wraps the call from above.)
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 from .kernels.device import conv3d
@@ -38,11 +42,12 @@ def decoder_init(original, device):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
+        self.ffactor_spatial = inspect.signature(original).bind(self, *args, **kwargs).arguments["ffactor_spatial"]
         context = context_being_built(device)
         self.rank_context = context
         self.band_split_problem = vae_bands.unsupported(self) if context.layout.vae_parallel else None
         if self.band_split_problem:
-            log.warning(f"vae-parallel: single-device decode on every rank: {self.band_split_problem}")
+            log.warning(f"vae-parallel: single-device decode on rank 0: {self.band_split_problem}")
 
     return __init__
 
@@ -51,9 +56,18 @@ def decoder_forward(original, _device):
     @functools.wraps(original)
     def forward(self, z):
         context = getattr(self, "rank_context", None)
-        if context is None or not context.layout.vae_parallel or self.band_split_problem:
+        if context is None or not context.layout.is_distributed:
             return original(self, z)
-        group = context.group("vae")            # None: a one-process layout
-        return original(self, z) if group is None else vae_bands.parallel_decode(self, z, group)
+        if context.layout.vae_parallel and not self.band_split_problem:
+            return vae_bands.parallel_decode(self, z, context.group("vae"))
+        if context.rank == 0 or z.shape[2] != 1:
+            return original(self, z)
+        return unread_image(self, z)
 
     return forward
+
+
+def unread_image(decoder, z):
+    """Zeros of the shape upstream's decode keeps of a one-frame latent (its last frame)."""
+    scale = decoder.ffactor_spatial
+    return z.new_zeros(z.shape[0], decoder.conv_out.out_channels, 1, z.shape[3] * scale, z.shape[4] * scale)

@@ -11,7 +11,8 @@ The minimal shims (the reference run for equivalence tests applies exactly these
      allocates `torch.empty(0, device="cuda")` in its `__init__` and returns that empty tensor from
      `decode` on every rank but 0 once a process group exists (its own pipeline then indexes it):
      its `torch` is the device-neutral one, and reports no process group to that check, so every
-     rank decodes as 62da220 did (VAE parallel needs them all).
+     rank gets an image as in 62da220 (VAE parallel needs them all; without it the patched
+     Decoder.forward decodes on rank 0 only: autoencoder_kl_3d.py).
   4. transformers 5 changed `StaticLayer.lazy_initialization(key_states)` to take
      `(key_states, value_states)`: layers are initialised before upstream's `update` looks.
   5. transformers 5's `_sample` reads `model_kwargs["use_cache"]` after every step; upstream's

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 class LayoutError(ValueError):
     """A layout or flag this job cannot run; str() is a one-line `field: problem; fix` message."""
@@ -74,6 +72,7 @@ class HeadShard:
         return self.rank % self.ranks_per_kv_head * self.groups_local
 
     def _rows(self, slots) -> torch.Tensor:
+        import torch            # here, not at the top: the launcher's layout checks run without torch
         slots = torch.tensor(slots, dtype=torch.long)
         return (slots[:, None] * self.head_dim + torch.arange(self.head_dim)).reshape(-1)
 

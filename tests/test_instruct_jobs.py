@@ -30,7 +30,7 @@ from PIL import Image
 
 from browser import chromium, wait_for
 from generation import ROOT, psnr, run_cli_in_process
-from multirank import free_port, run_apart, run_ranks
+from multirank import free_port, run_ranks, start_apart
 
 pytestmark = pytest.mark.slow
 PROMPT = "make the fox blue"
@@ -69,12 +69,19 @@ def inputs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_instruct, inputs, tmp_path_factory):
-    """The two single-process CLI runs, side by side (multirank.run_apart: one process each)."""
+def references_started(tiny_instruct, inputs, tmp_path_factory):
+    """The two single-process CLI runs, side by side (multirank.start_apart: one process each), started
+    before the server (`served`) so that they run beside its one-core requests: (wait, folder)."""
     out = tmp_path_factory.mktemp("instruct_cli")
-    edit_two, guided = run_apart([
+    return start_apart([
         (cli, tiny_instruct, out, "edit_two", *EDIT_TWO, "--image", f"{inputs / 'a.png'},{inputs / 'b.png'}"),
-        (cli, tiny_instruct, out, "guided", *GUIDED, "--image", inputs / "a.png", "--metrics-json", out / "m.json")])
+        (cli, tiny_instruct, out, "guided", *GUIDED, "--image", inputs / "a.png", "--metrics-json", out / "m.json")]), out
+
+
+@pytest.fixture(scope="module")
+def references(references_started):
+    wait, out = references_started
+    edit_two, guided = wait()
     steps = len(json.loads((out / "m.json").read_text())["rounds"][0]["denoise_step_s"])
     assert steps == STEPS, f"--diff-infer-steps {STEPS} ran {steps} denoising steps on the Instruct model"
     return {"edit_two": edit_two, "guided": guided[0]}
@@ -103,7 +110,7 @@ def decoded(b64: str) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_instruct, inputs, tmp_path_factory):
+def served(tiny_instruct, inputs, tmp_path_factory, references_started):
     """One server start; every request the tests below look at, in order."""
     from openai import OpenAI
     out = tmp_path_factory.mktemp("instruct_served")

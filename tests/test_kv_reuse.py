@@ -46,14 +46,17 @@ def edit_runs(model_dir, out_dir, layout=None, rank: int = 0) -> dict:
         model_adaptor.remove()
 
 
-def _check(runs: dict, reference) -> dict:
+def _check(runs: dict, reference, rank: int = 0) -> dict:
+    """`rank` other than 0: its image is never read (only rank 0 writes or answers), so it is not
+    decoded (autoencoder_kl_3d.py); its latents must still be the reference's."""
     record = runs[True].text_phase["kv_reuse"]
     # the conditioning image's 256 VAE tokens and its ViT tokens are in the prefix, the generated image is not
     assert record["prefix_tokens"] >= 256 and record["first_step_positions"] == record["positions"] - record["prefix_tokens"]
     assert "kv_reuse" not in runs[False].text_phase
     assert runs[True].vision_encodes == 1 < runs[False].vision_encodes     # the text call only, not the first step
     assert runs[True].cot_text == reference.cot_text
-    assert psnr(runs[True].png, reference.png) >= 40
+    if rank == 0:
+        assert psnr(runs[True].png, reference.png) >= 40
     assert latent_rel_err(runs[True].latents, reference.latents) <= 2e-2
     return record
 
@@ -82,8 +85,8 @@ def test_two_ranks_start_from_the_text_prompt(tiny_instruct, one_process, tmp_pa
     """Under CFG parallel the conditional ranks also start past the think text (their rows continue
     it; the unconditional rows part from it at the user's words)."""
     alone = one_process[False]
-    for runs in run_ranks(2, reuse_on_rank, tiny_instruct, flags, tmp_path / "ranks"):
-        record = _check(runs, alone)
+    for rank, runs in enumerate(run_ranks(2, reuse_on_rank, tiny_instruct, flags, tmp_path / "ranks")):
+        record = _check(runs, alone, rank)
         assert record["cond_prefix_tokens"] > record["prefix_tokens"], record
 
 

@@ -78,10 +78,12 @@ def generate_on_ranks(rank, world_size, model_dir):
     """TP2, each rank with another global RNG state: returns (text, ratio, image hash, kv heads, sampler last)."""
     from transformers.generation.logits_process import TopKLogitsWarper
 
+    from adaptor_patches.metrics import PhaseTimer
     from adaptor_patches.weights.load import load_model
     device = model_adaptor.apply("cpu")
     try:
         model = load_model(model_dir, RankContext(Layout(world_size), rank, device))
+        timer = PhaseTimer(device).attach(model)        # the final latents (only rank 0 decodes the image)
         processors = model._get_logits_processor(generation_config=model.generation_config, input_ids_seq_length=4,
                                                  encoder_input_ids=torch.zeros(1, 4, dtype=torch.int64),
                                                  logits_processor=None, device="cpu", model_kwargs={})
@@ -91,11 +93,11 @@ def generate_on_ranks(rank, world_size, model_dir):
         random.seed(rank)
         np.random.seed(rank)
         with torch.no_grad():
-            image = model.generate_image(prompt=PROMPT, seed=1, image_size="auto", bot_task="think",
-                                         max_new_tokens=6, diff_infer_steps=1)
+            model.generate_image(prompt=PROMPT, seed=1, image_size="auto", bot_task="think",
+                                 max_new_tokens=6, diff_infer_steps=1)
         kv_heads = sorted({keys.shape[1] for step in model._decode_steps.values() for keys in step.kv.keys.values()})
         phase = model.last_text_phase.summary()
-        return phase["text"], phase["ratio"], hashlib.sha256(np.asarray(image).tobytes()).hexdigest(), kv_heads, order_ok
+        return phase["text"], phase["ratio"], hashlib.sha256(timer.last_latents.float().numpy().tobytes()).hexdigest(), kv_heads, order_ok
     finally:
         model_adaptor.remove()
 

@@ -57,7 +57,7 @@ def rank_job(rank: int, world_size: int, port: int, model_dir: str, flags: dict,
     pixels = torch.from_numpy(np.asarray(images[0].convert("RGB")).copy())
     gathered = [torch.empty_like(pixels) for _ in range(world_size)]
     dist.all_gather(gathered, pixels)
-    results.put((rank, min(decode_cpu), torch.equal(pixels, gathered[0]), bool(pixels.any())))
+    results.put((rank, min(decode_cpu), torch.equal(pixels, gathered[0]), bool((pixels != pixels.flatten()[0]).any())))
     dist.destroy_process_group()
 
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     every = sum(cpu for _, cpu, _, _ in rows[VARIANTS[1]])
     for variant, ranks in rows.items():
         (_, cpu0, _, _), (_, cpu1, same, drawn) = ranks
-        image = "rank 0's" if same else ("zeros (not read)" if not drawn else "differs")
+        image = "rank 0's" if same else ("one flat colour (not read)" if not drawn else "differs")
         print(f"| {variant} | {cpu0:.2f} | {cpu1:.2f} | {image} | {(cpu0 + cpu1) / every:.2f}x |")
     return 0
 

@@ -75,7 +75,8 @@ def test_each_call_of_a_job_gets_its_own_stream_and_a_job_seed_repeats_them():
 # ---------------------------------------------------------------- a real TP2 job
 
 def generate_on_ranks(rank, world_size, model_dir):
-    """TP2, each rank with another global RNG state: returns (text, ratio, image hash, kv heads, sampler last)."""
+    """TP2, each rank with another global RNG state: returns (text, ratio, final latents' hash, kv heads, sampler
+    last)."""
     from transformers.generation.logits_process import TopKLogitsWarper
 
     from adaptor_patches.metrics import PhaseTimer
@@ -97,7 +98,8 @@ def generate_on_ranks(rank, world_size, model_dir):
                                  max_new_tokens=6, diff_infer_steps=1)
         kv_heads = sorted({keys.shape[1] for step in model._decode_steps.values() for keys in step.kv.keys.values()})
         phase = model.last_text_phase.summary()
-        return phase["text"], phase["ratio"], hashlib.sha256(timer.last_latents.float().numpy().tobytes()).hexdigest(), kv_heads, order_ok
+        latents = hashlib.sha256(timer.last_latents.numpy().tobytes()).hexdigest()
+        return phase["text"], phase["ratio"], latents, kv_heads, order_ok
     finally:
         model_adaptor.remove()
 

@@ -4,6 +4,7 @@ fit is refused before launch with one line."""
 import json
 
 import pytest
+import torch
 
 from multirank import run_ranks
 
@@ -301,3 +302,35 @@ def test_the_text_decode_step_moves_one_all_reduce_per_moe_layer():
     assert plan("config/real_model", ep8_cfg, (1024, 1024), "npu")[0].traffic[TEXT_DECODE] == {}   # no think text
     batched = traffic_by_phase(config, raw, ep8_cfg, (1024, 1024), batch=2)[TEXT_DECODE]    # rows decoded together
     assert batched["MoE EP all-reduce (fixed shape)"] == 2 * 448 * 1024, batched
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int4-g32"])
+def test_a_meta_build_stores_experts_as_quantizing_them_does(fmt):
+    """The planner's meta build skips the quantize arithmetic (moe/experts.meta_stored): each stored
+    tensor must have the shape and dtype quantize_weight gives a real weight of that shape."""
+    from adaptor_patches.kernels.quant import quantize_weight
+    from adaptor_patches.moe.experts import meta_stored
+    weight = torch.randn(3, 128, 96)
+    real = quantize_weight(weight, fmt)
+    meta = meta_stored(weight.to("meta"), fmt)
+    assert [(t.shape, t.dtype) for t in meta] == [(t.shape, t.dtype) for t in real]
+    assert all(t.is_meta for t in meta)
+
+
+def test_layouts_that_hold_the_same_weights_share_one_meta_build(tiny_model):
+    """memory_plan.rank_weights builds once per split of the weights (Layout.weights): CFG parallel and
+    VAE parallel add no build, a different MoE split does."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner import memory_plan
+    built = []
+    original = memory_plan.build_meta_model
+    memory_plan.build_meta_model = lambda *a, **k: built.append(a[2]) or original(*a, **k)
+    memory_plan._RANK_WEIGHTS.clear()
+    try:
+        first = memory_plan.plan(tiny_model, Layout(2, moe="ep"), (64, 64), "cpu")
+        again = memory_plan.plan(tiny_model, Layout(4, 2, "ep", True), (64, 64), "cpu")
+        assert len(built) == 2 and [r.params for r in first] == [r.params for r in again]
+        memory_plan.plan(tiny_model, Layout(2, moe="tp"), (64, 64), "cpu")
+        assert len(built) == 4
+    finally:
+        memory_plan.build_meta_model = original

@@ -39,10 +39,17 @@ import torch
 from torch import nn
 
 from ..kernels import int4
-from ..kernels.quant import check_format, quantize_weight
+from ..kernels.quant import check_format, quantize_weight, stored_shapes
 from ..parallel.layout import LayoutError, MoeShard
 
 ROUTED_TOKEN_CHUNK = 4096       # tokens per routed_experts call on the local path (see the module docstring)
+
+
+def meta_stored(weight: torch.Tensor, expert_format: str) -> tuple:
+    """(stored weight, scale) of a meta `weight` in `expert_format`: the shapes and dtypes quantize_weight
+    gives, without its arithmetic (a meta build, the planner's: the real model's int4 experts took ~7 s)."""
+    return tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in stored_shapes(expert_format,
+                                                                                                weight.shape))
 
 
 class GroupedExperts(nn.Module):
@@ -67,7 +74,7 @@ class GroupedExperts(nn.Module):
             if problem:             # Checkpoint.check_for_run / the planner refuse this earlier, in one line
                 raise LayoutError(f"quantize: {problem} ({expert_format})")
             # an initial value only (replaced by the checkpoint's); quantized so it is in range
-            q, scale = quantize_weight(weight, expert_format)
+            q, scale = meta_stored(weight, expert_format) if weight.is_meta else quantize_weight(weight, expert_format)
             setattr(self, name, nn.Parameter(q, requires_grad=False))
             setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 

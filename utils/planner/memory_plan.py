@@ -2,7 +2,8 @@
 
 Parameters are not computed by formula: the model is built on the meta device under the layout's
 own patches (model_adaptor + RankContext(planning=True)), once per distinct rank role (the "tp"
-rank: CFG branches hold the same weights), and its state dict is summed by component. That is the
+rank: CFG branches hold the same weights) and split of the weights (rank_weights: the layouts a
+refusal tries share builds), and its state dict is summed by component. That is the
 code that will run, so the numbers are exact for what loading materialises (tests/test_plan.py
 compares them with loaded tiny models in every layout).
 
@@ -27,6 +28,7 @@ the VAE decode ("conditioning encode"); the larger of the three counts.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,13 +318,12 @@ def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None,
     images = conditioning_image_count(raw, conditioning_images)
     roles = []
     for tp_rank in sorted({0, layout.tp - 1}):
-        model = build_meta_model(config, raw, layout, tp_rank, quantize)
-        params = parameter_bytes(model)
+        params, read_bytes = rank_weights(config, raw, layout, tp_rank, quantize)
         same = next((r for r in roles if r.params == params), None)
         if same is None:
             traffic = traffic_by_phase(config, raw, layout, image_size, tp_rank, device_kind, design,
                                        context_tokens=context, batch=batch)
-            roles.append(RolePlan(tp_rank, [], params, checkpoint_read_bytes(model, layout),
+            roles.append(RolePlan(tp_rank, [], dict(params), read_bytes,
                                   activation_bytes(config, raw, layout, image_size, device_kind, context,
                                                    quantize=quantize, design=design, batch=batch,
                                                    conditioning_images=images),
@@ -333,6 +334,27 @@ def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None,
     for role in roles:
         role.ranks.sort()
     return roles
+
+
+_RANK_WEIGHTS = {}          # (config.json, layout.weights, tp rank, expert format) -> (params, read bytes)
+_RANK_WEIGHTS_KEPT = 256
+
+
+def rank_weights(config, raw: dict, layout, tp_rank: int, quantize=None) -> tuple:
+    """(parameter bytes by component, checkpoint bytes read) of tp rank `tp_rank`, from its meta model
+    built once per process for each split of the weights: the loader cuts a rank's tensors by
+    `layout.weights` alone (CFG, VAE parallel and sequence shares hold the same weights), so the
+    dozens of layouts a refusal tries (what_would_fit) share a few builds (the real model: ~0.3 s each)."""
+    key = (json.dumps(raw, sort_keys=True, default=str), layout.weights, tp_rank, quantize)
+    if key in _RANK_WEIGHTS:
+        return _RANK_WEIGHTS[key]
+    model = build_meta_model(config, raw, layout.weights, tp_rank, quantize)
+    found = (parameter_bytes(model), checkpoint_read_bytes(model, layout.weights))
+    while _RANK_WEIGHTS and len(_RANK_WEIGHTS) >= _RANK_WEIGHTS_KEPT:       # the oldest first
+        _RANK_WEIGHTS.pop(next(iter(_RANK_WEIGHTS)))
+    if _RANK_WEIGHTS_KEPT:
+        _RANK_WEIGHTS[key] = found
+    return found
 
 
 def shortfall(roles: list, device_memory: int, headroom: float):

@@ -17,7 +17,7 @@ import pytest
 
 from generation import ROOT, run_cli, run_cli_in_process
 from multirank import free_port
-from test_signals import alive
+from test_signals import alive, torchrun_ranks
 
 LOAD_MARKER = "Loading weights"
 
@@ -121,26 +121,6 @@ def test_seed_outside_the_range_is_one_error_line(tiny_model, seed):
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: seed: "), proc.stderr
 
 
-def _rank_pids(parent_pid):
-    """{RANK: pid} of torchrun's worker processes."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != parent_pid:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            if b"RANK" in env:
-                found[int(env[b"RANK"])] = int(entry)
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
 @pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
     timeout_s, margin_s = 10, 45
@@ -158,7 +138,7 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
         while "loaded" not in log.read_text():
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        ranks = _rank_pids(job.pid)
+        ranks = torchrun_ranks(job.pid)
         stopped = ranks[1]
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()

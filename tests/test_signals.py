@@ -47,14 +47,21 @@ def rank_pids(launcher_pid: int) -> dict:
     """{RANK: pid} of the job's ranks (launcher -> torchrun -> ranks)."""
     found = {}
     for torchrun in children(launcher_pid):
-        for pid in children(torchrun):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            except OSError:
-                continue
-            if b"RANK" in env:
-                found[int(env[b"RANK"])] = pid
+        found.update(torchrun_ranks(torchrun))
+    return found
+
+
+def torchrun_ranks(torchrun_pid: int) -> dict:
+    """{RANK: pid} of the worker processes torchrun `torchrun_pid` started."""
+    found = {}
+    for pid in children(torchrun_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            found[int(env[b"RANK"])] = pid
     return found
 
 

@@ -33,16 +33,21 @@ def refuse(argv: list, variant: str) -> tuple:
     from adaptor_patches.moe import experts
     from utils.planner import memory_plan, plan
     builds = []
-    original_build, original_stored, kept = memory_plan.build_meta_model, experts.meta_stored, memory_plan._RANK_WEIGHTS_KEPT
+    original_build, original_stored, original_weights = (memory_plan.build_meta_model, experts.meta_stored,
+                                                          memory_plan.rank_weights)
 
     def counted(*args, **kwargs):
         builds.append(1)
         return original_build(*args, **kwargs)
 
+    def forgetting(*args, **kwargs):                # every plan and role builds its own, as before the cut
+        memory_plan._RANK_WEIGHTS.clear()
+        return original_weights(*args, **kwargs)
+
     memory_plan.build_meta_model = counted
     memory_plan._RANK_WEIGHTS.clear()
     if variant == "before":
-        memory_plan._RANK_WEIGHTS_KEPT = 0          # rank_weights forgets each build: one per plan and role
+        memory_plan.rank_weights = forgetting
     if variant != "+ meta shapes":
         experts.meta_stored = quantize_weight
     err = io.StringIO()
@@ -53,7 +58,7 @@ def refuse(argv: list, variant: str) -> tuple:
         seconds = time.perf_counter() - started
     finally:
         memory_plan.build_meta_model, experts.meta_stored = original_build, original_stored
-        memory_plan._RANK_WEIGHTS_KEPT = kept
+        memory_plan.rank_weights = original_weights
         memory_plan._RANK_WEIGHTS.clear()
     line = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ""
     if code != 2 or not line.startswith("error: device_memory:"):

@@ -317,20 +317,17 @@ def test_a_meta_build_stores_experts_as_quantizing_them_does(fmt):
     assert all(t.is_meta for t in meta)
 
 
-def test_layouts_that_hold_the_same_weights_share_one_meta_build(tiny_model):
+def test_layouts_that_hold_the_same_weights_share_one_meta_build(tiny_model, monkeypatch):
     """memory_plan.rank_weights builds once per split of the weights (Layout.weights): CFG parallel and
     VAE parallel add no build, a different MoE split does."""
     from adaptor_patches.parallel.layout import Layout
     from utils.planner import memory_plan
     built = []
     original = memory_plan.build_meta_model
-    memory_plan.build_meta_model = lambda *a, **k: built.append(a[2]) or original(*a, **k)
-    memory_plan._RANK_WEIGHTS.clear()
-    try:
-        first = memory_plan.plan(tiny_model, Layout(2, moe="ep"), (64, 64), "cpu")
-        again = memory_plan.plan(tiny_model, Layout(4, 2, "ep", True), (64, 64), "cpu")
-        assert len(built) == 2 and [r.params for r in first] == [r.params for r in again]
-        memory_plan.plan(tiny_model, Layout(2, moe="tp"), (64, 64), "cpu")
-        assert len(built) == 4
-    finally:
-        memory_plan.build_meta_model = original
+    monkeypatch.setattr(memory_plan, "build_meta_model", lambda *a, **k: built.append(a[2]) or original(*a, **k))
+    monkeypatch.setattr(memory_plan, "_RANK_WEIGHTS", {})
+    first = memory_plan.plan(tiny_model, Layout(2, moe="ep"), (64, 64), "cpu")
+    again = memory_plan.plan(tiny_model, Layout(4, 2, "ep", True), (64, 64), "cpu")
+    assert len(built) == 2 and [r.params for r in first] == [r.params for r in again]
+    memory_plan.plan(tiny_model, Layout(2, moe="tp"), (64, 64), "cpu")
+    assert len(built) == 4

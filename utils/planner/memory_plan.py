@@ -349,12 +349,10 @@ def rank_weights(config, raw: dict, layout, tp_rank: int, quantize=None) -> tupl
     if key in _RANK_WEIGHTS:
         return _RANK_WEIGHTS[key]
     model = build_meta_model(config, raw, layout.weights, tp_rank, quantize)
-    found = (parameter_bytes(model), checkpoint_read_bytes(model, layout.weights))
-    while _RANK_WEIGHTS and len(_RANK_WEIGHTS) >= _RANK_WEIGHTS_KEPT:       # the oldest first
-        _RANK_WEIGHTS.pop(next(iter(_RANK_WEIGHTS)))
-    if _RANK_WEIGHTS_KEPT:
-        _RANK_WEIGHTS[key] = found
-    return found
+    if len(_RANK_WEIGHTS) >= _RANK_WEIGHTS_KEPT:
+        _RANK_WEIGHTS.pop(next(iter(_RANK_WEIGHTS)))          # the oldest
+    _RANK_WEIGHTS[key] = (parameter_bytes(model), checkpoint_read_bytes(model, layout.weights))
+    return _RANK_WEIGHTS[key]
 
 
 def shortfall(roles: list, device_memory: int, headroom: float):

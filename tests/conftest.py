@@ -24,6 +24,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    # The heap setting the product's CPU ranks make (Device.make_current), for the tests' own
+    # in-process runs; the rank pools make it too (tests/multirank.py).
+    from adaptor_patches.kernels.device import keep_freed_host_memory
+    keep_freed_host_memory()
     config.addinivalue_line("markers", "slow: spawns ranks or a fresh interpreter (seconds each); "
                                        "`pytest -m 'not slow'` is the fast tier")
     config.addinivalue_line("markers", "compat: also run on the oldest supported stack (torch 2.7.1, "

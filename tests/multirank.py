@@ -54,6 +54,8 @@ def _serve(rank, world_size, port, tasks, results, environ):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    from adaptor_patches.kernels.device import keep_freed_host_memory
+    keep_freed_host_memory()
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:

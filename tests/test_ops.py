@@ -6,7 +6,10 @@ here against tests/npu_double.py, a TEST DOUBLE implementing the documented torc
 plain torch: it checks that kernels/npu.py calls the NPU ops with the arguments and index
 conventions the docs describe, not that the NPU kernels behave so.
 """
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -354,3 +357,35 @@ def test_npu_double_rejects_empty_tensors_and_a_length_one_group_list():
     with pytest.raises(ValueError, match="length 1"):
         npu_double.npu_grouped_matmul([torch.zeros(3, 4)], [torch.zeros(1, 4, 4)], group_list=torch.tensor([3]),
                                       group_type=0, group_list_type=1, split_item=2)
+
+
+HEAP_PROBE = """
+import resource, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from adaptor_patches.kernels.device import resolve
+if sys.argv[2] == "cpu rank":
+    resolve("cpu").make_current()
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(4):
+        torch.ones(64 << 20, dtype=torch.uint8)     # over glibc's largest dynamic mmap threshold (32 MiB)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()
+print(faults())
+"""
+
+
+@pytest.mark.slow
+def test_a_cpu_rank_reuses_freed_host_memory_instead_of_faulting_it_in_again():
+    """Device.make_current on CPU keeps glibc's freed blocks for reuse (keep_freed_host_memory):
+    four 64 MiB tensors in turn fault in their 16384 pages each as glibc comes, and next to none on a
+    CPU rank."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    procs = {name: subprocess.Popen([sys.executable, "-c", HEAP_PROBE, root, name], env=env, stdout=subprocess.PIPE,
+                                    text=True) for name in ("plain process", "cpu rank")}
+    faults = {name: int(proc.communicate(timeout=120)[0].split()[-1]) for name, proc in procs.items()}
+    pages = 4 * (64 << 20) // 4096
+    assert faults["plain process"] >= 0.9 * pages, faults
+    assert faults["cpu rank"] < 0.05 * pages, faults

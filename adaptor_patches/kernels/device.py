@@ -12,6 +12,7 @@ have NOT been run on real Ascend hardware in this project.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import importlib.util
 import resource
@@ -82,6 +83,8 @@ class Device:
     def make_current(self) -> None:
         if self.is_accelerator and self.index is not None:
             self._module().set_device(self.index)
+        if not self.is_accelerator:
+            keep_freed_host_memory()
 
     def new_stream(self):
         """A new side stream, or None on CPU (callers then run inline)."""
@@ -221,6 +224,28 @@ def accelerator_memories(kind: str) -> list:
         return []
     module = _accelerator_module(kind)
     return [module.get_device_properties(i).total_memory for i in range(module.device_count())]
+
+
+# glibc's mallopt parameters (malloc.h) and the values keep_freed_host_memory sets.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_MMAP_THRESHOLD = 1 << 30        # blocks up to 1 GiB come from the heap, not fresh mappings
+HEAP_TRIM_THRESHOLD = 1 << 30        # and up to 1 GiB of freed heap top stays with the process
+
+
+def keep_freed_host_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse (CPU ranks: make_current). By default glibc
+    serves every block over its mmap threshold (128 KiB, rising to at most 32 MiB) from a fresh
+    mapping and unmaps it when freed, so each activation tensor page-faults in zeroed pages again on
+    every forward: on the tiny Instruct model a fifth of an image's time was the kernel's
+    (bench/host_heap.py). The process then keeps its peak heap, as an accelerator's caching
+    allocator keeps its pool. These two settings replace any MALLOC_MMAP_THRESHOLD_ /
+    MALLOC_TRIM_THRESHOLD_ in the environment. False where the C library has no mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
 
 
 def detect_kind() -> str:

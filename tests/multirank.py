@@ -78,11 +78,22 @@ def _serve(rank, world_size, port, tasks, results, environ):
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
+                destroy_task_groups()
                 adaptor = sys.modules.get("model_adaptor")
                 if adaptor is not None:     # the next task starts from unpatched upstream
                     adaptor.remove()
     finally:
         dist.destroy_process_group()
+
+
+def destroy_task_groups() -> None:
+    """Every process group but the pool's world (each task's RankContext builds its own: a DeviceMesh's
+    and the flattened ones). A gloo group keeps threads that wake while the pool waits; left alive, a
+    session's tasks piled up 50+ threads per rank and ~150 s of system CPU in idle pools."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d      # no public API lists a process's groups
+    for group in [g for g in distributed_c10d._world.pg_map if g is not dist.group.WORLD]:
+        dist.destroy_process_group(group)
 
 
 def _context():

@@ -7,8 +7,8 @@ The ranks of each world size form a pool that lives for the whole test session (
 call costs the function's own time, not a fresh start of N interpreters; and every pool's ranks
 are forked from one forkserver that has imported torch, transformers and upstream once (PRELOAD),
 so a pool starts in about a second instead of ~8 s of imports per rank. `my_fn` must be
-importable (module level) and leave no process-group state behind (the pool resets the patch
-table and the environment after each call). Collectives get a short timeout so a mismatched
+importable (module level); after each call the pool resets the patch table and the environment
+and destroys every process group the call made. Collectives get a short timeout so a mismatched
 call fails the test in seconds instead of hanging; a rank's exception is re-raised here with its
 traceback.
 """

@@ -95,7 +95,8 @@ for line in (out / "steps.tsv").read_text().splitlines():
     status = "pass" if rc == 0 else "timeout" if rc in (124, 137) else "fail"
     log = out / f"{name}.log"
     steps[name] = {"status": status, "exit_code": rc, "seconds": round(int(seconds) / 1000, 1), "limit_s": int(limit),
-                   "log": str(log), "tail": log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []}
+                   "log": str(log), "tail": log.read_text(errors="replace").splitlines()[-(15 if rc == 0 else 60):]
+                   if log.exists() else []}     # a failing step keeps more: its traceback
 for name, path in (("selfcheck", out / "selfcheck" / "selfcheck.json"), ("moe_layer", out / "moe_layer.json"),
                    ("collectives", out / "collectives" / "selfcheck.json"),
                    ("instruct", out / "instruct" / "selfcheck.json"), ("text", out / "text_phase.json")):

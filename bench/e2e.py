@@ -54,8 +54,10 @@ def run_variant(model: Path, nproc: int, flags, args, out: Path, threads: int) -
            "--rounds", str(args.rounds), "--save", str(out / "image.png"), "--metrics-json", str(metrics), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
-    if proc.returncode:
-        sys.exit(f"error: variant {flags}: run_image_gen failed:\n{proc.stderr[-2000:]}")
+    if proc.returncode:     # a rank's own error line can sit far above torchrun's closing report
+        named = [line for line in proc.stderr.splitlines() if "error" in line.lower()][-8:]
+        sys.exit(f"error: variant {flags}: run_image_gen failed (exit {proc.returncode}); its error lines:\n"
+                 + "\n".join(named) + f"\n... its stderr's end:\n{proc.stderr[-2000:]}")
     return json.loads(metrics.read_text())
 
 

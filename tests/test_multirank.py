@@ -60,3 +60,23 @@ def test_run_apart_keeps_the_jobs_order_runs_them_in_their_own_processes_and_rep
     with pytest.raises(RankFailed, match="boom on job 2"):
         run_apart([(_fails_on, i) for i in range(4)])
 
+
+
+def test_free_port_is_bindable_and_outside_the_ports_the_kernel_hands_out(monkeypatch):
+    """A port from the ephemeral range can go to another process's connection before torchrun's store
+    binds it (a device_day step failed so under the suite's load): free_port picks below that range,
+    and passes over a port someone listens on."""
+    import socket
+    from multirank import free_port
+    from utils.selfcheck.checks import collectives
+    ports = [free_port() for _ in range(20)]
+    assert not any(p in collectives.ephemeral_ports() or 29000 <= p < 30000 for p in ports), ports
+    with socket.socket() as held:
+        held.bind(("", ports[0]))
+        held.listen()
+
+        class HeldFirst:            # the sample free_port draws, with the held port drawn first
+            def sample(self, pool, k):
+                return [ports[0], ports[1]]
+        monkeypatch.setattr(collectives.random, "SystemRandom", HeldFirst)
+        assert free_port() == ports[1]

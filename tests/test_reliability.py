@@ -18,6 +18,7 @@ import pytest
 from generation import ROOT, run_cli, run_cli_in_process
 from multirank import free_port
 from test_signals import alive, torchrun_ranks
+from utils.launcher.launch import child_processes, kill_leftovers
 
 LOAD_MARKER = "Loading weights"
 
@@ -140,6 +141,7 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
             time.sleep(0.2)
         ranks = torchrun_ranks(job.pid)
         stopped = ranks[1]
+        stopped_process = [entry for entry in child_processes(job.pid) if entry[0] == stopped]   # (pid, start)
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
         while alive(ranks[0]) and time.monotonic() - t0 < timeout_s + margin_s:
@@ -153,10 +155,7 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
         if job.poll() is None:
             job.kill()
         if stopped is not None:
-            try:
-                os.kill(stopped, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_leftovers(stopped_process)     # only if still that process: its pid may be reused by now
     text = log.read_text()
     assert rank_0_out and job.returncode != 0 and elapsed <= timeout_s + margin_s, (elapsed, text[-3000:])
     assert "error: rank 0: a collective failed while generation 1" in text, text[-3000:]

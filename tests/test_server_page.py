@@ -84,20 +84,16 @@ class Served:
         """After a failed test too: SIGTERM through run.sh (it forwards it to torchrun, which lives in a
         session of its own); if that does not end it, SIGKILL to every process under it."""
         if self.proc.poll() is None:
-            from utils.launcher.launch import child_processes
-            tree, todo = [], [self.proc.pid]
+            from utils.launcher.launch import child_processes, kill_leftovers
+            tree, todo = [], child_processes(self.proc.pid)
             while todo:
-                pid = todo.pop()
-                tree.append(pid)
-                todo += [child for child, _ in child_processes(pid)]
+                tree.append(todo.pop())
+                todo += child_processes(tree[-1][0])
             try:
                 self.stop()
             except subprocess.TimeoutExpired:
-                for pid in tree:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+                self.proc.kill()
+                kill_leftovers(tree)        # those still the same process: a pid may be reused in 120 s
                 self.proc.wait(30)
         for folder in (ROOT / "res").glob(f"*/{self.name}"):
             shutil.rmtree(folder)

@@ -26,7 +26,7 @@ from PIL import Image
 from generation import ROOT
 from http_client import health, post, steps_before_cancel
 from multirank import free_port
-from utils.launcher.launch import child_processes
+from utils.launcher.launch import child_processes, kill_leftovers
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -148,10 +148,6 @@ def test_two_rank_server_streams_progress_cancels_on_every_rank_and_answers_a_lo
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
-        for pid, _ in ranks:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_leftovers(ranks)       # pids from minutes ago: only those still the same process (pid reuse)
     text = log_path.read_text()
     assert "[rank 0] error:" not in text or text.count("error: rank 0: a collective failed") == 1, text[-3000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -25,8 +26,31 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
               "all_to_all": lambda n: (n - 1) / n}
 
 
+def ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections and port-0 listeners."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999                    # Linux's default
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nobody listens on now, for a rendezvous or a server started next. Taken below the ephemeral
+    range: a port from it (what binding port 0 gives) can go to another process's connection or gloo
+    listener before the new store binds it, and the launch then fails with EADDRINUSE (issue 34: a
+    device_day step under the suite's load). 29000-29999 are left out: torchrun's default 29500 and
+    the ports jobs are configured with live there."""
+    low = ephemeral_ports().start
+    pool = [p for p in range(max(1024, low - 10000), low) if not 29000 <= p < 30000]
+    for port in random.SystemRandom().sample(pool, min(64, len(pool))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:                      # every sampled port taken: let the kernel pick one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -1,4 +1,6 @@
 """The multi-rank harness itself: real gloo groups in spawned processes, errors surface."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -80,3 +82,22 @@ def test_free_port_is_bindable_and_outside_the_ports_the_kernel_hands_out(monkey
                 return [ports[0], ports[1]]
         monkeypatch.setattr(collectives.random, "SystemRandom", HeldFirst)
         assert free_port() == ports[1]
+
+
+def test_leftover_kills_spare_a_pid_now_held_by_another_process():
+    """A test kills ranks it recorded minutes earlier; by then (pid_max 32768, ~43 new pids/s under the
+    suite) the pid may name another process: kill_leftovers kills only a pid whose start time still matches."""
+    import subprocess
+    import sys
+    from utils.launcher.launch import child_processes, kill_leftovers
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        recorded = [entry for entry in child_processes(os.getpid()) if entry[0] == proc.pid]
+        assert len(recorded) == 1, recorded
+        another = [(proc.pid, str(int(recorded[0][1]) + 1))]     # the same pid, started at another time
+        assert kill_leftovers(another) == 0 and proc.poll() is None
+        assert kill_leftovers(recorded) == 1 and proc.wait(timeout=10) == -9
+        assert kill_leftovers(recorded) == 0, "a reaped process is not killed twice"
+    finally:
+        proc.kill()
+        proc.wait()

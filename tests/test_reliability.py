@@ -133,7 +133,7 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
     with open(log, "w") as out:
         job = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    stopped, rank_0_out = None, False
+    stopped_process, rank_0_out = [], False       # [(pid, start time)] of the rank this test stops
     try:
         deadline = time.monotonic() + 120
         while "loaded" not in log.read_text():
@@ -141,7 +141,7 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
             time.sleep(0.2)
         ranks = torchrun_ranks(job.pid)
         stopped = ranks[1]
-        stopped_process = [entry for entry in child_processes(job.pid) if entry[0] == stopped]   # (pid, start)
+        stopped_process = [entry for entry in child_processes(job.pid) if entry[0] == stopped]
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
         while alive(ranks[0]) and time.monotonic() - t0 < timeout_s + margin_s:
@@ -154,8 +154,7 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tiny_model, tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
-        if stopped is not None:
-            kill_leftovers(stopped_process)     # only if still that process: its pid may be reused by now
+        kill_leftovers(stopped_process)     # only if still that process: its pid may be reused by now
     text = log.read_text()
     assert rank_0_out and job.returncode != 0 and elapsed <= timeout_s + margin_s, (elapsed, text[-3000:])
     assert "error: rank 0: a collective failed while generation 1" in text, text[-3000:]

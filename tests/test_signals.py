@@ -20,6 +20,7 @@ import yaml
 
 from multirank import free_port
 from test_launcher import RUN_SH, ROOT, launcher_env, log_from, remove_log
+from utils.launcher.launch import child_processes
 
 STEPS = 300
 # torchrun's look at its workers (--monitor-interval, PET_MONITOR_INTERVAL; 0.1 s by default). At 0.1 s
@@ -31,22 +32,10 @@ MONITOR_INTERVAL_S = 2
 STEP_LINE = f"/{STEPS} ["        # tqdm's progress line of the denoise loop
 
 
-def children(pid: int) -> list:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
 def rank_pids(launcher_pid: int) -> dict:
     """{RANK: pid} of the job's ranks (launcher -> torchrun -> ranks)."""
     found = {}
-    for torchrun in children(launcher_pid):
+    for torchrun, _ in child_processes(launcher_pid):
         found.update(torchrun_ranks(torchrun))
     return found
 
@@ -54,7 +43,7 @@ def rank_pids(launcher_pid: int) -> dict:
 def torchrun_ranks(torchrun_pid: int) -> dict:
     """{RANK: pid} of the worker processes torchrun `torchrun_pid` started."""
     found = {}
-    for pid in children(torchrun_pid):
+    for pid, _ in child_processes(torchrun_pid):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)

@@ -1,5 +1,5 @@
-"""Debian's headless chromium driven by Selenium, for the tests of the server's page (.ci/run installs
-chromium and chromium-driver)."""
+"""Debian's headless chromium driven by Selenium, for the tests of the server's page (`bash utils/setup.sh`
+installs chromium and chromium-driver)."""
 import contextlib
 import os
 import time
@@ -15,7 +15,8 @@ def chromium(profile_dir):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-        pytest.fail("chromium / chromium-driver missing: .ci/run installs them (apt-get install chromium chromium-driver)")
+        pytest.fail("chromium / chromium-driver missing: `bash utils/setup.sh` installs them "
+                    "(as root or with sudo: apt-get install chromium chromium-driver)")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -10,17 +10,32 @@ Fast (no model):
 Slow (the tiny checkpoints, in this process and on 2 gloo ranks):
 - B = 3 / 4 requests with different prompts, seeds and bot tasks (base: think, recaption, the ratio
   of `auto`; Instruct: think_recaption with its forced transitions and ratio, edits with images,
-  greedy) hand off exactly what each hands off alone: every text call's tokens, the text, the ratio,
-  upstream's image-call arguments;
+  greedy) hand off what each hands off alone: every text call's tokens, the text, the ratio,
+  upstream's image-call arguments. Within rounding, step by step (AloneReference): a row's logits
+  together are not bit-equal to alone (the prefill's attention over the batch's padded length rounds
+  differently, on some CPUs: AVX-512 and AVX2 here, not ATen's default kernels), and a sampled token
+  whose draw is that close to another's can differ (the base "ramen" think text at its 15th token:
+  log(p/q) of 530 and 537 0.034 apart, logits 1 bf16 ulp apart). So each row's choices are held to
+  its choices alone (the same stream at the same place, the same text read, logits within
+  LOGIT_BOUND, a differing token only where the alone choice on the row's logits draws it too), the
+  row then takes the token alone, and the handoffs compare exactly;
 - a row that stops early emits pad and does not hold the others; the decode forwards of a batched
   call are the longest row's, not the sum (counted at the text model);
 - a request whose text phase raises (a prompt beyond the context; upstream's unknown ratio token)
   gets its exception in its place, the others their texts;
 - MoE EP2: the same on every rank, batched = alone there too.
-Broken on purpose: the rows' samplers reversed in text_rows.BatchPhase -> every batched-vs-alone
-test above fails (the sampled tokens differ from the first draw on).
+Broken on purpose, each fails the base tests (and reversed samplers every batched-vs-alone test above):
+the rows' samplers reversed in text_rows.BatchPhase (a row's first choice reads another request's text);
+every row drawn from row 0's scores in DeviceChoice (a token the row's own logits do not draw); row 0's
+tokens handed to every row (text_rows._split); the decode positions from the padded width, or a mask
+that lets a padded row see its pads (text_decode.py: logits 0.38 / 0.10 of the largest apart, the bound
+0.016); the processors reading the padded row as it is (_rows_view).
 """
 from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -147,10 +162,122 @@ def stage(model, requests, counted=False):
         hook.remove()
 
 
+LOGIT_BOUND = 2 ** -6     # of the row's largest |logit| alone: two bf16 ulps of it (seen: up to 1.25, AVX-512 and AVX2)
+
+
+@dataclass
+class Draw:
+    """One token choice of a row: its generator's state before it, the raw logits [vocab], the tokens the
+    processors read [n], the processors as they were (alone), the sampler, the token."""
+    state: torch.Tensor
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    steps: list
+    sampler: object
+    token: int
+
+
+class AloneReference:
+    """Each request's text alone, the reference its row together is held to, step by step.
+
+    A batched row's logits are not bit-equal to its logits alone: the prefill's attention runs over the
+    batch's padded length (the row's pad keys masked), another kernel blocking, so the bf16 values round
+    differently, by how much and where depending on the CPU's kernels; a sampled token whose draw is that
+    close to another token's then differs and the two texts part. So, with `record()` around the
+    requests alone and `together()` around the batch, every token choice (DeviceChoice) of a row
+    together is compared to the same sampler's choice alone at the same step (the sampler's generator
+    identifies the request and its text call):
+      - the generator's state and the tokens the processors read: equal (a row draws from its own
+        stream at its own place and sees its own text: bit-exact by construction);
+      - the raw logits: within LOGIT_BOUND of the largest;
+      - the token: equal, or, where it differs, the alone choice replayed on the row's logits together
+        (its processors and generator as they were) draws it: only the logits' rounding parted them;
+    and then the row takes the token alone (teacher forcing), so that the texts stay comparable to the
+    end and the handoffs compare exactly. `parted` lists the steps where a token differed."""
+
+    def __init__(self):
+        self.alone: dict = {}           # generator seed -> [Draw], the choices of that sampler alone
+        self.checked: dict = {}         # generator seed -> choices compared together
+        self.parted: list = []          # (seed, step, token alone, token together, logit difference)
+        self.worst = 0.0                # the largest logit difference / the row's largest logit alone
+        self.failures: list = []        # what _check raised (the batch hands a row's exception to its request)
+
+    @contextlib.contextmanager
+    def _spying(self, mode):
+        original = self.choose = DeviceChoice.__call__
+        reference = self
+
+        def spy(choice, input_ids, logits):
+            rows = choice.rows if choice.rows is not None else [choice.sampler]
+            generators = choice.generators if choice.rows is not None else [choice.generator]
+            before = [g.get_state() for g in generators]
+            steps = copy.deepcopy(choice.steps) if mode == "record" else None
+            logits = logits.detach().clone()
+            tokens = original(choice, input_ids, logits.clone())
+            seen = choice._rows_view(input_ids) if choice.rows is not None else input_ids
+            for r, (sampler, generator) in enumerate(zip(rows, generators)):
+                draw = Draw(before[r], logits[r], seen[r].clone(), steps, sampler, int(tokens[r]))
+                if mode == "record":
+                    reference.alone.setdefault(generator.initial_seed(), []).append(draw)
+                    continue
+                try:
+                    tokens[r] = reference._check(generator.initial_seed(), draw, choice.rank)
+                except AssertionError as failed:        # the batch's keep_going would hand it to the request
+                    reference.failures.append(str(failed))
+                    raise
+            return tokens
+
+        DeviceChoice.__call__ = spy
+        try:
+            yield self
+        finally:
+            DeviceChoice.__call__ = original
+
+    def record(self):
+        return self._spying("record")
+
+    def together(self):
+        return self._spying("check")
+
+    def _check(self, seed: int, draw: Draw, rank: int) -> int:
+        assert seed in self.alone, f"a row draws from a generator (seed {seed}) no request drew from alone"
+        step = self.checked.get(seed, 0)
+        self.checked[seed] = step + 1
+        if step >= len(self.alone[seed]):
+            return draw.token                   # the row stopped alone by now: together it emits pad
+        alone = self.alone[seed][step]
+        where = f"seed {seed}, step {step}"
+        assert torch.equal(draw.state, alone.state), f"{where}: the row draws from another point of a stream"
+        n = alone.tokens.numel()             # together the prompt is right-aligned, its first token before it
+        assert torch.equal(draw.tokens[-n:], alone.tokens) and bool((draw.tokens[:-n] == alone.tokens[0]).all()), \
+            f"{where}: the processors read another text than alone (another request's sampler, or the row seen padded)"
+        difference = (draw.logits - alone.logits).abs().max().item() / alone.logits.abs().max().item()
+        self.worst = max(self.worst, difference)
+        assert difference <= LOGIT_BOUND, f"{where}: logits {difference:.2e} of the largest apart (> {LOGIT_BOUND:.2e})"
+        if draw.token != alone.token and rank == 0:         # the other ranks take rank 0's tokens
+            generator = torch.Generator().manual_seed(0)
+            generator.set_state(alone.state)
+            replay = DeviceChoice(copy.deepcopy(alone.steps), alone.sampler, 0, False, "cpu")
+            replay.generator = generator
+            replayed = int(self.choose(replay, alone.tokens[None], draw.logits[None].clone())[0])
+            assert replayed == draw.token, (f"{where}: together drew {draw.token}, alone {alone.token}, and the alone "
+                                            f"choice on the row's logits together draws {replayed}")
+            self.parted.append((seed, step, alone.token, draw.token, difference))
+        return alone.token
+
+
 def alone_and_together(model, requests):
-    alone = [stage(model, [r]) for r in requests]
-    together, forwards = stage(model, requests)
+    """Each request alone, then all together (their rows held to their texts alone: AloneReference): what
+    each hands off is the same."""
+    reference = AloneReference()
+    with reference.record():
+        alone = [stage(model, [r]) for r in requests]
+    with reference.together():
+        together, forwards = stage(model, requests)
+    assert not reference.failures, reference.failures[0]
     assert [handed_off(h) for h in together] == [handed_off(h[0]) for h, _ in alone]
+    assert reference.checked.keys() == reference.alone.keys(), "a request's text calls were not all made together"
+    assert all(reference.checked[k] >= len(v) for k, v in reference.alone.items()), "a row stopped before it did alone"
     return [h[0] for h, _ in alone], together, [n for _, n in alone], forwards
 
 
@@ -232,8 +359,12 @@ def on_ranks(rank, world_size, model_dir, layout_kwargs, requests):
     from utils.runtime.rank_model import load_rank_model
     model, _ = load_rank_model(model_dir, "cpu", layout=Layout(world_size, **layout_kwargs), rank=rank)
     model.text_graph = "off"
-    alone = [handed_off(stage(model, [r])[0][0]) for r in requests]
-    together, _ = stage(model, requests)
+    reference = AloneReference()
+    with reference.record():
+        alone = [handed_off(stage(model, [r])[0][0]) for r in requests]
+    with reference.together():
+        together, _ = stage(model, requests)
+    assert not reference.failures, f"rank {rank}: {reference.failures[0]}"
     rows = [type(h).__name__ if isinstance(h, Exception) else [c.decode.get("rows") for c in h.text_phase.calls]
             for h in together]
     return alone, [handed_off(h) for h in together], rows

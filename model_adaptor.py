@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from adaptor_patches import (autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, kv_reuse,
-                             model_family, text_batch, text_decode, text_phase)
+                             model_family, previews, text_batch, text_decode, text_phase)
 from adaptor_patches.kernels import device as device_mod
 from adaptor_patches.kernels.device import Device
 
@@ -195,6 +195,9 @@ PATCHES = (
     Patch(f"{PIPE}:HunyuanImage3Text2ImagePipeline", "__call__", compat_instruct.pipeline_call_honours_steps,
           "generate_image(diff_infer_steps=, diff_guidance_scale=) decide (the Instruct model passed only its "
           "generation config's)", shim=True),
+    Patch(f"{PIPE}:FlowMatchDiscreteScheduler", "step", previews.scheduler_step_with_previews,
+          "a served image's previews (partial_images): the predicted clean latents after the steps its denoise "
+          "watch names, decoded; the loop's latents unchanged (previews.py)"),
     Patch(VAE, "torch", compat.vae_module_torch,
           "torch.empty(device='cuda') in the VAE's __init__ follows our device; decode keeps its image on every "
           "rank (upstream returns an empty tensor on ranks other than 0)", shim=True),

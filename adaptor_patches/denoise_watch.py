@@ -1,8 +1,8 @@
 """One image's denoising loop seen from outside: rank 0's per-step progress, and a cancel every rank agrees on.
 
-A caller that wants either hands one DenoiseWatch to the one generation it runs (`with watching(model,
-watch): model.generate_image(...)`); the watch lives on that model for that call only. The patched
-model forward (hunyuan.causal_mm_forward) calls `begin_step` before and `end_step` after every
+A caller that wants either hands one DenoiseWatch to the one generation it runs (`with watching(watch):
+model.generate_image(...)`); the watch is the current one of that call only (a context variable, nothing
+is written onto the model). The patched model forward (hunyuan.causal_mm_forward) calls `begin_step` before and `end_step` after every
 gen_image forward, i.e. at the step boundaries of upstream's denoising loop (its pipeline calls the
 model once per step, `first_step` on the first).
 
@@ -13,12 +13,21 @@ DenoiseCancelled together; the rank
 loop then reports that outcome for the image on every rank alike. The text phase before the loop
 (think / recaption) is not interrupted: a cancel takes effect at the first denoising step.
 The broadcast on a CUDA / NPU device has not run on hardware (gloo on CPU is tested).
+
+Previews (the server's `partial_images`): `previews` maps a count of finished steps to the rows of the
+forward batch that want a preview then (preview_plan, from the requests, alike on every rank); after
+that step's scheduler update (adaptor_patches/previews.py) every rank decodes those rows' predicted
+clean latents through the same VAE path as the final image (VAE parallel included: every rank takes
+part) and rank 0 hands each to `on_preview(row, image)`.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import contextvars
+from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+_current: contextvars.ContextVar = contextvars.ContextVar("denoise_watch", default=None)
 
 
 class DenoiseCancelled(Exception):
@@ -31,6 +40,9 @@ class DenoiseWatch:
     on_step: Optional[Callable[[int, int], None]] = None         # (steps done, steps): rank 0's progress
     cancelled: Optional[Callable[[], bool]] = None               # rank 0's: has the request been cancelled?
     agree: bool = True                                           # broadcast rank 0's decision to every rank
+    previews: dict = field(default_factory=dict)                 # {steps done: [rows]}: preview_plan's
+    on_preview: Optional[Callable] = None                        # (row, PIL image): rank 0's
+    decode: Optional[Callable] = None                            # latents -> [PIL image]: previews.decode_latents
     step: int = -1
     done: int = 0                                                # denoising forwards this rank finished
 
@@ -48,6 +60,17 @@ class DenoiseWatch:
         if self.on_step is not None:
             self.on_step(self.step + 1, self.steps)
 
+    def preview_rows(self) -> list:
+        """The rows that want a preview once the current step's scheduler update is done."""
+        return self.previews.get(self.step + 1, []) if self.decode is not None else []
+
+    def preview(self, rows: list, clean_latents) -> None:
+        """Decode `clean_latents` (the rows' predicted clean latents; every rank) and hand them to on_preview."""
+        images = self.decode(clean_latents)
+        if self.on_preview is not None:
+            for row, image in zip(rows, images):
+                self.on_preview(row, image)
+
     def _cancel_agreed(self, context) -> bool:
         wanted = bool(self.cancelled()) if self.cancelled is not None else False
         if not self.agree or context is None or not context.layout.is_distributed:
@@ -60,17 +83,30 @@ class DenoiseWatch:
 
 
 @contextlib.contextmanager
-def watching(model, watch: Optional[DenoiseWatch]):
-    """Run one generation of `model` under `watch` (None: as without)."""
-    if watch is None:
-        yield None
-        return
-    model.denoise_watch = watch
+def watching(watch: Optional[DenoiseWatch]):
+    """Run one generation under `watch` (None: as without)."""
+    token = _current.set(watch)
     try:
         yield watch
     finally:
-        model.denoise_watch = None
+        _current.reset(token)
 
 
-def watch_of(model) -> Optional[DenoiseWatch]:
-    return getattr(model, "denoise_watch", None)
+def current_watch() -> Optional[DenoiseWatch]:
+    return _current.get()
+
+
+def preview_steps(steps: int, count: int) -> list:
+    """After which of `steps` denoising steps `count` previews are decoded: evenly spaced, the last step
+    (the final image) never among them, so fewer than `count` when the steps are few."""
+    chosen = {round(steps * i / (count + 1)) for i in range(1, count + 1)}
+    return sorted(s for s in chosen if 1 <= s < steps)
+
+
+def preview_plan(requests: list) -> dict:
+    """{steps done: [rows]} of a forward batch's requests (their `partial_images`; one steps count)."""
+    plan: dict = {}
+    for row, request in enumerate(requests):
+        for step in preview_steps(request.diff_infer_steps or 0, getattr(request, "partial_images", 0) or 0):
+            plan.setdefault(step, []).append(row)
+    return plan

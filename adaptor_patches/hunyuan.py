@@ -116,7 +116,7 @@ def causal_mm_forward(original, _device):
         if getattr(getattr(getattr(self, "model", None), "sequence_slot", None), "prefix", None) is not None:   # a step over a reused prefix
             arguments = kv_reuse.without_covered_conditioning(self, signature.bind(self, *args, **kwargs).arguments)
             args, kwargs = (), {k: v for k, v in arguments.items() if k != "self"}
-        watch = denoise_watch.watch_of(self)          # a served image: progress and an agreed cancel per step
+        watch = denoise_watch.current_watch()         # a served image: progress and an agreed cancel per step
         if watch is None:
             return cached_forward(self, *args, **kwargs)
         arguments = signature.bind(self, *args, **kwargs).arguments

@@ -36,3 +36,16 @@ def steps_before_cancel(log_text: str) -> list:
             ranks = re.findall(r"rank (\d+): DenoiseCancelled: cancelled after (\d+) of \d+ denoising steps", line)
             found.append({int(rank): int(steps) for rank, steps in ranks})
     return found
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """One sample of a /metrics text, read by prometheus_client's own parser: `name` is the sample's
+    (a histogram's hunyuan_x_bucket, _sum, _count), `labels` those it must carry (le="1.0": bounds are
+    floats)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    wanted = {k: str(v) for k, v in labels.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in wanted.items()):
+                return sample.value
+    raise KeyError(f"no sample {name}{labels or ''} in the metrics")

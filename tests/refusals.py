@@ -199,7 +199,7 @@ def server_answer(model_dir: str, request: str) -> tuple:
     server.loaded.set()
     server.start()
     try:
-        with socket.create_connection(server.httpd.server_address[:2], timeout=60) as sock:
+        with socket.create_connection(server.server_address, timeout=60) as sock:
             sock.sendall(request.encode("utf-8", "surrogateescape"))
             response = http.client.HTTPResponse(sock)
             response.begin()

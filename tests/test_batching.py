@@ -5,6 +5,7 @@ step callback), as its rank loop would; a batch that runs is tests/test_batches.
 from dataclasses import replace
 
 import pytest
+from http_client import metric
 
 from utils.runtime.batching import compatibility_key, take_batch
 from utils.runtime.image_requests import ImageRequest, RequestChecker
@@ -53,7 +54,7 @@ def server(tiny_model):
                       batch_wait_s=0.05)
     srv.loaded.set()
     yield srv
-    for job in srv.unanswered:               # no handler thread writes their responses here
+    for job in srv.unanswered:               # no endpoint writes their responses here
         job.answered.set()
     srv.close()
 
@@ -85,9 +86,10 @@ def test_the_server_batches_compatible_jobs_and_an_incompatible_one_waits_for_it
     server.deliver(made(batch, 2))
     assert late.done.is_set() and not server.busy
     text = server.metrics.prometheus(0, False)
-    assert 'hunyuan_batch_requests_bucket{le="1"} 1' in text and 'hunyuan_batch_requests_bucket{le="2"} 2' in text
-    assert "hunyuan_batch_requests_count 3" in text and "hunyuan_batch_requests_sum 6" in text
-    assert "hunyuan_largest_batch 3" in text
+    assert metric(text, "hunyuan_batch_requests_bucket", le="1.0") == 1
+    assert metric(text, "hunyuan_batch_requests_bucket", le="2.0") == 2
+    assert metric(text, "hunyuan_batch_requests_count") == 3 and metric(text, "hunyuan_batch_requests_sum") == 6
+    assert metric(text, "hunyuan_largest_batch") == 3
 
 
 def test_a_job_of_more_images_than_max_batch_runs_in_several_batches(server):
@@ -131,8 +133,9 @@ def test_metrics_count_forward_batches_from_the_images_they_made():
     metrics = Metrics()
     metrics.count_batches([4, 4, 4, 4, 1, 2, 2])       # one forward of 4, one of 1, one of 2
     text = metrics.prometheus(0, False)
-    assert "hunyuan_batch_requests_count 3" in text and "hunyuan_largest_batch 4" in text
-    assert 'hunyuan_batch_requests_bucket{le="1"} 1' in text and 'hunyuan_batch_requests_bucket{le="4"} 3' in text
+    assert metric(text, "hunyuan_batch_requests_count") == 3 and metric(text, "hunyuan_largest_batch") == 4
+    assert metric(text, "hunyuan_batch_requests_bucket", le="1.0") == 1
+    assert metric(text, "hunyuan_batch_requests_bucket", le="4.0") == 3
     assert "3 forward batch(es), the largest 4" in metrics.summary()
 
 

@@ -106,7 +106,7 @@ def test_cli_mode_flags_are_checked(tiny_model, tmp_path, argv, message):
 
 def test_api_body_maps_openai_fields_to_requests(tiny_model):
     checker = RequestChecker(tiny_model)
-    requests = parse_body({"prompt": "a fox", "n": 3, "size": "96x64", "seed": 10, "steps": 2, "model": "any",
+    requests = parse_body({"prompt": "a fox", "n": 3, "size": "96x64", "seed": 10, "steps": 2, "model": "tiny",
                            "response_format": "b64_json"}, DEFAULTS, checker, max_n=4)
     assert [r.seed for r in requests] == [10, 11, 12]
     assert {(r.image_size, r.diff_infer_steps, r.save) for r in requests} == {("64x96", 2, None)}   # WxH -> HxW
@@ -119,7 +119,7 @@ def test_api_body_maps_openai_fields_to_requests(tiny_model):
     ({"prompt": "x", "size": "64"}, "size"), ({"prompt": "x", "response_format": "url"}, "response_format"),
     ({"prompt": "x", "seed": "7"}, "seed"), ({"prompt": "x", "steps": 0}, "steps"),
     ({"prompt": "x", "colour": "red"}, "colour"), ({"prompt": "fox " * 13000}, "prompt"),
-    ({"prompt": "x", "bot_task": "think"}, "bot_task"),
+    ({"prompt": "x", "bot_task": "think"}, "bot_task"), ({"prompt": "x", "model": "dall-e-3"}, "model"),
 ])
 def test_api_body_problems_name_the_field(tiny_model, body, param):
     with pytest.raises(BadRequest) as info:

@@ -38,7 +38,7 @@ LAYERS = (
     ("weights.checkpoint",),                # the one checkpoint object
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
-    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "text_phase", "text_sampling", "kv_reuse",
+    ("hunyuan", "autoencoder_kl_3d", "step_cache", "denoise_watch", "previews", "text_phase", "text_sampling", "kv_reuse",
      "text_decode", "text_rows", "text_batch", "image_batch", "compat", "compat_base", "compat_instruct", "metrics"),
 )
 EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__")

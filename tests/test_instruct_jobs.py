@@ -95,7 +95,7 @@ def sse(port, path, body):
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     connection.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
     response = connection.getresponse()
-    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
     events = []
     for block in response.read().decode().split("\n\n"):
         lines = dict(line.split(": ", 1) for line in block.splitlines() if not line.startswith(":") and ": " in line)
@@ -140,13 +140,46 @@ def served(tiny_instruct, inputs, tmp_path_factory, references_started):
             unguided = client.images.edit(model=tiny_instruct.name, image=a, prompt=PROMPT, size=SIZE,
                                           extra_body={"seed": SEED})
         generated = client.images.generate(model=tiny_instruct.name, prompt=PROMPT, size=SIZE, extra_body={"seed": SEED})
+        streams = openai_streams(client, tiny_instruct.name, inputs / "a.png")
         models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10))
         page_edit = edit_on_the_page(f"http://127.0.0.1:{port}", inputs / "a.png", out)
     finally:
         server.terminate()
         server.wait(120)
     return {"edit_two": edit_two, "guided": guided, "unguided": unguided, "generated": generated, "models": models,
-            "page_edit": page_edit, "log": log.read_text()}
+            "page_edit": page_edit, "log": log.read_text(), **streams}
+
+
+PREVIEWED = {"seed": SEED, "steps": 4}               # 4 steps: previews after steps 1 and 3 (the last is the image)
+
+
+def openai_streams(client, model, image) -> dict:
+    """One OpenAI client object: a refused call (404, then 400) each followed by a good one on its pooled
+    connection, and generations and edits streamed with two previews beside the same requests unstreamed."""
+    from openai import BadRequestError, NotFoundError
+    answers = {}
+    try:
+        client.responses.create(model="x", input="hi", extra_headers={"X-Request-Id": "refused-404"})
+    except NotFoundError as exc:
+        answers["refused-404"] = exc
+    answers["stream-gen"] = list(client.images.generate(
+        model=model, prompt=PROMPT, size=SIZE, stream=True, partial_images=2, extra_body=PREVIEWED,
+        extra_headers={"X-Request-Id": "stream-gen"}))
+    try:
+        client.images.generate(model=model, prompt=PROMPT, extra_body={"seed": -1},
+                               extra_headers={"X-Request-Id": "refused-400"})
+    except BadRequestError as exc:
+        answers["refused-400"] = exc
+    with open(image, "rb") as file:
+        answers["stream-edit"] = list(client.images.edit(
+            model=model, image=file, prompt=PROMPT, size=SIZE, stream=True, partial_images=2, extra_body=PREVIEWED,
+            extra_headers={"X-Request-Id": "stream-edit"}))
+    answers["plain-gen"] = client.images.generate(model=model, prompt=PROMPT, size=SIZE, extra_body=PREVIEWED,
+                                                  output_format="webp")          # compression 100: lossless
+    with open(image, "rb") as file:
+        answers["plain-edit"] = client.images.edit(model=model, image=file, prompt=PROMPT, size=SIZE,
+                                                   extra_body=PREVIEWED)
+    return answers
 
 
 def edit_on_the_page(url, image, out) -> dict:
@@ -194,16 +227,45 @@ def test_openai_edit_with_two_images_equals_the_cli(served, references, tmp_path
 def test_a_streamed_edit_reports_progress_and_its_guidance_reaches_the_model(served, references, tmp_path):
     events = served["guided"]
     names = [name for name, _ in events]
-    assert "progress" in names and names[-1] == "result", names
+    assert "progress" in names and names[-1] == "image_edit.completed", names
     steps = [data for name, data in events if name == "progress"]
     assert steps[-1]["steps"] == STEPS, steps
-    guided = save(decoded(events[-1][1]["data"][0]["b64_json"]), tmp_path / "guided.png")
+    guided = save(decoded(events[-1][1]["b64_json"]), tmp_path / "guided.png")
     unguided = save(decoded(served["unguided"].data[0].b64_json), tmp_path / "unguided.png")
     db = psnr(guided, references["guided"])
     print(f"guided: API vs CLI {db:.1f} dB, vs the checkpoint's guidance {psnr(guided, unguided):.1f} dB")
     assert db >= PSNR_MIN_DB, f"guidance 30 over the API is {db:.1f} dB from the CLI's --guidance-scale 30"
     apart = psnr(guided, unguided)
     assert apart < PSNR_MIN_DB, f"guidance 30 and the checkpoint's 2.5 gave images {apart:.1f} dB apart: not passed on"
+
+
+def test_a_refused_call_leaves_the_openai_clients_connection_to_the_next(served):
+    assert served["refused-404"].status_code == 404
+    assert served["refused-400"].status_code == 400 and served["refused-400"].body["param"] == "seed"
+
+    def port(request_id):
+        line = next(line for line in served["log"].splitlines() if f"id={request_id}" in line)
+        return line.split(" http ", 1)[1].split()[0]
+    assert port("refused-404") == port("stream-gen"), "the 404 closed the client's connection"
+    assert port("refused-400") == port("stream-edit"), "the 400 closed the client's connection"
+
+
+@pytest.mark.parametrize("kind", ["image_generation", "image_edit"])
+def test_openai_streams_yield_two_previews_and_the_image_the_plain_request_gets(served, kind):
+    events = served["stream-gen" if kind == "image_generation" else "stream-edit"]
+    plain = served["plain-gen" if kind == "image_generation" else "plain-edit"]
+    previews = [e for e in events if e.type == f"{kind}.partial_image"]
+    completed = [e for e in events if e.type == f"{kind}.completed"]
+    assert [p.partial_image_index for p in previews] == [0, 1] and len(completed) == 1, [e.type for e in events]
+    assert {e.type for e in events} - {f"{kind}.partial_image", f"{kind}.completed"} <= {"queued", "progress"}
+    final = np.asarray(decoded(completed[0].b64_json).convert("RGB"))
+    assert completed[0].output_format == "png" and completed[0].size == SIZE
+    shown = [np.asarray(decoded(p.b64_json).convert("RGB")) for p in previews]
+    assert all(p.shape == final.shape for p in shown) and not np.array_equal(shown[0], shown[1])
+    assert not any(np.array_equal(p, final) for p in shown)
+    unstreamed = decoded(plain.data[0].b64_json)          # the generation asked for webp at 100: lossless
+    assert unstreamed.format == ("WEBP" if kind == "image_generation" else "PNG"), unstreamed.format
+    assert np.array_equal(final, np.asarray(unstreamed.convert("RGB")))
 
 
 def test_openai_generate_and_the_model_card(served):

@@ -35,7 +35,7 @@ def keyed(tiny_model):
 
 
 def call(server, method, path, body=None, headers=None):
-    host, port = server.httpd.server_address[:2]
+    host, port = server.server_address
     connection = http.client.HTTPConnection(host, port, timeout=10)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     connection.request(method, path, body=data, headers=headers or {})
@@ -43,16 +43,17 @@ def call(server, method, path, body=None, headers=None):
     payload = response.read()
     connection.close()
     is_json = response.getheader("Content-Type", "").startswith("application/json")
-    return response.status, json.loads(payload) if is_json else payload, dict(response.getheaders())
+    return response.status, json.loads(payload) if is_json else payload, response.headers     # names: any case
 
 
 KEYED = sorted((method, path) for (method, path), (_, needs_key) in ROUTES.items() if needs_key)
 
 
 def test_every_api_endpoint_needs_the_key(keyed):
-    assert KEYED == [("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/images/edits"),
-                     ("POST", "/v1/images/generations")]
+    assert KEYED == [("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
+                     ("POST", "/v1/images/edits"), ("POST", "/v1/images/generations")]
     for method, path in KEYED:
+        path = path.replace("{model_id}", "tiny")
         body = {"prompt": "a fox"} if method == "POST" else None
         for headers, problem in (({}, "no API key sent"), ({"Authorization": "Bearer wrong"}, "wrong API key"),
                                  ({"Authorization": KEY}, "no API key sent"),            # no Bearer scheme
@@ -203,7 +204,7 @@ def test_a_client_that_leaves_its_queued_request_cancels_it(tiny_model):
     srv.start()
     try:
         body = json.dumps({"prompt": "a fox", "seed": 1, "stream": True}).encode()
-        sock = socket.create_connection(srv.httpd.server_address[:2], timeout=10)
+        sock = socket.create_connection(srv.server_address, timeout=10)
         sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         head = sock.recv(65536).decode()
@@ -297,3 +298,17 @@ def test_binding_beyond_loopback_without_a_key_warns_at_start(tiny_model, host, 
     found = [text for text in lines if text.startswith(("warning:", "note:"))]
     assert (found == []) if line is None else (len(found) == 1 and found[0].startswith(line)), lines
     assert not any(KEY in text for text in lines)
+
+
+def test_the_openai_client_after_a_401_and_a_404_on_one_client_object(keyed):
+    """The real OpenAI client, one object: a wrong key (401) and an unknown model (404) refused, then the
+    same object lists and retrieves the model (GET /v1/models, /v1/models/{id})."""
+    from openai import AuthenticationError, NotFoundError, OpenAI
+    client = OpenAI(base_url="http://{}:{}/v1".format(*keyed.server_address), api_key=KEY, max_retries=0, timeout=30)
+    with pytest.raises(AuthenticationError) as refused:
+        client.models.list(extra_headers={"Authorization": "Bearer wrong"})
+    assert refused.value.status_code == 401 and "wrong API key" in refused.value.message
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("gpt-image-1")
+    assert client.models.retrieve("tiny").id == "tiny"

@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from generation import ROOT, run_cli_in_process
-from http_client import health, post
+from http_client import health, metric, post
 from multirank import free_port
 from test_server_ranks import stream
 
@@ -60,10 +60,6 @@ def alone(tiny_model, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "images" / "metrics.jsonl").read_text().splitlines()][:-1]
     return {(r["prompt"], r["seed"]): pixels(open(r["save"], "rb").read()) for r in records}
-
-
-def metric(text: str, name: str) -> float:
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +127,7 @@ def test_four_compatible_clients_are_one_batch_and_an_incompatible_one_waits_for
     text = served["metrics together"]
     assert metric(text, "hunyuan_largest_batch") == 4, text
     assert metric(text, "hunyuan_batch_requests_count") == 2 and metric(text, "hunyuan_batch_requests_sum") == 5
-    assert metric(text, 'hunyuan_batch_requests_bucket{le="1"}') == 1, text       # the other size: on its own
+    assert metric(text, "hunyuan_batch_requests_bucket", le="1.0") == 1, text       # the other size: on its own
     for i, body in enumerate(TOGETHER):
         code, answer = served[i]
         assert code == 200, answer
@@ -148,16 +144,16 @@ def test_four_compatible_clients_are_one_batch_and_an_incompatible_one_waits_for
 def test_a_cancelled_member_leaves_the_others_intact(served, alone):
     for i in range(2):
         events = served[f"stream {i}"]
-        assert events[-1][0] == "result", events[-3:]
+        assert events[-1][0] == "image_generation.completed", events[-3:]
         progress = [data for name, data in events if name == "progress"]
         assert progress and all(data["batch"] == 3 and data["steps"] == LONG for data in progress), progress
-        mine = pixels(events[-1][1]["data"][0]["b64_json"])
+        mine = pixels(events[-1][1]["b64_json"])
         db = psnr(mine, alone[(STREAMED[i]["prompt"], STREAMED[i]["seed"])])
         assert db >= PSNR_MIN_DB, f"stream {i}: {db:.1f} dB from the same request alone after its companion left"
     left = served["stream 2"]
     assert left[-1][0] == "progress" and left[-1][1]["step"] >= 1 and left[-1][1]["batch"] == 3, left
     text = served["metrics streamed"]
-    assert metric(text, 'hunyuan_requests_total{code="499"}') == 1, text
+    assert metric(text, "hunyuan_requests_total", code="499") == 1, text
     assert metric(text, "hunyuan_batch_requests_count") == 3 and metric(text, "hunyuan_largest_batch") == 4
     assert "its request is cancelled at the next denoising step" in served["log"]
 
@@ -169,4 +165,4 @@ def test_the_openai_clients_n_2_returns_two_different_images(served, alone):
         db = psnr(image, alone[(N2["prompt"], N2["seed"] + i)])
         assert db >= PSNR_MIN_DB, f"image {i} of n=2: {db:.1f} dB from seed {N2['seed'] + i} alone"
     assert metric(served["metrics n=2"], "hunyuan_batch_requests_count") == 4
-    assert 'hunyuan_batch_requests_bucket{le="2"} 2' in served["metrics n=2"]     # the other size alone, the n=2 pair
+    assert metric(served["metrics n=2"], "hunyuan_batch_requests_bucket", le="2.0") == 2    # the other size alone, the n=2 pair

@@ -37,7 +37,7 @@ def server(tiny_model):
 
 def exchange(server, raw: bytes, timeout=10):
     """Send raw bytes on a fresh connection; (status, JSON body) of the answer."""
-    host, port = server.httpd.server_address[:2]
+    host, port = server.server_address
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.sendall(raw)
         response = http.client.HTTPResponse(sock)
@@ -75,6 +75,8 @@ MALFORMED = {
                                  "step_cache.interval"),
     "size_too_large": (post_raw(b'{"prompt": "x", "size": "99999x99999"}'), 400, "size"),
     "unknown_path": (b"GET /admin HTTP/1.1\r\nHost: x\r\n\r\n", 404, None),
+    "headers_over_32_kib": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n", 431, None),
+    "no_host_header": (b"GET /health HTTP/1.1\r\n\r\n", 400, None),                   # RFC 9112 3.2
     "header_value_with_nul": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\x00b\r\n\r\n", 400, None),   # RFC 9110 5.5
     "authorization_with_nul": (post_raw(b'{"prompt": "x"}', b"Authorization: Bearer k\x00ey\r\n"), 400, None),
 }
@@ -98,7 +100,7 @@ def test_every_malformed_request_gets_a_json_4xx_and_serving_goes_on(server, cas
 def test_head_answers_as_get_does_without_the_body(server, path):
     """HEAD wherever GET is served (RFC 9110 9.3.2): GET's status and headers, Content-Length
     included, and no body; then the connection serves the next request as usual."""
-    host, port = server.httpd.server_address[:2]
+    host, port = server.server_address
     with socket.create_connection((host, port), timeout=60) as sock:
         answers = []
         for method in ("HEAD", "GET"):
@@ -113,13 +115,13 @@ def test_head_answers_as_get_does_without_the_body(server, path):
 
 
 def test_slow_and_half_open_clients_are_timed_out_in_one_line_each(server, capfd):
-    host, port = server.httpd.server_address[:2]
+    host, port = server.server_address
     before = len(server.lines)
     half_open = []
     for i in range(20):
         sock = socket.create_connection((host, port), timeout=10)
         sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\n" if i % 2 else
-                     b"POST /v1/images/generations HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+                     b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
         half_open.append(sock)
     code, payload, _ = exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert code == 200 and payload["status"] == "ok"          # served beside them: they hold no lock, no model
@@ -138,7 +140,7 @@ def test_slow_and_half_open_clients_are_timed_out_in_one_line_each(server, capfd
 
 
 def test_a_client_that_disconnects_mid_body_is_one_line(server, capfd):
-    host, port = server.httpd.server_address[:2]
+    host, port = server.server_address
     before = len(server.lines)
     with socket.create_connection((host, port)) as sock:
         sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{\"pro")
@@ -198,3 +200,47 @@ def test_real_server_survives_vanishing_clients_and_answers_the_running_request_
             os.killpg(server.pid, signal.SIGKILL)
     text = log_path.read_text()
     assert "Traceback" not in text and "server stopped" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_accepting_and_exits_within_the_shutdown_timeout(tiny_model, tmp_path):
+    """A request of 1000 steps runs and another waits when SIGTERM comes: the waiting one gets 503 at
+    once, no new connection is taken, the running one is cancelled --shutdown-timeout (1 s) later and
+    answered 503, and the server exits 0 within seconds, not after the 1000 steps."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), "--shutdown-timeout", "1",
+           "--model-id", str(tiny_model), "--device", "cpu", "--image-size", "64x64", "--diff-infer-steps", "2"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while health(url)[0] != 200:
+            assert server.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        answers = {}
+        long = threading.Thread(target=lambda: answers.update(long=post(url, {"prompt": "long", "steps": 1000})))
+        long.start()
+        while not health(url)[1].get("busy"):
+            time.sleep(0.02)
+        queued = threading.Thread(target=lambda: answers.update(queued=post(url, {"prompt": "next"})))
+        queued.start()
+        while health(url)[1].get("queue_depth") != 1:
+            time.sleep(0.02)
+        stopped_at = time.monotonic()
+        os.killpg(server.pid, signal.SIGTERM)
+        queued.join(30)
+        assert answers["queued"][0] == 503, answers
+        with pytest.raises(ConnectionRefusedError):                # the listening socket is closed
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+        long.join(60)
+        assert answers["long"][0] == 503 and "shutting down" in answers["long"][1]["error"]["message"], answers
+        assert server.wait(60) == 0
+        assert time.monotonic() - stopped_at < 30, "the server outlived its shutdown timeout by far"
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    assert "Traceback" not in text and "cancelled at its next denoising step" in text, text[-3000:]

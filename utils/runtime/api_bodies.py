@@ -8,15 +8,29 @@ from __future__ import annotations
 import base64
 import io
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from utils.runtime.image_requests import RequestChecker
 from utils.runtime.input_images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, InputImage, bytes_problem  # noqa: F401
 from utils.runtime.request_schema import MAX_IMAGES, REQUEST, REQUEST_FIELDS, FieldError, is_int, parse_image_size
 
-OPENAI_IGNORED = ("model", "quality", "style", "user", "background", "moderation")
+# What a body may carry besides our schema's fields (docs/SERVING.md has them all in one table). OpenAI's
+# fields that change nothing we make are accepted and ignored; a value we cannot honour is refused.
+OPENAI_IGNORED = ("quality", "style", "user", "moderation", "input_fidelity")
+OMNI_IGNORED = ("generator_device", "vae_use_slicing", "vae_use_tiling")       # vLLM-Omni's memory knobs
+ALIASES = {"num_inference_steps": "steps"}                                    # vLLM-Omni's name -> ours
+REFUSED = {
+    "mask": ("is not supported", "leave it out: the prompt says what to change"),
+    "negative_prompt": ("is not supported: HunyuanImage-3.0 takes no negative prompt",
+                        "say what you want in the prompt"),
+    "true_cfg_scale": ("is not supported", "use guidance_scale"),
+    "lora": ("is not supported: this server loads no adapters", "leave it out"),
+}
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+MAX_PARTIAL_IMAGES = 3
 SCHEMA_KEYS = tuple(f.api_name for f in REQUEST_FIELDS if f.api_name)
-FIELDS = SCHEMA_KEYS + ("n", "size", "response_format", "output_format") + OPENAI_IGNORED
+FIELDS = SCHEMA_KEYS + ("n", "size", "response_format", "model", "background", "output_format", "output_compression",
+                        "partial_images") + OPENAI_IGNORED + OMNI_IGNORED + tuple(ALIASES) + tuple(REFUSED)
 
 
 class BadRequest(FieldError):
@@ -27,24 +41,72 @@ class BadRequest(FieldError):
         return self.field                        # a setting inside an object: step_cache.interval
 
 
-def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int, images=()) -> list:
-    """The ImageRequests of one API body (n of them, seeds seed, seed+1, ...) or BadRequest. `images`:
-    an edit's conditioning images (check_images), which each request carries to the rank loop (it
-    broadcasts them with it) and which the checker holds against the checkpoint (model_rules: the
-    base model takes none), as it does a prompts line's."""
+@dataclass(frozen=True)
+class AnswerFormat:
+    """How a request's images are written into its answer (OpenAI's output_format / output_compression)."""
+    output_format: str = "png"
+    compression: int = 100                       # jpeg / webp quality, 0..100; png is lossless (ignored)
+
+
+def answer_format(body: dict) -> AnswerFormat:
+    fmt = body.get("output_format", "png")
+    if fmt not in OUTPUT_FORMATS:
+        raise BadRequest("output_format", f"{fmt!r} is not produced", f"use one of {', '.join(OUTPUT_FORMATS)}")
+    compression = body.get("output_compression", 100)
+    if not is_int(compression) or not 0 <= compression <= 100:
+        raise BadRequest("output_compression", f"{compression!r} is not an integer in 0..100",
+                         "use e.g. 85 (jpeg / webp quality; png is lossless)")
+    return AnswerFormat(fmt, compression)
+
+
+def check_refused(body: dict) -> None:
+    """BadRequest naming the first field of REFUSED the body carries."""
+    refused = next((name for name in REFUSED if name in body), None)
+    if refused is not None:
+        raise BadRequest(refused, *REFUSED[refused])
+
+
+def _common_fields(body: dict, served_model: str, max_n: int) -> int:
+    """The checks of the fields outside our schema (model, n, aliases, refusals); n."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise BadRequest(unknown[0], f"unknown field '{unknown[0]}'", f"fields: {', '.join(FIELDS[:8])}")
+    check_refused(body)
     if "prompt" not in body:
         raise BadRequest("prompt", "missing", "send the image's description")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise BadRequest("model", f"{model!r} is not served here", f"use \"{served_model}\" or leave it out")
+    if body.get("background", "auto") not in ("auto", "opaque"):
+        raise BadRequest("background", f"{body['background']!r} is not produced (images are opaque)",
+                         "use auto or opaque, or leave it out")
+    for alias, name in ALIASES.items():
+        if alias in body:
+            if name in body and body[name] != body[alias]:
+                raise BadRequest(alias, f"says {body[alias]!r} where {name} says {body[name]!r}", "send one of them")
+            body[name] = body.pop(alias)
     n = body.get("n", 1)
     if not is_int(n) or not 1 <= n <= max_n:
         raise BadRequest("n", f"{n!r} is not an integer in 1..{max_n}", "ask for fewer images (--max-n)")
     if body.get("response_format", "b64_json") != "b64_json":
         raise BadRequest("response_format", f"{body['response_format']!r} is not supported",
                          "use b64_json (this server keeps no files to link to)")
-    if body.get("output_format", "png") != "png":
-        raise BadRequest("output_format", f"{body['output_format']!r} is not produced", "use png")
+    partial = body.get("partial_images", 0)
+    if not is_int(partial) or not 0 <= partial <= MAX_PARTIAL_IMAGES:
+        raise BadRequest("partial_images", f"{partial!r} is not an integer in 0..{MAX_PARTIAL_IMAGES}",
+                         "ask for at most 3 previews (each costs a VAE decode)")
+    answer_format(body)
+    return n
+
+
+def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int, images=(), stream: bool = False) -> list:
+    """The ImageRequests of one API body (n of them, seeds seed, seed+1, ...) or BadRequest. `images`:
+    an edit's conditioning images (check_images), which each request carries to the rank loop (it
+    broadcasts them with it) and which the checker holds against the checkpoint (model_rules: the
+    base model takes none), as it does a prompts line's. `partial_images` reach the ranks only with
+    `stream` (nothing else could show them)."""
+    body = dict(body)
+    n = _common_fields(body, checker.model_id.resolve().name, max_n)
     size = body.get("size")            # absent: the server's --image-size; OpenAI's WIDTHxHEIGHT, ours HxW
     sides = parse_image_size(size) if isinstance(size, str) and "x" in size else None
     if size is not None and size != "auto" and sides is None:
@@ -53,6 +115,7 @@ def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int, images
               if spec.api_name}
     fields["image_size"] = defaults.image_size if size is None else "auto" if size == "auto" else \
         f"{sides[1]}x{sides[0]}"
+    fields["partial_images"] = body.get("partial_images", 0) if stream else 0
     api_names = {**{spec.name: spec.api_name or spec.name for spec in REQUEST_FIELDS}, "image_size": "size"}
     try:
         if body.get("step_cache") is not None:       # a mode or an object of settings over the server's
@@ -68,15 +131,26 @@ def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int, images
     return [replace(request, seed=s) for s in seeds]
 
 
-def png_b64(image) -> str:
+def encode_image(image, fmt: AnswerFormat = AnswerFormat()) -> bytes:
+    """The image file in the answer's format (jpeg / webp at its compression as quality; webp at 100:
+    lossless)."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    if fmt.output_format == "png":
+        image.save(buffer, format="PNG")
+    elif fmt.output_format == "webp" and fmt.compression == 100:
+        image.convert("RGB").save(buffer, format="WEBP", lossless=True)
+    else:
+        image.convert("RGB").save(buffer, format=fmt.output_format.upper(), quality=fmt.compression)
+    return buffer.getvalue()
 
 
-def result_item(result) -> dict:
-    """One image of the response: the PNG, its seed and size, its text and step-cache record."""
-    item = {"b64_json": png_b64(result.image), "seed": result.request.seed,
+def b64_image(image, fmt: AnswerFormat = AnswerFormat()) -> str:
+    return base64.b64encode(encode_image(image, fmt)).decode("ascii")
+
+
+def result_item(result, fmt: AnswerFormat = AnswerFormat()) -> dict:
+    """One image of the response: the image file, its seed and size, its text and step-cache record."""
+    item = {"b64_json": b64_image(result.image, fmt), "seed": result.request.seed,
             "size": f"{result.image.width}x{result.image.height}"}
     if result.text is not None:
         item["text"] = result.text
@@ -108,7 +182,7 @@ def take_stream(body: dict) -> bool:
 
 # ---------------------------------------------------------------- POST /v1/images/edits
 
-FORM_INTEGERS = ("n", "seed", "steps")
+FORM_INTEGERS = ("n", "seed", "steps", "num_inference_steps", "partial_images", "output_compression")
 FORM_NUMBERS = ("guidance_scale",)
 
 

@@ -69,15 +69,20 @@ class BatchStages:
         """[(image, text phase summary, step cache summary, forward batch size) or None], one per request
         (None where its handoff is None: it does not go on; DenoiseCancelled for the requests of a
         forward batch every rank stopped because all of them left: the others still run)."""
+        import functools
         from adaptor_patches import step_cache
         from adaptor_patches.denoise_watch import DenoiseCancelled, watching
         from adaptor_patches.image_batch import denoise_batch, image_batches
+        from adaptor_patches.previews import decode_latents
         out = [None] * len(requests)
         for group in image_batches(self.model, handoffs):
             members = [requests[i] for i in group]
             first = members[0]
+            watch = self.watch_for(group, members)
+            if watch is not None and watch.previews:
+                watch.decode = functools.partial(decode_latents, self.model.pipeline)
             try:
-                with watching(self.model, self.watch_for(group, members)), \
+                with watching(watch), \
                         step_cache.running(self.model, first.step_cache, first.diff_infer_steps) as run:
                     images = denoise_batch(self.model, [handoffs[i] for i in group], image_call_kwargs(first))
             except DenoiseCancelled as exc:          # every rank at the same step (denoise_watch.py)

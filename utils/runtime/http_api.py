@@ -1,158 +1,142 @@
-"""The HTTP side of `--serve` (handler threads): one routing table, one function per endpoint.
+"""The images API as a FastAPI app: one routing table, one coroutine per endpoint, OpenAI's dialect.
 
-Each endpoint is `endpoint(http, app)`: `http` is the ApiHandler of this connection (JSON in and out,
-errors), `app` the ImageServer (utils/runtime/image_server.py: queue, jobs, metrics). An endpoint
-answers by calling http.send_json / http.send_text, or refuses by raising ApiError, which `route`
-renders as OpenAI's error shape. Nothing here touches the model: handler threads only parse, check
-and queue.
+`build_app(server)` binds the table to an ImageServer (utils/runtime/image_server.py: queue, jobs,
+metrics); utils/runtime/http_stack.py serves it. An endpoint reads and checks its body
+(utils/runtime/api_bodies.py, the one request schema), queues a job and follows it to its answer;
+nothing here touches the model. Refusals are ApiError, rendered in OpenAI's error shape with their
+field, problem and fix. Bodies are checked by our schema, not by FastAPI's models, so every entry point
+refuses a value with the same words; /openapi.json describes the bodies from the same fields
+(utils/runtime/api_schema.py). Streams are OpenAI's images events (utils/runtime/api_stream.py).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-import select
-import socket
 import time
-from http.server import BaseHTTPRequestHandler
+import uuid
 from pathlib import Path
 
-from utils.runtime.api_bodies import BadRequest, check_images, form_fields, json_images, result_item, take_stream
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
+
+from utils.runtime import api_schema, api_stream
+from utils.runtime.api_bodies import (BadRequest, answer_format, check_images, check_refused, form_fields, json_images,
+                                      result_item, take_stream)
+from utils.runtime.api_errors import ApiError, ClientLeft
 from utils.runtime.api_key import bearer
+from utils.runtime.server_metrics import CONTENT_TYPE as METRICS_TYPE
 
 MAX_BODY_BYTES = 1 << 20
 MAX_EDIT_BYTES = 64 << 20                      # up to three images
-DIGITS = re.compile(r"[0-9]{1,12}\Z")          # str.isdigit() also takes '²' and other scripts' digits
-CLIENT_GONE = (ConnectionError, TimeoutError)
-KEEPALIVE_S = 15.0                             # a waiting stream hears from us this often (proxies, dead clients)
+DRAIN_FACTOR = 4                               # a body over its limit is read and dropped up to this many limits
+ALLOWED_METHODS = ("GET", "HEAD", "POST", "OPTIONS")
+REQUEST_ID = re.compile(r"[!-~]{1,128}\Z")
 WEB = Path(__file__).resolve().parent / "web"
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/page.js": ("page.js", "text/javascript; charset=utf-8"),
           "/page.css": ("page.css", "text/css; charset=utf-8")}
 # The page loads nothing but itself: no CDN, no inline script, images from data: and blob: URLs only.
-PAGE_HEADERS = [("Content-Security-Policy", "default-src 'self'; img-src 'self' data: blob:; connect-src 'self' blob:; "
-                                            "object-src 'none'; base-uri 'none'; frame-ancestors 'none'"),
-                ("X-Content-Type-Options", "nosniff"), ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-cache")]
-
-
-class ClientLeft(Exception):
-    """The client closed its connection while its request waited or ran."""
-
-
-class ApiError(Exception):
-    """A refusal rendered as OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, code: int, message: str, param=None, kind="invalid_request_error", headers=(),
-                 refusal=None, close=False):
-        super().__init__(message)
-        self.code, self.message, self.param, self.kind = code, message, param, kind
-        self.headers, self.refusal, self.close = list(headers), refusal, close
-
-    @classmethod
-    def bad_request(cls, refusal: BadRequest) -> "ApiError":
-        return cls(400, str(refusal), refusal.param, refusal=refusal)
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; connect-src 'self' blob:; "
+                                           "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 
 
 # ---------------------------------------------------------------- the endpoints
 
-def page(http, app) -> None:
+async def page(request: Request, server) -> Response:
     """The page's static files (utils/runtime/web/), served without the key: the page asks for it."""
-    name, content_type = STATIC[http.route_path]
-    http.send_body(200, (WEB / name).read_bytes(), content_type, PAGE_HEADERS)
+    name, content_type = STATIC[request.url.path]
+    return Response((WEB / name).read_bytes(), media_type=content_type, headers=PAGE_HEADERS)
 
 
-def health(http, app) -> None:
-    status = app.status()
-    http.send_json(200 if status == "ok" else 503,
-                   {"status": status, "queue_depth": app.jobs.qsize(), "busy": app.busy})
+async def health(request: Request, server) -> Response:
+    status = server.status()
+    return JSONResponse({"status": status, "queue_depth": server.jobs.qsize(), "busy": server.busy},
+                        status_code=200 if status == "ok" else 503)
 
 
-def metrics(http, app) -> None:
-    http.send_text(200, app.metrics.prometheus(app.jobs.qsize(), app.busy),
-                   "text/plain; version=0.0.4")
+async def metrics(request: Request, server) -> Response:
+    return Response(server.metrics.prometheus(server.jobs.qsize(), server.busy), media_type=METRICS_TYPE)
 
 
-def models(http, app) -> None:
-    http.send_json(200, app.model_card())
+async def models(request: Request, server) -> Response:
+    return JSONResponse(await asyncio.to_thread(server.model_card))      # the first call reads the checkpoint
 
 
-def generations(http, app) -> None:
+async def model(request: Request, server) -> Response:
+    card = (await asyncio.to_thread(server.model_card))["data"][0]
+    wanted = request.path_params["model_id"]
+    if wanted != card["id"]:
+        raise ApiError(404, f"no model {wanted!r} here; GET /v1/models lists the one served ({card['id']})",
+                       param="model", kind="not_found")
+    return JSONResponse(card)
+
+
+async def generations(request: Request, server) -> Response:
     start = time.perf_counter()
-    body = http.read_json_object(MAX_BODY_BYTES)
+    body = await read_json_object(request, server, MAX_BODY_BYTES)
     try:
         stream = take_stream(body)
-        requests = app.parse(body)
+        fmt = answer_format(body)
+        requests = await asyncio.to_thread(server.parse, body, (), stream)
     except BadRequest as exc:
         raise ApiError.bad_request(exc) from None
-    run_job(http, app, app.submit(requests), start, stream)
+    job = server.submit(requests, request.state.request_id)
+    return await answer(request, server, job, start, stream, fmt, "image_generation")
 
 
-def edits(http, app) -> None:
+async def edits(request: Request, server) -> Response:
     """OpenAI's edits: multipart (image[] files + text fields) or JSON ("image": base64 or a list)."""
     start = time.perf_counter()
-    content_type = http.headers.get("Content-Type", "")
-    try:
-        if content_type.split(";")[0].strip().lower() == "multipart/form-data":
-            body, payloads = form_fields(http.read_form(content_type))
-        else:
-            body = http.read_json_object(MAX_EDIT_BYTES)
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() == "multipart/form-data":
+        parts = await read_form(request, server)
+        try:
+            body, payloads = form_fields(parts)
+        except BadRequest as exc:
+            raise ApiError.bad_request(exc) from None
+    else:
+        body = await read_json_object(request, server, MAX_EDIT_BYTES)
+        try:
             payloads = json_images(body)
-        if "mask" in body:
-            raise BadRequest("mask", "is not supported", "leave it out: the prompt says what to change")
+        except BadRequest as exc:
+            raise ApiError.bad_request(exc) from None
+    try:
         stream = take_stream(body)
-        requests = app.parse(body, check_images(payloads))
+        fmt = answer_format(body)
+        check_refused(body)                      # before the images' checks: a mask is refused whatever they are
+        images = await asyncio.to_thread(check_images, payloads)
+        requests = await asyncio.to_thread(server.parse, body, images, stream)
     except BadRequest as exc:
         raise ApiError.bad_request(exc) from None
-    run_job(http, app, app.submit(requests), start, stream)
+    job = server.submit(requests, request.state.request_id)
+    return await answer(request, server, job, start, stream, fmt, "image_edit")
 
 
-def run_job(http, app, job, start: float, stream: bool) -> None:
-    """Follow a queued job to its answer: one JSON response, or (stream) server-sent events: queued,
-    progress, then result or error. A client that leaves cancels the job."""
+async def answer(request: Request, server, job, start: float, stream: bool, fmt, kind: str) -> Response:
+    """A queued job's answer: one JSON response, or OpenAI's event stream. A client that leaves cancels it."""
+    if stream:
+        return StreamingResponse(api_stream.events(request, server, job, start, fmt, kind),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        if stream:
-            http.start_stream()
-        follow(http, app, job, (lambda due: http.send_progress(app, job, due)) if stream else None)
-        if job.refusal is not None:
-            raise job.refusal
-        failed = [r for r in job.results if not r.ok]
-        if failed:
-            raise ApiError(500, f"generation failed: {failed[0].error}", kind="server_error")
-        data = [result_item(result) for result in job.results]
-        seconds = time.perf_counter() - start
-        app.count_images(job, seconds)
-        answer = {"created": int(job.created), "data": data, "seconds": round(seconds, 3)}
-        if stream:
-            http.send_event("result", answer)
-        else:
-            http.send_json(200, answer)
-    except ApiError as exc:
-        if not stream:
-            raise
-        http.send_event("error", http.error_body(exc))
-    except (ClientLeft, *CLIENT_GONE) as exc:
-        app.cancel(job)
-        app.metrics.count(499)
-        http.close_connection = True
-        app.log(f"http {http.address_string()} client left mid-request ({type(exc).__name__}); its request is "
-                f"cancelled{' at the next denoising step' if app.is_running(job) else ''}")
+        await api_stream.follow(request, server, job)
+        results = api_stream.outcome(job)
+        data = await asyncio.to_thread(lambda: [result_item(r, fmt) for r in results])
+    except ClientLeft:
+        api_stream.client_left(request, server, job)
+        return Response(status_code=499)
     finally:
         job.answered.set()
-
-
-def follow(http, app, job, on_change=None) -> None:
-    """Until the job is done: on_change(keepalive due) after each change (queue place, step) and when a
-    keep-alive is due (it returns True when it wrote); ClientLeft when the client closes its connection;
-    ApiError 503 when the job was queued after the last drain (it never runs)."""
-    seen, quiet = -1, time.monotonic()
-    while not job.done.is_set():
-        if app.closed.is_set():
-            raise ApiError(503, "server is shutting down", kind="unavailable")
-        if http.client_left():
-            raise ClientLeft("left")
-        version = job.wait_change(seen, 0.25)
-        due = time.monotonic() - quiet > KEEPALIVE_S
-        if on_change is not None and (version != seen or due) and on_change(due):
-            quiet = time.monotonic()
-        seen = version
+    seconds = time.perf_counter() - start
+    server.count_images(job, seconds)
+    return JSONResponse({"created": int(job.created), "data": data, "seconds": round(seconds, 3),
+                         "background": "opaque", "output_format": fmt.output_format, "size": data[0]["size"],
+                         "usage": api_stream.usage(results)})
 
 
 ROUTES = {           # (method, path) -> (endpoint, needs the key)
@@ -162,6 +146,7 @@ ROUTES = {           # (method, path) -> (endpoint, needs the key)
     ("GET", "/health"): (health, False),
     ("GET", "/metrics"): (metrics, True),
     ("GET", "/v1/models"): (models, True),
+    ("GET", "/v1/models/{model_id}"): (model, True),
     ("POST", "/v1/images/generations"): (generations, True),
     ("POST", "/v1/images/edits"): (edits, True),
 }
@@ -177,200 +162,198 @@ def not_found(method: str, path: str) -> ApiError:
 def unauthorized(offered) -> ApiError:
     problem = "no API key sent" if offered is None else "wrong API key"
     return ApiError(401, f"{problem}; send the server's key as the header Authorization: Bearer KEY",
-                    kind="authentication_error", headers=[("WWW-Authenticate", 'Bearer realm="hunyuan-image"')],
-                    close=True)
+                    kind="authentication_error", headers=[("WWW-Authenticate", 'Bearer realm="hunyuan-image"')])
 
 
-# ---------------------------------------------------------------- the handler
+def method_not_allowed(method: str) -> ApiError:
+    return ApiError(405, f"method {method} is not allowed; use GET, HEAD or POST", kind="method_not_allowed",
+                    headers=[("Allow", "GET, HEAD, POST, OPTIONS")])
 
-class ApiHandler(BaseHTTPRequestHandler):
-    """One connection. `app` is bound per server (handler_for)."""
-    protocol_version = "HTTP/1.1"
-    server_version = "hunyuan-image-adaptor"
-    app = None
 
-    def do_GET(self):
-        self.route()
+# ---------------------------------------------------------------- bodies in
 
-    def do_HEAD(self):                  # GET's answer without its body (send_body), wherever GET is served
-        self.route()
-
-    def do_POST(self):
-        self.route()
-
-    def method_not_allowed(self):
-        self.send_error(405, f"method {self.command} is not allowed; use GET, HEAD or POST")
-
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = method_not_allowed
-
-    def parse_request(self) -> bool:
-        """http.server's parse, then RFC 9110 5.5: a field value holding a NUL byte is refused (400)."""
-        if not super().parse_request():
-            return False
-        bad = next((name for name, value in self.headers.items() if "\0" in value or "\0" in name), None)
-        if bad is not None:
-            self.send_error(400, f"{ascii(bad)[1:-1]}: the header's value holds a NUL byte; send it without one "
-                                 f"(RFC 9110 5.5)")
-            return False
-        return True
-
-    def route(self) -> None:
-        self.route_path = self.path.split("?", 1)[0]
-        method = "GET" if self.command == "HEAD" else self.command
-        endpoint, needs_key = ROUTES.get((method, self.route_path), (None, False))
+async def read_body(request: Request, server, limit: int) -> bytes:
+    """The request's body (Content-Length or chunked), or ApiError: none declared (411), over `limit`
+    (413; read and dropped up to DRAIN_FACTOR limits so the connection serves on, else closed), a
+    client silent for client_timeout seconds (408, closed); ClientLeft when it closes mid-body."""
+    headers = request.headers
+    if "content-length" not in headers and "transfer-encoding" not in headers:
+        raise ApiError(411, "Content-Length required")
+    declared = int(headers.get("content-length") or 0)
+    if declared > limit * DRAIN_FACTOR:
+        raise ApiError(413, f"body of {declared} bytes exceeds {limit}", close=True)
+    data, size, chunks = bytearray(), 0, request.stream().__aiter__()
+    while True:
         try:
-            if endpoint is None:
-                raise not_found(self.command, self.path)
-            if needs_key and self.app.api_key is not None:
-                offered = bearer(self.headers.get("Authorization"))
-                if not self.app.api_key.matches(offered):
-                    raise unauthorized(offered)
-            endpoint(self, self.app)
-        except ApiError as exc:
-            if exc.close:
-                self.close_connection = True
-            self.error(exc.code, exc.message, exc.param, exc.kind, exc.headers, exc.refusal)
-        except CLIENT_GONE as exc:
-            self.close_connection = True
-            self.app.log(f"http {self.address_string()} client gone mid-request ({type(exc).__name__}); dropped")
+            chunk = await asyncio.wait_for(chunks.__anext__(), server.client_timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            server.log(f"http {client_of(request)} timed out after {server.client_timeout:g} s with its body "
+                       f"unfinished ({size} bytes); dropped")
+            raise ApiError(408, f"the body stopped arriving ({size} bytes in, nothing for "
+                                f"{server.client_timeout:g} s)", close=True) from None
+        except ClientDisconnect:
+            raise ClientLeft("left mid-body") from None
+        size += len(chunk)
+        if size > limit * DRAIN_FACTOR:
+            raise ApiError(413, f"body of more than {size - len(chunk)} bytes exceeds {limit}", close=True)
+        if size <= limit:
+            data += chunk
+    if size > limit:
+        raise ApiError(413, f"body of {size} bytes exceeds {limit}")
+    return bytes(data)
 
-    # ------------------------------------------------------------ bodies in
 
-    def read_body(self, limit: int) -> bytes:
-        """The request's body of Content-Length bytes, or ApiError (missing, not digits, too big, short)."""
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise ApiError(411, "Content-Length required")
-        if not DIGITS.match(length.strip()):
-            raise ApiError(400, f"Content-Length {ascii(length)} is not a byte count", close=True)
-        if int(length) > limit:
-            raise ApiError(413, f"body of {length} bytes exceeds {limit}", close=True)
-        raw = self.rfile.read(int(length))
-        if len(raw) < int(length):
-            raise ApiError(400, f"body ended after {len(raw)} of {length} bytes", close=True)
-        return raw
+async def read_json_object(request: Request, server, limit: int) -> dict:
+    raw = await read_body(request, server, limit)
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "body is JSON nested too deep; send a flat object") from None
+    if not isinstance(body, dict):
+        raise ApiError.bad_request(BadRequest("body", "not a JSON object", 'send {"prompt": "..."}'))
+    return body
 
-    def read_json_object(self, limit: int = MAX_BODY_BYTES) -> dict:
-        """The request's JSON object body, or ApiError (read_body's, not UTF-8 JSON, nested too deep,
-        not an object)."""
-        raw = self.read_body(limit)
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(400, f"body is not JSON: {exc}") from None
-        except RecursionError:
-            raise ApiError(400, "body is JSON nested too deep; send a flat object") from None
-        if not isinstance(body, dict):
-            raise ApiError.bad_request(BadRequest("body", "not a JSON object", 'send {"prompt": "..."}'))
-        return body
 
-    def read_form(self, content_type: str) -> list:
-        """A multipart/form-data body as [(name, filename or None, bytes)]; BadRequest when it is not one."""
-        from email import policy
-        from email.parser import BytesParser
-        raw = self.read_body(MAX_EDIT_BYTES)
-        message = BytesParser(policy=policy.HTTP).parsebytes(
-            b"Content-Type: " + content_type.encode("latin-1", "replace") + b"\r\n\r\n" + raw)
-        if not message.is_multipart() or message.defects:
-            raise BadRequest("body", "is not multipart/form-data with its boundary",
-                             "send a form (curl -F) or a JSON body")
-        return [(part.get_param("name", header="content-disposition"), part.get_filename(),
-                 part.get_payload(decode=True) or b"") for part in message.iter_parts()]
+async def read_form(request: Request, server) -> list:
+    """A multipart/form-data body (python-multipart, through Starlette's parser) as [(name, filename or
+    None, bytes)] in its order; ApiError 400 when it is not one."""
+    raw = await read_body(request, server, MAX_EDIT_BYTES)
 
-    def client_left(self) -> bool:
-        """Has the client closed its connection? (readable with nothing to read: end of stream)"""
-        try:
-            if not select.select([self.connection], [], [], 0)[0]:
-                return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
+    async def once():
+        yield raw
 
-    # ------------------------------------------------------------ server-sent events out
-
-    def start_stream(self) -> None:
-        self.close_connection = True                  # the stream ends with the connection
-        self.send_response(200)
-        for name, value in (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                            ("Connection", "close"), ("X-Accel-Buffering", "no")):
-            self.send_header(name, value)
-        self.end_headers()
-        self.last_event = None
-
-    def send_event(self, name: str, payload: dict) -> None:
-        self.wfile.write(f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode())
-        self.wfile.flush()
-
-    def send_progress(self, app, job, keepalive: bool) -> bool:
-        """The job's place in line while it waits, its image and step while it runs, when it changed; else,
-        when `keepalive`, a comment line (keeps proxies from closing a quiet stream, finds a client that
-        left). True when something was written."""
-        position = app.jobs.position(job)
-        if position:
-            event = ("queued", {"type": "queued", "position": position, "queue_depth": app.jobs.qsize()})
-        elif job.progress is not None:
-            event = ("progress", {"type": "progress", **job.progress})
-        elif app.is_running(job):
-            event = ("progress", {"type": "progress", "image": 1, "images": len(job.requests), "step": 0,
-                                  "steps": job.requests[0].diff_infer_steps, "batch": len(app.running)})
+    try:
+        form = await MultiPartParser(request.headers, once(), max_part_size=MAX_EDIT_BYTES).parse()
+    except (MultiPartException, ValueError) as exc:
+        raise ApiError.bad_request(BadRequest("body", f"is not multipart/form-data with its boundary ({exc})",
+                                              "send a form (curl -F) or a JSON body")) from None
+    parts = []
+    for name, value in form.multi_items():
+        if isinstance(value, str):
+            parts.append((name, None, value.encode("utf-8")))
         else:
-            event = None
-        if event is not None and event != self.last_event:
-            self.send_event(*event)
-            self.last_event = event
-            return True
-        if keepalive:
-            self.wfile.write(b": waiting\n\n")
-            self.wfile.flush()
-        return keepalive
-
-    # ------------------------------------------------------------ JSON out
-
-    def send_json(self, code: int, payload: dict, headers=()) -> None:
-        self.send_body(code, json.dumps(payload).encode(), "application/json", headers)
-
-    def send_text(self, code: int, text: str, content_type: str) -> None:
-        self.send_body(code, text.encode(), content_type)
-
-    def send_body(self, code: int, data: bytes, content_type: str, headers=()) -> None:
-        """The response; to HEAD the same status and headers (the body's length included), no body."""
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    def error(self, code: int, message: str, param=None, kind="invalid_request_error", headers=(), refusal=None):
-        """OpenAI's error shape; a schema refusal also carries its problem and fix apart."""
-        self.send_json(code, self.error_body(ApiError(code, message, param, kind, refusal=refusal)), headers)
-
-    def error_body(self, exc: ApiError) -> dict:
-        """The error's JSON (counted in the metrics): as a response body, or a stream's error event."""
-        self.app.metrics.count(exc.code)
-        body = {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}
-        if exc.refusal is not None:
-            body.update(problem=exc.refusal.problem, fix=exc.refusal.fix)
-        return {"error": body}
-
-    def send_error(self, code, message=None, explain=None):
-        """http.server's own refusals (a garbage request line, an unknown method, an oversized
-        header) as the same JSON errors, with a 4xx status."""
-        code = {501: 405, 505: 400}.get(code, code)
-        self.close_connection = True
-        kind = "method_not_allowed" if code == 405 else "invalid_request_error"
-        text = message or self.responses.get(code, ("error",))[0]
-        headers = [("Allow", "GET, HEAD, POST"), ("Connection", "close")] if code == 405 else [("Connection", "close")]
-        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":     # unparsed: no status line
-            self.request_version = "HTTP/1.0"
-        self.error(code, text, kind=kind, headers=headers)
-
-    def log_message(self, fmt, *args):       # one line per request in the job log, not stderr noise
-        self.app.log(f"http {self.address_string()} {fmt % args}")
+            parts.append((name, value.filename or "", await value.read()))
+    await form.close()
+    return parts
 
 
-def handler_for(app, client_timeout: float):
-    """The handler class of one server: its app, and the socket timeout that frees a silent client's thread."""
-    return type("Handler", (ApiHandler,), {"app": app, "timeout": client_timeout})
+def client_of(request: Request) -> str:
+    return request.client.host if request.client else "?"
+
+
+# ---------------------------------------------------------------- the app
+
+def bound(endpoint, server, needs_key: bool):
+    """The endpoint with the key checked first and every refusal or failure rendered as one JSON error."""
+    async def handle(request: Request) -> Response:
+        try:
+            if needs_key and server.api_key is not None:
+                offered = bearer(request.headers.get("authorization"))
+                if not server.api_key.matches(offered):
+                    raise unauthorized(offered)
+            return await endpoint(request, server)
+        except ApiError as exc:
+            return error_response(server, exc)
+        except ClientLeft as exc:
+            server.log(f"http {client_of(request)} client gone mid-request ({exc}); dropped")
+            server.metrics.count(499)
+            return Response(status_code=499)
+        except Exception as exc:             # one line in the log and a 500, never a traceback on the console
+            server.log(f"http {client_of(request)} {request.method} {request.url.path} failed: "
+                       f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+            return error_response(server, ApiError(500, f"internal error ({type(exc).__name__}); the server log "
+                                                        f"has the request id", kind="server_error"))
+    handle.__name__ = endpoint.__name__
+    handle.__doc__ = endpoint.__doc__
+    return handle
+
+
+def error_response(server, exc: ApiError) -> Response:
+    server.metrics.count(exc.code)
+    headers = dict(exc.headers)
+    if exc.close:
+        headers["Connection"] = "close"
+    return JSONResponse(exc.body(), status_code=exc.code, headers=headers)
+
+
+class AccessLog:
+    """Outermost: the request id (X-Request-Id taken when sane, else made; echoed on the answer) and
+    one access-log line per request with its status and latency, the time from the server's log."""
+
+    def __init__(self, app, server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        offered = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = offered if REQUEST_ID.match(offered) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        start, status = time.perf_counter(), []
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            client = "{}:{}".format(*scope["client"]) if scope.get("client") else "?"
+            self.server.log(f"http {client} \"{scope['method']} {scope['path']}\" {status[0] if status else '-'} "
+                            f"{(time.perf_counter() - start) * 1000:.1f} ms id={request_id}")
+
+
+class RequestFilter:
+    """A request line naming another HTTP version than 1.0 / 1.1: 400 (h11 frames only those). Any method
+    but GET, HEAD, POST: 405 on every path; OPTIONS (when no CORS origin answered it): 204 with Allow."""
+
+    def __init__(self, app, server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("http_version") not in ("1.0", "1.1"):
+            refusal = ApiError(400, f"request: HTTP/{scope.get('http_version')} is not spoken here; send HTTP/1.1",
+                               close=True)
+            return await error_response(self.server, refusal)(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "POST"):
+            if scope["method"] == "OPTIONS":
+                response = Response(status_code=204, headers={"Allow": ", ".join(ALLOWED_METHODS)})
+            else:
+                response = error_response(self.server, method_not_allowed(scope["method"]))
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(server, allow_origin=None) -> FastAPI:
+    """The API of `server`; `allow_origin`: a browser origin (or "*") allowed to call it (CORS), else none."""
+    api = FastAPI(title="HunyuanImage-3.0 parallel adaptor", version="1", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    for (method, path), (endpoint, needs_key) in ROUTES.items():
+        handle = bound(endpoint, server, needs_key)
+        api.add_api_route(path, handle, methods=[method], include_in_schema=path not in STATIC,
+                          openapi_extra=api_schema.operation(path, server.max_n))
+        if method == "GET":             # HEAD wherever GET is served (uvicorn sends no body to a HEAD)
+            api.add_api_route(path, handle, methods=["HEAD"], include_in_schema=False)
+
+    async def router_refusal(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            return error_response(server, method_not_allowed(request.method))
+        if exc.status_code == 404:
+            return error_response(server, not_found(request.method, request.url.path))
+        return error_response(server, ApiError(exc.status_code, str(exc.detail)))
+
+    api.add_exception_handler(HTTPException, router_refusal)
+    api.add_middleware(RequestFilter, server=server)
+    if allow_origin:
+        api.add_middleware(CORSMiddleware, allow_origins=[allow_origin], allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
+    api.add_middleware(AccessLog, server=server)
+    return api

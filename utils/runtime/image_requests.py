@@ -30,7 +30,8 @@ LINE_FIELDS = tuple(f.name for f in REQUEST_FIELDS)
 ImageRequest = request_type(__name__, extra=(("save_text", None),      # rank 0 writes the think / recaption text
                                              ("label", "prompt"),      # how messages name it: "line 3", "request 7"
                                              ("image_inputs", None),   # the images' bytes (input_images.InputImage)
-                                             ("image_problem", None)))  # why rank 0 could not read them when it ran
+                                             ("image_problem", None),  # why rank 0 could not read them when it ran
+                                             ("partial_images", 0)))   # --serve: previews every rank decodes
 
 
 class RequestError(FieldError):

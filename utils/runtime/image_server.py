@@ -1,22 +1,22 @@
 """`--serve`: an OpenAI-style images API and a page on rank 0; every request runs on all ranks together.
 
     GET  /                        the page (utils/runtime/web/), a client of the API below like any other
-    POST /v1/images/generations   {"prompt", "n", "size": "WxH" | "auto", "response_format": "b64_json",
-                                   our extras "seed", "steps", "bot_task", "step_cache", "stream"}
-                                   -> {"created", "data": [...]}; "stream": true -> server-sent events
+    POST /v1/images/generations   OpenAI's images body (docs/SERVING.md: every field), our extras "seed",
+                                   "steps", "bot_task", "step_cache", "guidance_scale"; "stream": true ->
+                                   OpenAI's server-sent events, "partial_images" previews among them
     POST /v1/images/edits         the same with 1..3 conditioning images (multipart image[] or JSON base64)
-    GET  /v1/models               the checkpoint and what it takes: sizes, steps, bot tasks, images
+    GET  /v1/models[/{id}]        the checkpoint and what it takes: sizes, steps, bot tasks, images
     GET  /health                  200 {"status": "ok", ...} once the model is loaded (503 "loading" before)
-    GET  /metrics                 Prometheus text: requests by code, images, queue depth, latency
+    GET  /metrics                 Prometheus text (prometheus_client): requests by code, images, queue, latency
+    GET  /openapi.json            the API's description, from the same fields the bodies are checked by
 
-HTTP stack: the standard library's ThreadingHTTPServer. The model, not HTTP, is the bottleneck (one
-batch at a time on all ranks), so an async framework buys nothing here, and an Ascend node's
-pinned, often offline Python environment gets no extra packages (FastAPI + uvicorn + pydantic).
-Handler threads (utils/runtime/http_api.py: the routing table and one function per endpoint) only
-parse, check (utils/runtime/api_bodies.py) and queue; the job's main thread pulls from the bounded
-FIFO queue and runs the rank loop (utils/runtime/rank_loop.py). This class is what both sides share:
-the queue, the running batch and its jobs' progress, the metrics (utils/runtime/server_metrics.py),
-the key and the server's life.
+HTTP stack: FastAPI on uvicorn (utils/runtime/http_stack.py: its thread, its event loop, our limits;
+utils/runtime/http_api.py: the app, one coroutine per endpoint). The endpoints only parse, check
+(utils/runtime/api_bodies.py) and queue; the job's main thread pulls from the bounded FIFO queue and
+runs the rank loop (utils/runtime/rank_loop.py). This class is what both sides share: the queue, the
+running batch and its jobs' progress and previews, the metrics (utils/runtime/server_metrics.py), the
+key and the server's life. A job tells the event loop of a change through the loop's own
+call_soon_threadsafe (Job.touch): no thread waits per connection.
 
 Batches: the job at the head of the queue is taken with its n images (a request's n images are a
 batch too) and, within `batch_wait_s`, every queued job whose requests may share its forward
@@ -28,19 +28,24 @@ are still computed with the others' and dropped) and when every job of the batch
 rank stops at that step (adaptor_patches/denoise_watch.py). A rank lost mid-batch: each of its
 clients gets a 500 saying so before the process exits.
 Binds 127.0.0.1 unless told otherwise; with a key (utils/runtime/api_key.py) every endpoint but
-/health and the page's files needs `Authorization: Bearer KEY`.
+/health and the page's files needs `Authorization: Bearer KEY`. SIGTERM / SIGINT: no new connection
+or request is taken, the queued ones get 503, the running batch is answered; past `shutdown_timeout`
+seconds it is cancelled at its next denoising step (503) and the process exits 0.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
+import datetime
 import signal
 import threading
 import time
-from http.server import ThreadingHTTPServer
 
 from utils.runtime.api_bodies import BadRequest, parse_body  # noqa: F401  (the body's refusals, importable here)
+from utils.runtime.api_errors import ApiError
 from utils.runtime.batching import compatibility_key
-from utils.runtime.http_api import ApiError, handler_for
+from utils.runtime.http_api import build_app
+from utils.runtime.http_stack import HttpServer
 from utils.runtime.image_requests import RequestChecker
 from utils.runtime.rank_loop import HEARTBEAT_S
 from utils.runtime.server_metrics import Metrics  # noqa: F401  (the server's counters)
@@ -49,11 +54,15 @@ ANSWER_GRACE_S = 60.0                          # how long close() waits for a fi
 SHUTTING_DOWN = "server is shutting down"
 
 
-class Job:
-    """One request's images on their way through the queue and the ranks; handler threads follow it."""
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
-    def __init__(self, requests):
-        self.requests, self.results = requests, [None] * len(requests)
+
+class Job:
+    """One request's images on their way through the queue and the ranks; the endpoints follow it."""
+
+    def __init__(self, requests, request_id: str = "-"):
+        self.requests, self.results, self.id = requests, [None] * len(requests), request_id
         self.taken = 0                          # images handed to a batch so far
         self.created = time.time()
         self.refusal = None                     # ApiError: stopped before it ran, or its run was lost
@@ -63,6 +72,8 @@ class Job:
         self.changed = threading.Condition()
         self.version = 0                        # bumped on every change a follower may show
         self.progress = None                    # {"image", "images", "step", "steps", "batch"} while it runs
+        self.previews = []                      # [(image index, PIL image)] in the order they were decoded
+        self.followers = []                     # [(event loop, asyncio.Event)]: told of every change
 
     def touch(self, **progress) -> None:
         with self.changed:
@@ -70,12 +81,40 @@ class Job:
                 self.progress = progress
             self.version += 1
             self.changed.notify_all()
+            followers = list(self.followers)
+        for loop, event in followers:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:                # that loop is closed: the server is gone
+                pass
+
+    def add_preview(self, index: int, image) -> None:
+        with self.changed:
+            self.previews.append((index, image))
+        self.touch()
 
     def wait_change(self, seen: int, timeout: float) -> int:
         with self.changed:
             if self.version == seen:
                 self.changed.wait(timeout)
             return self.version
+
+    async def changed_since(self, seen: int, timeout: float) -> int:
+        """The job's version once it differs from `seen` or `timeout` passed (on the event loop)."""
+        event = asyncio.Event()
+        entry = (asyncio.get_running_loop(), event)
+        with self.changed:
+            self.followers.append(entry)
+        try:
+            if self.version == seen:
+                try:
+                    await asyncio.wait_for(event.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            return self.version
+        finally:
+            with self.changed:
+                self.followers.remove(entry)
 
     def finish(self, results=None, refusal=None) -> None:
         self.results = results if results is not None else self.results
@@ -156,12 +195,15 @@ class JobQueue:
 
 class ImageServer:
     def __init__(self, host: str, port: int, defaults, checker: RequestChecker, queue_size: int, max_n: int, log,
-                 client_timeout: float = 30.0, api_key=None, max_batch: int = 1, batch_wait_s: float = 0.0):
-        self.defaults, self.checker, self.max_n, self.log = defaults, checker, max_n, log
+                 client_timeout: float = 30.0, api_key=None, max_batch: int = 1, batch_wait_s: float = 0.0,
+                 allow_origin=None, shutdown_timeout: float = 60.0):
+        self.defaults, self.checker, self.max_n = defaults, checker, max_n
+        self.log = lambda line: log(f"{now_iso()} {line}")      # a server runs for weeks: its lines carry a time
         self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
         self.batch_key = compatibility_key            # run_many gives the model's (its buckets)
         self.api_key = api_key                        # utils/runtime/api_key.ApiKey, or None: no key asked
         self.client_timeout = client_timeout          # a client silent this long is dropped (slow or half-open)
+        self.shutdown_timeout = shutdown_timeout      # after a stop signal the running batch has this long
         self.unanswered: list = []                    # jobs delivered whose response is not written yet
         self.jobs = JobQueue(queue_size)
         self.metrics, self.loaded, self.stopping = Metrics(), threading.Event(), threading.Event()
@@ -169,29 +211,45 @@ class ImageServer:
         self.running, self.check_lock = [], threading.Lock()    # the running batch's [(job, image index)]
         self.partial = None                           # a job with more than max_batch images, part of it run
         self._model_card = None
-        self.httpd = ThreadingHTTPServer((host, port), handler_for(self, client_timeout))
-        self.httpd.daemon_threads = True
-        self.httpd.handle_error = self._connection_failed
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+        self.http = HttpServer(build_app(self, allow_origin), host, port, self.log, client_timeout,
+                               count_refusal=self.metrics.count)
+
+    @property
+    def server_address(self) -> tuple:
+        return self.http.server_address
 
     @property
     def address(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        host, port = self.server_address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def start(self) -> None:
-        self.thread.start()
+        self.http.start()
 
     def install_signal_handlers(self) -> None:
         def stop(signum, _frame):
             if not self.loaded.is_set():             # still loading: nothing runs that could be finished
                 raise SystemExit(128 + signum)
             if not self.stopping.is_set():
-                self.log(f"received {signal.Signals(signum).name}: finishing the running request, then stopping")
+                self.log(f"received {signal.Signals(signum).name}: no new requests; answering the running one "
+                         f"(cancelled after {self.shutdown_timeout:g} s), then stopping")
                 self.stopping.set()
-                threading.Thread(target=self.httpd.shutdown, daemon=True).start()
+                self.http.stop_accepting()
+                threading.Thread(target=self._cancel_after_grace, daemon=True, name="shutdown-grace").start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, stop)
+
+    def _cancel_after_grace(self) -> None:
+        """A stop signal's bound: the running batch's jobs still running after shutdown_timeout are cancelled
+        at their next denoising step and answered 503."""
+        if self.closed.wait(self.shutdown_timeout):
+            return
+        for job in self.jobs_running():
+            if not job.done.is_set():
+                self.log(f"request {job.id} still running {self.shutdown_timeout:g} s after the stop signal: "
+                         f"cancelled at its next denoising step")
+                job.cancelled.set()
+                job.finish(refusal=ApiError(503, SHUTTING_DOWN + " (the request was cancelled)", kind="unavailable"))
 
     # ------------------------------------------------------------ the rank loop's side (main thread)
 
@@ -253,10 +311,11 @@ class ImageServer:
     def is_running(self, job) -> bool:
         return any(j is job for j, _ in self.running)
 
-    def watch(self, indices: list, requests: list):
+    def watch(self, indices: list, requests: list, previews=None):
         """Rank 0's DenoiseWatch for one forward batch: `indices` into the running batch, its
-        `requests`. Each job's progress; a job whose client left is answered at the next step; the
-        forward stops only when every job in it has left."""
+        `requests`, `previews` its preview plan (denoise_watch.preview_plan). Each job's progress and
+        previews; a job whose client left is answered at the next step; the forward stops only when
+        every job in it has left."""
         from adaptor_patches.denoise_watch import DenoiseWatch
         members = [self.running[i] for i in indices]
         jobs = list(dict.fromkeys(job for job, _ in members))
@@ -271,8 +330,13 @@ class ImageServer:
                     continue
                 job.touch(image=first[job] + 1, images=len(job.requests), step=step, steps=steps, batch=size)
 
-        return DenoiseWatch(requests[0].diff_infer_steps, on_step=on_step,
-                            cancelled=lambda: all(job.cancelled.is_set() for job in jobs))
+        def on_preview(row, image):
+            job, index = members[row]
+            if not job.done.is_set():
+                job.add_preview(index, image)
+
+        return DenoiseWatch(requests[0].diff_infer_steps, on_step=on_step, previews=dict(previews or {}),
+                            on_preview=on_preview, cancelled=lambda: all(job.cancelled.is_set() for job in jobs))
 
     def deliver(self, results) -> None:
         """The running batch's results to its members' clients; an image every rank ended without is one
@@ -304,12 +368,6 @@ class ImageServer:
             job.finish(refusal=ApiError(500, f"the job lost a rank while making this image ({reason}); the server is "
                                              f"stopping, restart it", kind="server_error"))
 
-    def _connection_failed(self, _request, client_address) -> None:
-        """socketserver would print a traceback; a client that vanished is one log line."""
-        import sys
-        exc = sys.exc_info()[1]
-        self.log(f"http {client_address[0]} connection dropped: {type(exc).__name__}: {exc}")
-
     def _refuse_queued(self) -> None:
         partial, self.partial = self.partial, None
         for job in self.jobs.drain() + ([partial] if partial is not None else []):
@@ -322,11 +380,9 @@ class ImageServer:
         deadline = time.monotonic() + ANSWER_GRACE_S
         for job in self.unanswered:             # the running request's response, before the process exits
             job.answered.wait(max(0.0, deadline - time.monotonic()))
-        if self.thread.is_alive():
-            self.httpd.shutdown()
-        self.httpd.server_close()
+        self.http.close()
 
-    # ------------------------------------------------------------ the endpoints' side (handler threads)
+    # ------------------------------------------------------------ the endpoints' side (the event loop, its worker threads)
 
     def status(self) -> str:
         return "stopping" if self.stopping.is_set() else "ok" if self.loaded.is_set() else "loading"
@@ -337,18 +393,18 @@ class ImageServer:
             self._model_card = model_card(self.checker, self.defaults, self.max_n)
         return self._model_card
 
-    def parse(self, body: dict, images=()) -> list:
+    def parse(self, body: dict, images=(), stream: bool = False) -> list:
         """The body's checked ImageRequests (an edit's: carrying its `images`), or BadRequest."""
-        with self.check_lock:                    # the tokenizer is shared by the handler threads
-            return parse_body(body, self.defaults, self.checker, self.max_n, images)
+        with self.check_lock:                    # the tokenizer is shared by the endpoints' worker threads
+            return parse_body(body, self.defaults, self.checker, self.max_n, images, stream)
 
-    def submit(self, requests: list) -> Job:
+    def submit(self, requests: list, request_id: str = "-") -> Job:
         """Queue a job, or ApiError 503 (stopping, still loading, queue full)."""
         if self.stopping.is_set():
             raise ApiError(503, SHUTTING_DOWN, kind="unavailable")
         if not self.loaded.is_set():
             raise ApiError(503, "the model is still loading", kind="unavailable", headers=[("Retry-After", "30")])
-        job = Job(requests)
+        job = Job(requests, request_id)
         if not self.jobs.put(job):
             wait = int(max(1, self.metrics.mean_latency() * (self.jobs.qsize() + 1)))
             raise ApiError(503, f"queue full ({self.jobs.maxsize} waiting); retry later", kind="unavailable",

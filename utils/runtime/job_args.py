@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve", action="store_true", help="serve POST /v1/images/generations until SIGTERM")
     p.add_argument("--host", type=str, default="127.0.0.1", help="--serve's address (loopback by default)")
     schema.add_arguments(p, ["port", "queue_size", "max_n", "max_batch", "batch_wait_ms", "client_timeout", "api_key",
-                             "api_key_env", "batch_size"])
+                             "api_key_env", "batch_size", "shutdown_timeout", "allow_origin"])
     p.add_argument("--model-id", type=str, default="./HunyuanImage-3")
     p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager", "npu"],
                    help="'npu' (the cann-recipes name): the fused NPU attention; on CPU / CUDA the plain form")

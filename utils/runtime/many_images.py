@@ -29,7 +29,8 @@ def start_server(args, log):
     try:
         server = ImageServer(args.host, args.port, default_request(args), RequestChecker(args.model_id),
                              args.queue_size, args.max_n, log, args.client_timeout, api_key=args.api_key,
-                             max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000)
+                             max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000,
+                             allow_origin=args.allow_origin, shutdown_timeout=args.shutdown_timeout)
     except OSError as exc:
         raise UsageError(f"port: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another "
                          f"--port or stop what uses it") from None
@@ -38,7 +39,7 @@ def start_server(args, log):
     if not is_loopback(args.host):
         log(f"note: listening on {args.host}: reachable from other machines; every API call needs the key"
             if args.api_key is not None else
-            f"warning: listening on {args.host} with no API key: anyone who reaches port {server.httpd.server_address[1]} "
+            f"warning: listening on {args.host} with no API key: anyone who reaches port {server.server_address[1]} "
             f"can run the model; start with --api-key-env NAME (docs/SERVING.md)")
     log(f"serving on {server.address} (model loading; GET /health says when it is ready)")
     return server
@@ -49,17 +50,21 @@ def run_many(args, requests, model, dist, rank, server, log, is_collective_failu
     compatible requests made together (utils/runtime/batch_stages.py).
     `requests`: the prompts file's, checked (rank 0; None on the others and for --serve)."""
     import signal
-    from adaptor_patches.denoise_watch import DenoiseWatch
+    from adaptor_patches.denoise_watch import DenoiseWatch, preview_plan
     from utils.runtime.batch_job import run_batch
     from utils.runtime.batch_stages import BatchStages
     from utils.runtime.batching import key_for
     from utils.runtime.rank_loop import RankLoop
 
     def denoise_watch(indices, members):
-        """--serve: every rank watches each forward batch's steps (rank 0 reports progress and decides a cancel)."""
+        """--serve: every rank watches each forward batch's steps (rank 0 reports progress and previews and
+        decides a cancel); every rank decodes the previews the requests ask for."""
         if not args.serve:
             return None
-        return server.watch(indices, members) if server is not None else DenoiseWatch(members[0].diff_infer_steps)
+        previews = preview_plan(members)
+        if server is not None:
+            return server.watch(indices, members, previews)
+        return DenoiseWatch(members[0].diff_infer_steps, previews=previews)
 
     loop = RankLoop(dist, rank, BatchStages(model, args, rank, denoise_watch), is_collective_failure)
     model.pipeline.set_progress_bar_config(disable=True)      # one bar per job (images), not one per image

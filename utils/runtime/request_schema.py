@@ -35,6 +35,7 @@ BOT_TASKS = ("image", "auto", "think", "recaption", "think_recaption")     # thi
 MAX_IMAGES = 3                  # conditioning images upstream's Instruct model takes (utils/runtime/input_images.py)
 MAX_GUIDANCE = 100.0
 IMAGE_SIZE = re.compile(r"([0-9]+)[x:]([0-9]+)\Z")
+ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?\Z|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?\Z")
 
 
 ESCAPED_COMMA = "\\,"          # in an --image value: a comma inside a file name, not between two
@@ -89,7 +90,7 @@ def utf8_problem(text: str) -> Optional[str]:
 class Field:
     name: str                       # the attribute / prompts-file key (diff_infer_steps)
     kind: str                       # "text", "int", "float", "choice", "image_size", "path", "images", "secret",
-    #                                 "env_name", "switch"
+    #                                 "env_name", "switch", "origin"
     default: Any = None
     help: str = ""
     low: Optional[float] = None
@@ -178,6 +179,8 @@ class Field:
             too_big = big is not None and all(int(side) >= 1 for side in big.groups())
             self.refuse(f"{value!r} has a side beyond {MAX_IMAGE_SIDE}" if too_big
                         else f"{value!r} is not auto, HxW or H:W", field=name)
+        if self.kind == "origin" and value != "*" and not ORIGIN.match(value):
+            self.refuse(f"{value!r} is not an origin (scheme://host[:port], nothing after it) or *", field=name)
         if self.kind == "env_name" and not ENV_NAME.match(value):
             self.refuse(f"{value!r} is not an environment variable name", field=name)
         if self.kind == "path":
@@ -286,6 +289,10 @@ JOB_OPTIONS = (
           "that may share its forward; docs/SERVING.md)", 1, None, example="4"),
     Field("client_timeout", "float", 30.0, "--serve: seconds a client may stay silent (a slow or half-open "
           "connection) before it is dropped", 0, 3600.0, example="30"),
+    Field("shutdown_timeout", "float", 60.0, "--serve: seconds the running request may take after SIGTERM / "
+          "SIGINT before it is cancelled (answered 503) and the server exits", 0, 86400.0, example="60"),
+    Field("allow_origin", "origin", None, "--serve: a browser origin allowed to call the API from its pages "
+          "(CORS; preflights answered), or *; default: none", optional=True, example="https://tools.example.com"),
     Field("api_key", "secret", None, "--serve: the key every API call must send (Authorization: Bearer KEY); "
           "prefer --api-key-env, a key on the command line shows in ps and the shell history", optional=True,
           example="a random hex string: python -c 'import secrets; print(secrets.token_hex(24))'"),

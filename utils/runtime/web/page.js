@@ -201,14 +201,16 @@ async function generate() {
     const response = await api(path, Object.assign(options, {signal: controller.signal}));
     if (response.status === 401) { askKey((await errorOf(response)).message); return; }
     if (!response.ok) { showError(await errorOf(response)); status(""); return; }
+    const images = [];
     await readEvents(response, (name, data) => {
-      if (name === "result" || name === "error") outcome = [name, data];
+      if (name.endsWith(".completed")) images.push(data);      // OpenAI's event: one per image, the image in it
+      else if (name === "error") outcome = data;
       else onEvent(name, data);
     });
-    if (!outcome) { status("The server closed the stream without an answer"); return; }
-    if (outcome[0] === "error") { showError(outcome[1].error); status(""); return; }
+    if (outcome) { showError(outcome.error); status(""); return; }
+    if (!images.length) { status("The server closed the stream without an answer"); return; }
     const seconds = (performance.now() - running.started) / 1000;
-    outcome[1].data.forEach((item) => showResult(item, body, outcome[1].seconds, seconds));
+    images.forEach((item) => showResult(item, body, item.seconds, seconds));
     status(`Done in ${seconds.toFixed(1)} s`);
   } catch (e) {
     status(e.name === "AbortError" ? "Cancelled" : "Request failed: " + e.message);

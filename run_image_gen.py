@@ -225,20 +225,30 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
 
 # ---------------------------------------------------------------- the job
 
-def generate(model, args, request, rank, images=None):
-    """One image; the text phase's record is left on model.last_text_phase (text_phase.py). The
-    Instruct model takes the request's images (decoded alike on every rank; `images`: already
-    decoded, --prompt's for every round) and returns (cot_text, images); its text is on
-    last_text_phase as the base model's. (A batch of requests, --prompts and --serve, runs the same
-    arguments through utils/runtime/batch_stages.py.)"""
-    from adaptor_patches import step_cache
+@dataclass
+class Generated:
+    """One request's outcome on this rank: the image (rank 0's is the one written), what its text
+    phase did (text_phase.TextPhase) and its step cache's summary (None without one)."""
+    image: object
+    text_phase: object
+    step_cache: Optional[dict]
+
+
+def generate(model, args, request, rank, images=None, cache=None) -> Generated:
+    """One image in its own forward context (adaptor_patches/forward_context.py: nothing of the request
+    is written onto the model) with the job's `cache` (captured decode steps, the last prompt's KV;
+    None: one of its own). The Instruct model takes the request's images (decoded alike on every rank;
+    `images`: already decoded, --prompt's for every round) and returns (cot_text, images). (A batch of
+    requests, --prompts and --serve, runs the same arguments through utils/runtime/batch_stages.py.)"""
+    from adaptor_patches import forward_context, step_cache
     from adaptor_patches.model_family import takes_conditioning_images
     from utils.runtime.batch_stages import generation_kwargs
     kwargs = generation_kwargs(model, args, request, rank, images)
-    with step_cache.running(model, request.step_cache, request.diff_infer_steps) as run:
+    with forward_context.request(cache) as call, \
+            step_cache.running(model, request.step_cache, request.diff_infer_steps) as run:
         result = model.generate_image(**kwargs)
-    model.last_step_cache = run.summary() if run is not None else None
-    return result[1][0] if takes_conditioning_images(model) else result
+    image = result[1][0] if takes_conditioning_images(model) else result
+    return Generated(image, call.last_text_phase, run.summary() if run is not None else None)
 
 
 def describe_text_phase(text: dict) -> str:
@@ -267,15 +277,17 @@ class Rounds:
 
 def one_image(rank_job: RankJob, model, load_s: float, phase: JobPhase) -> Rounds:
     """--prompt: the warm-ups, then the timed rounds."""
+    from adaptor_patches.forward_context import JobCache
     from adaptor_patches.metrics import PhaseTimer
     from adaptor_patches.step_cache import round_record
     args, rank, device, log = rank_job.args, rank_job.rank, rank_job.device, rank_job.log
     # Phase timings synchronise the device around every forward: only when they are asked for.
     timer = PhaseTimer(device).attach(model) if args.metrics_json or args.save_latents else None
     request = replace(default_request(args), seed=rank_job.seed, image_inputs=rank_job.images)
+    cache = JobCache()          # the warm-up's captured decode step serves the timed rounds
     for i in range(args.warmup):
         phase.name = f"warm-up generation {i + 1}"
-        generate(model, args, request, rank, rank_job.pictures)
+        generate(model, args, request, rank, rank_job.pictures, cache)
         log(f"warmup {i + 1}/{args.warmup} done")
     device.reset_peak_memory()
     records, image = [], None
@@ -284,12 +296,13 @@ def one_image(rank_job: RankJob, model, load_s: float, phase: JobPhase) -> Round
             timer.reset()
         phase.name = f"generation {i + 1} (text phase, denoising or VAE decode)"
         start = time.perf_counter()
-        image = generate(model, args, request, rank, rank_job.pictures)
+        made = generate(model, args, request, rank, rank_job.pictures, cache)
+        image = made.image
         device.synchronize()
-        text = model.last_text_phase.summary()
+        text = made.text_phase.summary()
         phases = timer.summary() if timer else {}
         records.append({"total_s": round(time.perf_counter() - start, 6), **phases, "text_phase": text,
-                        "step_cache": round_record(model.last_step_cache, rank_job.dist)})
+                        "step_cache": round_record(made.step_cache, rank_job.dist)})
         log(f"round {i + 1}/{args.rounds}: {records[-1]['total_s']:.3f}s{describe_text_phase(text)}")
     return Rounds(request, image, records, load_s, timer)
 

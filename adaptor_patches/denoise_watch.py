@@ -1,8 +1,8 @@
 """One image's denoising loop seen from outside: rank 0's per-step progress, and a cancel every rank agrees on.
 
 A caller that wants either hands one DenoiseWatch to the one generation it runs (`with watching(watch):
-model.generate_image(...)`); the watch is the current one of that call only (a context variable, nothing
-is written onto the model). The patched model forward (hunyuan.causal_mm_forward) calls `begin_step` before and `end_step` after every
+model.generate_image(...)`); the watch is the current one of that call only (the call's forward_context,
+nothing is written onto the model). The patched model forward (hunyuan.causal_mm_forward) calls `begin_step` before and `end_step` after every
 gen_image forward, i.e. at the step boundaries of upstream's denoising loop (its pipeline calls the
 model once per step, `first_step` on the first).
 
@@ -23,11 +23,10 @@ part) and rank 0 hands each to `on_preview(row, image)`.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-_current: contextvars.ContextVar = contextvars.ContextVar("denoise_watch", default=None)
+from adaptor_patches import forward_context
 
 
 class DenoiseCancelled(Exception):
@@ -85,15 +84,12 @@ class DenoiseWatch:
 @contextlib.contextmanager
 def watching(watch: Optional[DenoiseWatch]):
     """Run one generation under `watch` (None: as without)."""
-    token = _current.set(watch)
-    try:
+    with forward_context.using(denoise_watch=watch):
         yield watch
-    finally:
-        _current.reset(token)
 
 
 def current_watch() -> Optional[DenoiseWatch]:
-    return _current.get()
+    return forward_context.current().denoise_watch
 
 
 def preview_steps(steps: int, count: int) -> list:

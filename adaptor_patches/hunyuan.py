@@ -8,8 +8,8 @@ parallel/ (layout, groups, CFG split), moe/ (experts, dispatchers, shared-MLP st
   HunyuanImage3ForCausalMM.__init__        builds the whole model for one RankContext
   HunyuanImage3ForCausalMM.from_pretrained reads this rank's slices (weights/load.py)
   HunyuanImage3ForCausalMM.forward         CFG parallel: this rank's branch, prediction gathered
-  HunyuanImage3Model.__init__              one shared-MLP side stream for every MoE layer; the
-                                           step-cache and sequence slots its layers share
+  HunyuanImage3Model.__init__              one shared-MLP side stream for every MoE layer (a call's
+                                           step-cache run and sequence shares: forward_context.py)
   HunyuanImage3Model.forward               sequence shares: the rows cut before the first layer and
                                            gathered after the last (parallel/sequence.py)
   HunyuanImage3DecoderLayer.forward        adaptive step cache: layers past the probe skipped when agreed
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import denoise_watch, kv_reuse, step_cache
+from . import denoise_watch, forward_context, kv_reuse, step_cache
 from .moe.dispatch import dispatcher_for
 from .moe.experts import GroupedExperts
 from .moe.gate import route
@@ -42,7 +42,7 @@ from .moe.shared_mlp import SharedMlp
 from .parallel import cfg_split
 from .parallel.context import building, components_left_out, context_being_built
 from .parallel.layout import per_layer
-from .parallel.sequence import SequenceShards, SequenceSlot, gather_rows, shard_rows
+from .parallel.sequence import SequenceShards, gather_rows, shard_rows
 from .parallel.ulysses import head_exchange
 from .weights.load import from_pretrained_by_slices
 
@@ -101,19 +101,19 @@ def causal_mm_forward(original, _device):
         return output
 
     def cached_forward(self, *args, **kwargs):
-        slot = step_cache.slot_of(self)
-        if slot is None or slot.run is None:
+        run = forward_context.current().step_cache_run
+        if run is None:
             return cfg_parallel_forward(self, *args, **kwargs)
         arguments = signature.bind(self, *args, **kwargs).arguments
         if arguments.get("mode", "gen_text") != "gen_image":
             return cfg_parallel_forward(self, *args, **kwargs)
         output_type = sys.modules[type(self).__module__].CausalMMOutputWithPast
-        return step_cache.cached_forward(slot.run, lambda: cfg_parallel_forward(self, *args, **kwargs),
+        return step_cache.cached_forward(run, lambda: cfg_parallel_forward(self, *args, **kwargs),
                                          arguments, output_type)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if getattr(getattr(getattr(self, "model", None), "sequence_slot", None), "prefix", None) is not None:   # a step over a reused prefix
+        if forward_context.current().sequence.prefix is not None:         # a step over a reused prefix
             arguments = kv_reuse.without_covered_conditioning(self, signature.bind(self, *args, **kwargs).arguments)
             args, kwargs = (), {k: v for k, v in arguments.items() if k != "self"}
         watch = denoise_watch.current_watch()         # a served image: progress and an agreed cancel per step
@@ -140,12 +140,7 @@ def model_init(original, device):
             original(self, config, *args, **kwargs)
         stream = context.shared_mlp_stream()
         self.rank_context = context
-        self.step_cache_slot = step_cache.StepCacheSlot()       # the image's step-cache run, if any
-        self.sequence_slot = SequenceSlot()                     # the forward's sequence shares, if any
         for layer in self.layers:
-            layer.step_cache_slot = self.step_cache_slot
-            for module in (layer, layer.self_attn, layer.mlp):
-                module.sequence_slot = self.sequence_slot
             if isinstance(getattr(layer.mlp, "shared", None), SharedMlp):
                 layer.mlp.shared.use_stream(stream)
 
@@ -154,7 +149,7 @@ def model_init(original, device):
 
 def model_forward(original, _device):
     """Two cuts of a forward's rows, each taken only where it applies (otherwise upstream's forward):
-    - a PrefixPlan armed on the sequence slot (kv_reuse.py: the text phase's prompt KV in the image
+    - a PrefixPlan armed on the call's sequence slot (forward_context, kv_reuse.py: the text phase's prompt KV in the image
       phase's first step, the job's system prompt in a text prefill): its prefix is written into the
       forward's cache, the layers run on the positions after it;
     - sequence shares (MoE EP, Ulysses): a forward of more than one position per row holds only this
@@ -164,22 +159,31 @@ def model_forward(original, _device):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        context, slot = getattr(self, "rank_context", None), getattr(self, "sequence_slot", None)
-        plan = slot.prefix if slot is not None else None
-        sharded = context is not None and slot is not None and context.layout.sequence_sharded
-        if plan is None and not sharded:
-            return original(self, *args, **kwargs)
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        embeds = arguments.get("inputs_embeds")
-        seq = (embeds if embeds is not None else arguments["input_ids"]).shape[1]
-        if plan is None or not plan.fits(arguments.get("mode", "gen_text"), seq):
-            return _on_shares(self, original, arguments, context, slot) if sharded else original(**arguments)
-        slot.prefix = None                                      # one forward's
-        arguments, length = kv_reuse.cut_arguments(arguments, plan, context)
-        output = _on_shares(self, original, arguments, context, slot) if sharded else original(**arguments)
-        return _with_hidden(output, kv_reuse.restore_rows(output[0], length)) if length else output
+        call = forward_context.active()          # no context manager here: this runs inside captured decode steps
+        if call is None:
+            with forward_context.request() as call:
+                return _forward(self, original, signature, call.sequence, args, kwargs)
+        return _forward(self, original, signature, call.sequence, args, kwargs)
 
     return forward
+
+
+def _forward(self, original, signature, slot, args, kwargs):
+    """model_forward's body: `slot` is the call's sequence slot (forward_context)."""
+    context = getattr(self, "rank_context", None)
+    plan = slot.prefix
+    sharded = context is not None and context.layout.sequence_sharded
+    if plan is None and not sharded:
+        return original(self, *args, **kwargs)
+    arguments = signature.bind(self, *args, **kwargs).arguments
+    embeds = arguments.get("inputs_embeds")
+    seq = (embeds if embeds is not None else arguments["input_ids"]).shape[1]
+    if plan is None or not plan.fits(arguments.get("mode", "gen_text"), seq):
+        return _on_shares(self, original, arguments, context, slot) if sharded else original(**arguments)
+    slot.prefix = None                                      # one forward's
+    arguments, length = kv_reuse.cut_arguments(arguments, plan, context)
+    output = _on_shares(self, original, arguments, context, slot) if sharded else original(**arguments)
+    return _with_hidden(output, kv_reuse.restore_rows(output[0], length)) if length else output
 
 
 def _with_hidden(output, hidden):
@@ -324,8 +328,7 @@ def attention_forward(_original, _device):
         if output_attentions:
             raise NotImplementedError("attention: output_attentions=True is not supported (as upstream's SDPA path)")
         upstream = sys.modules[type(self).__module__]
-        slot = getattr(self, "sequence_slot", None)
-        shards = slot.shards if slot is not None else None
+        shards = forward_context.current().sequence.shards
         query, key, value, bsz, q_len = _project(self, hidden_states, shards)
         if self.use_rotary_pos_emb:
             cos, sin = custom_pos_emb
@@ -412,10 +415,10 @@ def moe_forward(_original, _device):
     def forward(self, hidden_states):
         bsz, seq_len, hidden_size = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden_size)
-        slot = getattr(self, "sequence_slot", None)
-        if slot is not None and slot.fixed_shape:                  # the decode step: every row on every rank
+        slot = forward_context.current().sequence
+        if slot.fixed_shape:                                        # the decode step: every row on every rank
             return _fixed_shape_moe(self, tokens).view(bsz, seq_len, hidden_size)
-        shards = slot.shards if slot is not None else None         # the input is this rank's share
+        shards = slot.shards                                        # the input is this rank's share
         rows = self.dispatcher.local_rows(tokens, shards)           # EP replicated rows: this rank's chunk
         shared = self.shared.start(rows)                            # on the side stream, if any
         topk_weight, topk_idx = route(self, rows)

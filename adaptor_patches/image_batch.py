@@ -45,6 +45,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+from . import forward_context
 from .model_family import takes_conditioning_images
 from .text_batch import decode_together, shares_text
 from .text_phase import ImagePhaseReached
@@ -80,7 +81,7 @@ def stops_before_image(inner: Callable = None) -> Callable:
 
         @functools.wraps(original)
         def prepare_model_inputs(self, *args, **kwargs):
-            if self.__dict__.get("_text_stage_only") and kwargs.get("mode") == "gen_image":
+            if forward_context.current().text_stage_only and kwargs.get("mode") == "gen_image":
                 arguments = dict(signature.bind(self, *args, **kwargs).arguments)
                 arguments.pop("self")
                 arguments.update(arguments.pop("kwargs", {}))
@@ -113,13 +114,11 @@ def text_stage(model, calls: list, keep_going: Callable = lambda exc: False) -> 
 
 
 def _text_phase_of_one(model, kwargs: dict) -> TextHandoff:
-    model._text_stage_only = True
     try:
-        model.generate_image(**kwargs)
+        with forward_context.using(text_stage_only=True):
+            model.generate_image(**kwargs)
     except ImagePhaseReached as reached:
-        return TextHandoff(reached.arguments, model.last_text_phase)
-    finally:
-        model._text_stage_only = False
+        return TextHandoff(reached.arguments, reached.text_phase)
     raise RuntimeError("text stage: upstream's generate_image made an image without preparing its image call")
 
 
@@ -152,11 +151,10 @@ def denoise_batch(model, handoffs: list, image_kwargs: dict) -> list:
     prepare_model_inputs with every request's arguments as lists, then its pipeline.
     `image_kwargs`: what generate_image hands upstream's image call besides the inputs
     (diff_infer_steps, diff_guidance_scale)."""
-    model._image_phases = [h.text_phase for h in handoffs]     # their prompt KV starts the first step (kv_reuse.py)
-    try:
-        return _denoise(model, handoffs, image_kwargs)
+    try:       # their prompt KV starts the first step (kv_reuse.py)
+        with forward_context.using(image_phases=[h.text_phase for h in handoffs]):
+            return _denoise(model, handoffs, image_kwargs)
     finally:
-        model._image_phases = None
         for handoff in handoffs:
             handoff.text_phase.prompt_kv = None
 

@@ -9,10 +9,10 @@ every request of a job prefills the same system prompt (`en_unified`: ~1.4k toke
 
   StaticKV       the text phase's cache (text_decode.py): every layer's keys / values preallocated
   PromptKV       a text call's KV and token ids (its prompt and the text it wrote), kept after the call
-                 (the request's TextPhase carries it to the image phase; the model keeps the last
-                 system prompt for the next request)
+                 (the request's TextPhase carries it to the image phase; the job keeps the last
+                 system prompt in its JobCache for the next request: forward_context.py)
   PrefixPlan     "the next forward's first `length` positions are known": their keys / values,
-                 one row per row of that forward. Armed on the model's SequenceSlot; the patched
+                 one row per row of that forward. Armed on the call's SequenceSlot (forward_context); the patched
                  HunyuanImage3Model.forward (hunyuan.py) takes it: writes the prefix into the
                  forward's cache through the cache's own update, runs the layers on positions
                  [length, S) only (ids, mask rows, positions, RoPE cut; sequence shares, if any, cut
@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from adaptor_patches import forward_context
 
 MIN_PREFIX = 16
 
@@ -161,10 +163,10 @@ def tokens_only_length(tokenizer_output, length: int) -> list:
 
 
 def arm(model, plan: Optional[PrefixPlan]) -> None:
-    """The plan the next fitting forward takes (a model without the patched layers, upstream eager's, has none)."""
-    slot = getattr(model.model, "sequence_slot", None)
-    if slot is not None:
-        slot.prefix = plan
+    """The plan the next fitting forward of the call takes (a model without the patched layers, upstream
+    eager's, takes none)."""
+    if getattr(model.model, "rank_context", None) is not None:
+        forward_context.current().sequence.prefix = plan
 
 
 def plan_from(prompts: list, ids: torch.Tensor, limit: int, mode: str) -> Optional[PrefixPlan]:
@@ -184,7 +186,7 @@ def plan_from(prompts: list, ids: torch.Tensor, limit: int, mode: str) -> Option
 def job_prompt_plan(model, tokenizer_output, length: int) -> Optional[PrefixPlan]:
     """The plan of a text prefill that starts as the job's last prompt did (its system prompt): up to
     the first position of either whose embedding is not its token's."""
-    last = model.__dict__.get("_job_prompt")
+    last = forward_context.current().cache.last_prompt
     if last is None or tokenizer_output is None or not getattr(model, "kv_reuse", True):
         return None
     rows = tokenizer_output.tokens.shape[0]
@@ -193,11 +195,12 @@ def job_prompt_plan(model, tokenizer_output, length: int) -> Optional[PrefixPlan
 
 
 def keep_job_prompt(model, prompt: Optional[PromptKV]) -> None:
-    """The job's last prompt, for the next text prefill: row 0, up to its first non-token embedding."""
+    """The job's last prompt, for the next text prefill: row 0, up to its first non-token embedding
+    (the job's cache, forward_context.JobCache)."""
     if prompt is None or not getattr(model, "kv_reuse", True):
         return
     end = prompt.tokens_only[0]
-    model._job_prompt = PromptKV(prompt.ids[:1, :end].clone(), [end],
+    forward_context.current().cache.last_prompt = PromptKV(prompt.ids[:1, :end].clone(), [end],
                                  {i: k[:1, :, :end].clone() for i, k in prompt.keys.items()},
                                  {i: v[:1, :, :end].clone() for i, v in prompt.values.items()})
 
@@ -236,8 +239,7 @@ def without_covered_conditioning(model, arguments: dict) -> dict:
     latents and their timestep token) lies in the reused prefix: the encoders are not run (SigLIP2, the
     latents' embedder: their output would land only on positions the cut drops). Arguments of upstream's
     HunyuanImage3ForCausalMM.forward (the Instruct model's)."""
-    slot = getattr(model.model, "sequence_slot", None)
-    plan = slot.prefix if slot is not None else None
+    plan = forward_context.current().sequence.prefix
     ids = arguments.get("input_ids")
     if plan is None or not plan.conditioning_ends or ids is None \
             or all(arguments.get(name) is None for name in CONDITIONING_INPUTS) \
@@ -261,7 +263,7 @@ def restore_rows(hidden: torch.Tensor, length: int) -> torch.Tensor:
 def image_call_reuses_prompt_kv(inner=None):
     """A PATCHES `make` for a model's prepare_model_inputs: a gen_image call whose rows continue the
     text calls of their requests arms a PrefixPlan for its first denoising step. The requests' text
-    phases: model._image_phases (image_batch.denoise_batch), else the one being run (generate_image);
+    phases: the call's image_phases (image_batch.denoise_batch), else the one being run (generate_image);
     each phase's prompt_kv (the text call's PromptKV, row prompt_kv_row) is the prefix's source, and
     its kv_reuse record says what the first step computed."""
 
@@ -274,7 +276,8 @@ def image_call_reuses_prompt_kv(inner=None):
             if kwargs.get("mode") != "gen_image":
                 return inputs
             arm(self, None)
-            phases = self.__dict__.get("_image_phases") or [self.__dict__.get("_active_text_phase")]
+            call = forward_context.current()
+            phases = call.image_phases or [call.text_phase]
             if not getattr(self, "kv_reuse", True) or any(getattr(p, "prompt_kv", None) is None for p in phases):
                 return inputs
             tokens = inputs["tokenizer_output"].tokens

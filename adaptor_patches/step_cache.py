@@ -48,6 +48,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
+from adaptor_patches import forward_context
+
 MODES = ("none", "taylor", "adaptive")
 ORDERS = (1, 2)
 
@@ -293,35 +295,23 @@ def round_record(summary: Optional[dict], dist=None) -> dict:
 
 # ---------------------------------------------------------------- the model's side
 
-class StepCacheSlot:
-    """Shared by a model and its decoder layers: the run of the image being made, or None."""
-    run: Optional[StepCacheRun] = None
-
-
-def slot_of(model) -> Optional[StepCacheSlot]:
-    inner = getattr(model, "model", None)
-    return getattr(inner, "step_cache_slot", None)
-
-
 @contextlib.contextmanager
 def running(model, settings: StepCacheSettings, steps: int):
-    """Make one image with `settings`; yields the StepCacheRun (None when the cache is off)."""
+    """Make one image with `settings`; yields the StepCacheRun (None when the cache is off), the
+    current forward_context's for the duration."""
     if settings is None or not settings.enabled:
         yield None
         return
-    slot = slot_of(model)
-    if slot is None:
+    if getattr(getattr(model, "model", None), "rank_context", None) is None:
         raise ValueError("step_cache: this model was built without the adaptor's patches; use --adaptor full")
     layers = len(model.model.layers)
     problem = next(iter(settings.problems(steps, layers)), None)
     if problem:
         raise ValueError(f"step_cache.{problem[0]}: {problem[1]}; {problem[2]}")
     context = model.rank_context
-    slot.run = StepCacheRun(settings, steps, layers, group=context.group("step_cache"), context=context)
-    try:
-        yield slot.run
-    finally:
-        slot.run = None
+    run = StepCacheRun(settings, steps, layers, group=context.group("step_cache"), context=context)
+    with forward_context.using(step_cache_run=run):
+        yield run
 
 
 def cached_forward(run: StepCacheRun, forward, arguments: dict, output_type):
@@ -343,8 +333,8 @@ def layer_forward(original):
     """HunyuanImage3DecoderLayer.forward under an adaptive run; otherwise the original, untouched."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        slot = getattr(self, "step_cache_slot", None)
-        run = slot.run if slot is not None else None
+        call = forward_context.current()
+        run = call.step_cache_run
         if run is None or run.settings.mode != "adaptive" or kwargs.get("mode") != "gen_image":
             return original(self, hidden_states, *args, **kwargs)
         index, blocks = self.layer_idx, run.settings.blocks
@@ -353,8 +343,7 @@ def layer_forward(original):
             return _layer_outputs(hidden, args, kwargs)
         outputs = original(self, hidden_states, *args, **kwargs)
         if index == blocks - 1:
-            sequence = getattr(self, "sequence_slot", None)
-            shards = sequence.shards if sequence is not None else None
+            shards = call.sequence.shards
             batch = shards.batch if shards is not None else outputs[0].shape[0]
             run.after_probe_layers(outputs[0], rows_held(run.context, batch, shards))
         if index == run.layers - 1:

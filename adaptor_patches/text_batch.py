@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import forward_context
 from .model_family import takes_conditioning_images
 from .text_phase import TextCall, _phase_of, _world
 from .text_rows import Answer, TextAsk, decode_rows, share_key
@@ -80,7 +81,7 @@ def prepare_in_script(inner: Callable) -> Callable:
 
         @functools.wraps(original)
         def prepare_model_inputs(self, *args, **kwargs):
-            script = self.__dict__.get("_text_script")
+            script = forward_context.current().text_script
             if script is None:
                 return replaced(self, *args, **kwargs)
             arguments = dict(signature.bind(self, *args, **kwargs).arguments)
@@ -111,7 +112,7 @@ def text_call_in_script(inner: Callable) -> Callable:
 
         @functools.wraps(original)
         def text_call(self, *args, **kwargs):
-            script = self.__dict__.get("_text_script")
+            script = forward_context.current().text_script
             if script is None or not _is_text_call(kwargs):
                 return recorded(self, *args, **kwargs)
             index, script.calls = script.calls, script.calls + 1
@@ -190,13 +191,11 @@ def _outcome(run: Callable, keep_going: Callable):
 def _run(model, kwargs: dict, script: Script, run_one: Callable):
     """The request's text phase under its script: its TextHandoff, or the TextAsk it stopped at."""
     script.begin()
-    model._text_script = script
     try:
-        return run_one(model, kwargs)
+        with forward_context.using(text_script=script):
+            return run_one(model, kwargs)
     except TextCallReached as reached:
         return reached.ask
-    finally:
-        model._text_script = None
 
 
 def _groups(asks: dict) -> list:

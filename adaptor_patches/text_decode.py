@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from transformers.generation import stopping_criteria as sc
 
-from . import kv_reuse
+from . import forward_context, kv_reuse
 from .kernels.decode_graph import captured
 from .kv_reuse import PromptKV, StaticKV
 from .model_family import takes_conditioning_images
@@ -86,12 +86,12 @@ class DecodeStep:
         return self.model.lm_head(text.ln_f(outputs[0]))[:, -1].float()
 
     def __call__(self) -> torch.Tensor:
-        slot = self.model.model.sequence_slot
-        slot.fixed_shape = True
-        try:
-            return self.run(self.tokens, self.positions)
-        finally:
-            slot.fixed_shape = False
+        with forward_context.scope() as call:
+            call.sequence.fixed_shape = True
+            try:
+                return self.run(self.tokens, self.positions)
+            finally:
+                call.sequence.fixed_shape = False
 
 
 def _rope_tables(model, model_kwargs, device) -> tuple:
@@ -103,8 +103,9 @@ def _rope_tables(model, model_kwargs, device) -> tuple:
 
 
 def _decode_step(model, batch: int, capacity: int, graph_mode: str) -> DecodeStep:
-    """The model's kept step for (batch, capacity, graph mode), or a new one (the oldest dropped)."""
-    kept = model.__dict__.setdefault("_decode_steps", {})
+    """The job's kept step for (batch, capacity, graph mode), or a new one (the oldest dropped): the
+    JobCache of the call's forward_context."""
+    kept = forward_context.current().cache.decode_steps
     key = (batch, capacity, graph_mode)
     step = kept.pop(key, None)
     while step is None and len(kept) >= KEPT_STEPS:

@@ -17,9 +17,9 @@ Here one sampler decides for the whole job:
   it broadcasts the token to every rank and hands transformers a one-hot score row, which
   transformers' own draw or argmax can only turn into that token. Every rank therefore appends
   the same token, stops at the same step and conditions the image on the same text.
-- `generate_image` runs inside a `TextPhase` and leaves what the text phase did on
-  `model.last_text_phase` (the think/recaption text, the ratio token and the size it chose,
-  tokens generated, seconds).
+- `generate_image` runs inside a `TextPhase` and leaves what the text phase did as its
+  forward_context's `last_text_phase` (the think/recaption text, the ratio token and the size it
+  chose, tokens generated, seconds): `with forward_context.request(cache) as call: ...`.
 - The text phase refuses a prompt that leaves no room in the model's context (upstream's RoPE
   table for text is `generation_config.max_length` long) and shortens `max_new_tokens` to fit.
 
@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from adaptor_patches import forward_context
+
 _SEED_STRIDE = 1_000_003            # call i of a job draws from seed + (i + 1) * stride
 
 
@@ -48,6 +50,7 @@ class ImagePhaseReached(Exception):
 
     def __init__(self, arguments: dict):
         super().__init__("the text phase is over; the image phase runs as a batch")
+        self.text_phase = None          # the request's TextPhase (generate_image sets it)
         self.arguments = arguments
 
 
@@ -179,7 +182,8 @@ class TextPhase:
 
 
 def _phase_of(model) -> TextPhase:
-    phase = model.__dict__.get("_active_text_phase")
+    """The call's TextPhase (forward_context); a blank one outside a generate_image."""
+    phase = forward_context.current().text_phase
     return phase if phase is not None else TextPhase(seed=None)
 
 
@@ -243,7 +247,7 @@ def prepare_model_inputs_seeded(original, _device):
 
     @functools.wraps(original)
     def prepare_model_inputs(self, *args, **kwargs):
-        phase = self.__dict__.get("_active_text_phase")
+        phase = forward_context.current().text_phase
         if kwargs.get("seed") is None and phase is not None and phase.job_seed is not None:
             kwargs["seed"] = phase.job_seed
         return original(self, *args, **kwargs)
@@ -252,8 +256,9 @@ def prepare_model_inputs_seeded(original, _device):
 
 
 def generate_image_in_text_phase(original, _device):
-    """Patch for HunyuanImage3ForCausalMM.generate_image: one TextPhase per call, kept on the model.
-    Returns what upstream returns (base: the image; Instruct: (cot_text, images))."""
+    """Patch for HunyuanImage3ForCausalMM.generate_image: one TextPhase per call, the call's
+    forward_context's text_phase while it runs and its last_text_phase after (a context opened for the
+    call when none is). Returns what upstream returns (base: the image; Instruct: (cot_text, images))."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -264,22 +269,23 @@ def generate_image_in_text_phase(original, _device):
         bot_task = arguments.get("bot_task") or self.generation_config.bot_task
         image_size = arguments.get("image_size", "auto")
         phase = TextPhase(seed=arguments.get("seed"), job_seed=arguments.get("seed"))
-        self._active_text_phase = phase
-        stopped = None
-        try:
-            result = original(*bound.args, **bound.kwargs)
-        except ImagePhaseReached as reached:        # a batch's text stage: the image comes later (image_batch.py)
-            result, stopped = (reached.arguments.get("cot_text"), None), reached
-        finally:
-            self._active_text_phase = None
-            if stopped is None:
-                phase.prompt_kv = None          # the image took it (kv_reuse.py); a batch's image stage takes it later
-        if hasattr(self, "_tkwrapper"):
-            _describe_base(self, phase, bot_task, image_size == "auto")
-        else:
-            _describe_instruct(self, phase, bot_task, image_size == "auto" or bot_task == "img_ratio", result)
-        self.last_text_phase = phase
+        with forward_context.scope() as call:
+            stopped = None
+            try:
+                with forward_context.using(text_phase=phase):
+                    result = original(*bound.args, **bound.kwargs)
+            except ImagePhaseReached as reached:    # a batch's text stage: the image comes later (image_batch.py)
+                result, stopped = (reached.arguments.get("cot_text"), None), reached
+            finally:
+                if stopped is None:
+                    phase.prompt_kv = None      # the image took it (kv_reuse.py); a batch's image stage takes it later
+            if hasattr(self, "_tkwrapper"):
+                _describe_base(self, phase, bot_task, image_size == "auto")
+            else:
+                _describe_instruct(self, phase, bot_task, image_size == "auto" or bot_task == "img_ratio", result)
+            call.last_text_phase = phase
         if stopped is not None:
+            stopped.text_phase = phase
             raise stopped
         return result
 

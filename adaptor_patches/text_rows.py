@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 from transformers.generation import LogitsProcessorList
 
+from . import forward_context
 from .model_family import takes_conditioning_images
 from .text_phase import TextPhase, call_sampler
 from .text_sampling import RowSamplers, has_device_form
@@ -193,14 +194,9 @@ def decode_rows(model, asks: list) -> list:
     if call.get("logits_processor") is not None:       # upstream's generate appends to the list it is given
         call["logits_processor"] = LogitsProcessorList(call["logits_processor"])
     phase = BatchPhase(asks, lengths)
-    before = model.__dict__.get("_active_text_phase")
-    model._active_text_phase = phase
     start = time.perf_counter()
-    try:
-        with _quiet_right_padding():
-            output = asks[0].run(**inputs, **call)
-    finally:
-        model._active_text_phase = before
+    with forward_context.using(text_phase=phase), _quiet_right_padding():
+        output = asks[0].run(**inputs, **call)
     seconds = time.perf_counter() - start
     decode = dict(phase.last_decode or {}, rows=len(asks))
     return _split(model, asks, inputs, output, seconds, decode, phase.prompt_kv)

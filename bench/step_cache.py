@@ -193,8 +193,8 @@ def main():
             request = ImageRequest("a lighthouse at dusk", seed=args.seed, image_size=f"{args.size}x{args.size}",
                                    diff_infer_steps=steps, step_cache=settings)
             timer.reset()
-            image = run_image_gen.generate(model, cli, request, 0)
-            return image, sum(timer.denoise_step_s), model.last_step_cache
+            made = run_image_gen.generate(model, cli, request, 0)
+            return made.image, sum(timer.denoise_step_s), made.step_cache
 
         run(2, None)                                   # warm-up: first-call allocations
         started = time.perf_counter()

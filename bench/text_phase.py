@@ -54,6 +54,8 @@ for _path in (ROOT, ROOT / "bench", ROOT / "tests"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from adaptor_patches import forward_context  # noqa: E402  (after the path set-up above)
+
 PROMPTS = ["a red fox standing in fresh snow", "a lighthouse at dusk", "a bowl of ramen on a wooden table",
            "a cat on a windowsill", "a mountain lake at dawn", "an old steam train in the rain"]
 VARIANTS = {   # key: (title, shims only, text_loop, text_graph)
@@ -310,11 +312,12 @@ def reuse_part(path: Path, args) -> dict:
             forwards.forwards.clear()
             forwards.encoders.clear()
             print(f"  {path.name}: first step, {name}, reuse {reuse} ...", file=sys.stderr, flush=True)
-            cot, _ = model.generate_image(prompt=PROMPTS[1], image=[str(IMAGES / i) for i in images] or None,
-                                          seed=args.seed, bot_task="think_recaption", image_size=f"{base}x{base}",
-                                          use_system_prompt="en_unified", max_new_tokens=args.reuse_tokens,
-                                          diff_infer_steps=2)
-            summary = model.last_text_phase.summary()
+            with forward_context.request() as call:
+                cot, _ = model.generate_image(prompt=PROMPTS[1], image=[str(IMAGES / i) for i in images] or None,
+                                              seed=args.seed, bot_task="think_recaption", image_size=f"{base}x{base}",
+                                              use_system_prompt="en_unified", max_new_tokens=args.reuse_tokens,
+                                              diff_infer_steps=2)
+            summary = call.last_text_phase.summary()
             runs[reuse] = {"cot": cot, "kv_reuse": summary.get("kv_reuse"), "first_step_s": forwards.forwards[0],
                            "encoders_s": forwards.encoders[0], "later_step_s": forwards.forwards[-1],
                            "text_prompt_tokens": summary["calls"][0]["prompt_tokens"]}
@@ -341,11 +344,11 @@ def ttft_part(path: Path, args) -> dict:
     with Probe(model, context.device) as probe:
         for reuse in (False, True):
             model.kv_reuse = reuse
-            model.__dict__.pop("_job_prompt", None)
             print(f"  {path.name}: time to first token, system-prompt cache {reuse} ...", file=sys.stderr, flush=True)
-            calls = [probe.text(dict(prompt=prompt, seed=args.seed, bot_task="think", image_size=f"{base}x{base}",
-                                     max_new_tokens=2, use_system_prompt="en_unified"))
-                     for prompt in PROMPTS[:args.ttft_requests + 1]]
+            with forward_context.request():        # one job's cache: its requests reuse the system prompt
+                calls = [probe.text(dict(prompt=prompt, seed=args.seed, bot_task="think", image_size=f"{base}x{base}",
+                                         max_new_tokens=2, use_system_prompt="en_unified"))
+                         for prompt in PROMPTS[:args.ttft_requests + 1]]
             later = calls[1:]
             out[reuse] = {"first_request_ttft_s": calls[0]["ttft_s"][clock],
                           "ttft_s": statistics.median(c["ttft_s"][clock] for c in later),

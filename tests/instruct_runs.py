@@ -82,6 +82,7 @@ def load(model_dir, shims_only: bool, layout=None, rank: int = 0, quantize: Opti
 def generate(model, out_dir: Path, name: str, steps: int = 2, step_cache: Optional[dict] = None, **case) -> Run:
     """One image with upstream's generate_image (no system prompt: a short context keeps CPU runs quick);
     `step_cache`: the step cache's settings (adaptor_patches/step_cache.py), as --step-cache gives them."""
+    from adaptor_patches import forward_context
     from adaptor_patches.step_cache import StepCacheSettings, running
     out_dir.mkdir(parents=True, exist_ok=True)
     model.phase_timer.reset()
@@ -89,13 +90,14 @@ def generate(model, out_dir: Path, name: str, steps: int = 2, step_cache: Option
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with running(model, StepCacheSettings(**step_cache) if step_cache else None, steps) as cache:
+        with forward_context.request() as call, \
+                running(model, StepCacheSettings(**step_cache) if step_cache else None, steps) as cache:
             cot_text, images = model.generate_image(prompt=PROMPT, seed=SEED, diff_infer_steps=steps,
                                                     use_system_prompt="None", **case)
     finally:
         torch.set_num_threads(threads)
     run = Run(out_dir / f"{name}.png", out_dir / f"{name}.pt", images[0].size, cot_text,
-              model.last_text_phase.summary(), len(model.phase_timer.denoise_step_s),
+              call.last_text_phase.summary(), len(model.phase_timer.denoise_step_s),
               cache.summary() if cache is not None else None, list(model.batch_recorder.records))
     images[0].save(run.png)
     torch.save(model.phase_timer.last_latents, run.latents)

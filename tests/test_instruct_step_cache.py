@@ -99,7 +99,7 @@ def _edit(model, out_dir, name, settings=None, **upstream):
 def _edit_job(model_dir, out_dir, name, settings=None, shims_only=False, bypass=False, upstream=None):
     """One edit on its own load, a multirank.run_apart job: _edit's (Run, cache record, steps that ran
     the transformer). `bypass`: the code without the feature (no patched decoder_layer_forward, no
-    cache slot); `upstream`: generate_image's own Taylor-cache arguments (with shims_only: upstream eager)."""
+    step-cache run in any forward context); `upstream`: generate_image's own Taylor-cache arguments (with shims_only: upstream eager)."""
     import contextlib
     import model_adaptor
     from instruct_runs import load
@@ -108,7 +108,6 @@ def _edit_job(model_dir, out_dir, name, settings=None, shims_only=False, bypass=
         with contextlib.ExitStack() as stack:
             if bypass:
                 stack.enter_context(mock.patch.object(model_adaptor, "PATCHES", without))
-                stack.enter_context(mock.patch.object(step_cache, "slot_of", lambda model: None))
             return _edit(load(model_dir, shims_only=shims_only), out_dir, name, settings, **(upstream or {}))
     finally:
         model_adaptor.remove()

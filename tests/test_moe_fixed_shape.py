@@ -31,7 +31,7 @@ import npu_double
 from adaptor_patches.kernels import make_kernels
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import Layout
-from adaptor_patches.parallel.sequence import SequenceSlot
+from adaptor_patches import forward_context
 from host_syncs import HostSyncs
 from multirank import run_ranks
 from rank_state import rank_state_dict
@@ -90,7 +90,6 @@ def patched_layer(config, state, context, dtype):
     local = rank_state_dict(state, config, context.layout, context.tp_rank, context.expert_format)
     layer.load_state_dict({key[len(PREFIX):]: value for key, value in local.items()}, strict=True)
     layer.experts.adopt_kernel_storage()
-    layer.sequence_slot = SequenceSlot()
     return layer
 
 
@@ -116,11 +115,11 @@ def fixed_against_today(rank, world_size, moe_mode, cases=CASES):
             layer = patched_layer(config, state, context, dtype)
             for tokens in TOKENS:
                 x = rows(tokens, dtype)
-                with torch.no_grad():
-                    layer.sequence_slot.fixed_shape = False
+                with torch.no_grad(), forward_context.request() as call:
+                    call.sequence.fixed_shape = False
                     with HostSyncs() as today_syncs:
                         today = layer(x)
-                    layer.sequence_slot.fixed_shape = True
+                    call.sequence.fixed_shape = True
                     with HostSyncs() as fixed_syncs:
                         fixed = layer(x)
                 assert fixed.shape == today.shape == x.shape and fixed.dtype == today.dtype == dtype
@@ -218,9 +217,9 @@ def test_the_fixed_form_traces_as_one_graph(form, dtype, fmt):
     state = upstream_state(config)
     device = model_adaptor.apply("cpu")
     layer = patched_layer(config, state, RankContext(device=device, kernels=kernel_set(form), expert_format=fmt), dtype)
-    layer.sequence_slot.fixed_shape = True
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="eager")
     x = rows(2, dtype)
-    with torch.no_grad():
+    with torch.no_grad(), forward_context.request() as call:
+        call.sequence.fixed_shape = True
         assert torch.equal(compiled(x), layer(x))

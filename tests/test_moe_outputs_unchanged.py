@@ -118,7 +118,8 @@ def test_tp2_and_ep2_layer_outputs_are_bit_identical_to_before():
 
 def moe_on_shares(rank, world_size, moe_mode):
     """{case name: this rank's output rows} of the patched layer handed its share of the sequence."""
-    from adaptor_patches.parallel.sequence import SequenceShards, SequenceSlot, shard_rows
+    from adaptor_patches import forward_context
+    from adaptor_patches.parallel.sequence import SequenceShards, shard_rows
     from test_moe_layer import moe_config, patched_layer
     torch.set_num_threads(1)
     model_adaptor.apply("cpu", shims_only=True)
@@ -132,11 +133,10 @@ def moe_on_shares(rank, world_size, moe_mode):
             for case, (state, x, _) in zip(CASES, references):
                 dtype, experts, topk, _ = case
                 layer = patched_layer(moe_config(experts, topk), context, state, getattr(torch, dtype))
-                layer.sequence_slot = SequenceSlot()
-                layer.sequence_slot.shards = SequenceShards(layout, rank, x.shape[0], x.shape[1])
-                with torch.no_grad():
+                with forward_context.request() as call, torch.no_grad():
+                    call.sequence.shards = shards = SequenceShards(layout, rank, x.shape[0], x.shape[1])
                     outputs[f"{moe_mode}/{form}/" + "/".join(map(str, case))] = \
-                        (layer(shard_rows(x, layer.sequence_slot.shards)), layer.sequence_slot.shards.local)
+                        (layer(shard_rows(x, shards)), shards.local)
     finally:
         model_adaptor.remove()
     return outputs

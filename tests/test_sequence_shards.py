@@ -77,7 +77,7 @@ def three_steps(layer, config, steps, slot=None, layout=None, tp_rank=0, recorde
 
 def sharded_attention_on_rank(rank, world_size, layouts):
     """Per layout and case: (errors of the three steps, kinds per step, KV cache shape, heads attended)."""
-    from adaptor_patches.parallel.sequence import SequenceSlot
+    from adaptor_patches import forward_context
     from utils.planner.comm_recorder import CollectiveRecorder
     model_adaptor.apply("cpu", shims_only=True)
     upstream = _upstream()
@@ -103,9 +103,8 @@ def sharded_attention_on_rank(rank, world_size, layouts):
                 layer = upstream.HunyuanImage3SDPAAttention(config, layer_idx=0)
             local = rank_state_dict({prefix + k: v for k, v in state.items()}, config, layout, context.tp_rank)
             layer.load_state_dict({k[len(prefix):]: v for k, v in local.items()}, strict=True)
-            layer.sequence_slot = SequenceSlot()
-            with CollectiveRecorder("cpu") as recorder:
-                outputs, kinds, cache_shape = three_steps(layer, config, steps, layer.sequence_slot, layout,
+            with CollectiveRecorder("cpu") as recorder, forward_context.request() as call:
+                outputs, kinds, cache_shape = three_steps(layer, config, steps, call.sequence, layout,
                                                           context.tp_rank, recorder)
             errors = []
             for i, (out, ref) in enumerate(zip(outputs, expected)):

@@ -15,6 +15,7 @@ on two real gloo ranks. The values must equal the inline path's (loop kernels: t
 same order). The mutation tests put a broken orchestration in and the check must fail; the shared MLP
 started after the routed path (no overlap left, every other rule still holds) fails in every mode.
 """
+import contextlib
 import types
 
 import pytest
@@ -36,9 +37,13 @@ pytestmark = pytest.mark.usefixtures("unpatched_upstream")
 PHASES = {"prefill": (2, 32), "decode": (1, 1), "fixed-shape decode": (2, 1)}       # (batch, tokens per sequence)
 
 
-def fixed_shape_phase(model, phase):
-    """The model's sequence slot set for `phase` (its layers share it: hunyuan.model_init)."""
-    model.sequence_slot.fixed_shape = phase == "fixed-shape decode"
+@contextlib.contextmanager
+def fixed_shape_phase(phase):
+    """A forward context whose sequence slot is set for `phase` (the layers read it: forward_context.py)."""
+    from adaptor_patches import forward_context
+    with forward_context.request() as call:
+        call.sequence.fixed_shape = phase == "fixed-shape decode"
+        yield call
 
 
 def build_recorded_model(world_size=1, rank=0, moe_mode="replicated"):
@@ -67,12 +72,12 @@ def run_and_check(model, device) -> dict:
     for phase, (batch, tokens) in PHASES.items():
         torch.manual_seed(len(phase))
         x = torch.randn(batch, tokens, HIDDEN)
-        fixed_shape_phase(model, phase)
         outputs[phase] = []
-        for layer in model.layers:
-            with torch.no_grad(), device.recording():
-                outputs[phase].append(layer.mlp(x))
-            check_shared_mlp_order(device.take_log(), layer.mlp.shared)
+        with fixed_shape_phase(phase):
+            for layer in model.layers:
+                with torch.no_grad(), device.recording():
+                    outputs[phase].append(layer.mlp(x))
+                check_shared_mlp_order(device.take_log(), layer.mlp.shared)
     return outputs
 
 
@@ -83,8 +88,7 @@ def inline_outputs(model) -> dict:
     for phase, (batch, tokens) in PHASES.items():
         torch.manual_seed(len(phase))
         x = torch.randn(batch, tokens, HIDDEN)
-        fixed_shape_phase(model, phase)
-        with torch.no_grad():
+        with fixed_shape_phase(phase), torch.no_grad():
             outputs[phase] = [layer.mlp(x) for layer in model.layers]
     return outputs
 

@@ -16,6 +16,8 @@ import hashlib
 
 import numpy as np
 import pytest
+
+from adaptor_patches import forward_context
 import torch
 
 import model_adaptor
@@ -224,13 +226,9 @@ def test_a_captured_cuda_graph_replays_the_tokens_of_the_eager_step(instruct_mod
     monkeypatch.setattr(text_decode, "captured", on_cuda)
     request = dict(CASES["think_recaption sampled"], image_size="auto")
     eager = text_of(instruct_model, "static", "off", **request)
-    instruct_model.__dict__.pop("_decode_steps", None)          # no step another test captured
-    try:
-        with graph_double.installed():
-            first = text_of(instruct_model, "static", "on", **request)
-            again = text_of(instruct_model, "static", "on", **dict(request, seed=2))
-    finally:
-        instruct_model.__dict__.pop("_decode_steps", None)
+    with graph_double.installed(), forward_context.request():      # one job's cache: the step captured once
+        first = text_of(instruct_model, "static", "on", **request)
+        again = text_of(instruct_model, "static", "on", **dict(request, seed=2))
     assert first[2]["graph"] == "cuda graph" and first[:2] == eager[:2]
     assert again[:2] == text_of(instruct_model, "static", "off", **dict(request, seed=2))[:2]
     captures = [g for g in graphs if isinstance(g, decode_graph.CudaGraphStep)]

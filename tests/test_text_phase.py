@@ -12,6 +12,8 @@ import random
 
 import numpy as np
 import pytest
+
+from adaptor_patches import forward_context
 import torch
 
 import model_adaptor
@@ -93,11 +95,11 @@ def generate_on_ranks(rank, world_size, model_dir):
         torch.manual_seed(31 * rank + 5)
         random.seed(rank)
         np.random.seed(rank)
-        with torch.no_grad():
+        with torch.no_grad(), forward_context.request() as call:
             model.generate_image(prompt=PROMPT, seed=1, image_size="auto", bot_task="think",
                                  max_new_tokens=6, diff_infer_steps=1)
-        kv_heads = sorted({keys.shape[1] for step in model._decode_steps.values() for keys in step.kv.keys.values()})
-        phase = model.last_text_phase.summary()
+        kv_heads = sorted({keys.shape[1] for step in call.cache.decode_steps.values() for keys in step.kv.keys.values()})
+        phase = call.last_text_phase.summary()
         latents = hashlib.sha256(timer.last_latents.numpy().tobytes()).hexdigest()
         return phase["text"], phase["ratio"], latents, kv_heads, order_ok
     finally:

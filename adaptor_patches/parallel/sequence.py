@@ -9,8 +9,7 @@ after the last one; in between, attention gathers the rows it needs before qkv_p
 reduce-scatters after o_proj, and the MoE works on the local rows (hunyuan.py, moe/dispatch.py).
 The one-token text decode keeps every row on every rank (today's path).
 
-    SequenceSlot                  shared by a model and its layers (like the step cache's slot): the
-                                  forward's SequenceShards while it runs, else None
+    (the forward being run's SequenceShards are its call's: forward_context.SequenceSlot)
     SequenceShards(layout, tp_rank, batch, seq)
         .shares / .local          every rank's rows in tp-rank order / this rank's slice of them
         .attention_shares         the rows of this rank's attention-TP group (its gather / scatter)
@@ -21,19 +20,8 @@ The one-token text decode keeps every row on every rank (today's path).
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
-
-
-class SequenceSlot:
-    """The forward being run's SequenceShards, or None (every row on every rank); `fixed_shape`: the
-    forward is the text phase's graph-ready decode step (adaptor_patches/text_decode.py): every row on
-    every rank, no host sync and no data-dependent shape anywhere in it (the MoE takes its fixed-shape
-    form, moe/dispatch.py)."""
-    shards: Optional["SequenceShards"] = None
-    fixed_shape: bool = False
-    prefix: Optional[object] = None     # a kv_reuse.PrefixPlan the next fitting forward takes
 
 
 class SequenceShards:

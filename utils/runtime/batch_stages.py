@@ -47,11 +47,14 @@ class BatchStages:
     and cancel)."""
 
     def __init__(self, model, args, rank: int, watch_for: Optional[Callable] = None):
+        from adaptor_patches.forward_context import JobCache
         self.model, self.args, self.rank = model, args, rank
         self.watch_for = watch_for or (lambda indices, requests: None)
+        self.cache = JobCache()          # the job's across its batches: captured decode steps, the last prompt
 
     def text(self, requests: list, keep_going: Callable) -> list:
         """[TextHandoff or Exception], one per request (image_batch.text_stage: the seam)."""
+        from adaptor_patches import forward_context
         from adaptor_patches.image_batch import text_stage
         calls = []
         for request in requests:
@@ -61,7 +64,8 @@ class BatchStages:
                 if not keep_going(exc):
                     raise
                 calls.append(exc)
-        handoffs = text_stage(self.model, [c for c in calls if not isinstance(c, Exception)], keep_going)
+        with forward_context.request(self.cache):
+            handoffs = text_stage(self.model, [c for c in calls if not isinstance(c, Exception)], keep_going)
         made = iter(handoffs)
         return [c if isinstance(c, Exception) else next(made) for c in calls]
 
@@ -70,7 +74,7 @@ class BatchStages:
         (None where its handoff is None: it does not go on; DenoiseCancelled for the requests of a
         forward batch every rank stopped because all of them left: the others still run)."""
         import functools
-        from adaptor_patches import step_cache
+        from adaptor_patches import forward_context, step_cache
         from adaptor_patches.denoise_watch import DenoiseCancelled, watching
         from adaptor_patches.image_batch import denoise_batch, image_batches
         from adaptor_patches.previews import decode_latents
@@ -82,7 +86,7 @@ class BatchStages:
             if watch is not None and watch.previews:
                 watch.decode = functools.partial(decode_latents, self.model.pipeline)
             try:
-                with watching(watch), \
+                with forward_context.request(self.cache), watching(watch), \
                         step_cache.running(self.model, first.step_cache, first.diff_infer_steps) as run:
                     images = denoise_batch(self.model, [handoffs[i] for i in group], image_call_kwargs(first))
             except DenoiseCancelled as exc:          # every rank at the same step (denoise_watch.py)

@@ -1,0 +1,103 @@
+"""A request's (or a batch's) state during a call, in one typed object: the model is left as loaded.
+
+The patches read what a call is doing (its text phase, the text stage's stop, a batched text
+call's script, the image rows' text phases, the denoise watch, the step-cache run, the forward's
+sequence shares and prefix) from the ForwardContext set around the call, through `current()`,
+instead of attributes written onto the model and its modules. A context is a context variable:
+set by `request(cache)` for one request or batch (the pipeline's entry points), by `scope()` where
+a patched entry point may be called without one (upstream's generate_image, a model forward in a
+test), gone after; `using(**fields)` sets fields for a nested part of a call and restores them.
+
+What outlives a request is the JobCache the pipeline owns and hands to each request's context: the
+captured decode steps (text_decode.py) and the job's last prompt, whose system prompt the next
+text prefill reuses (kv_reuse.py).
+
+Inside a captured decode step (torch.compile, fullgraph) the context is read like any Python
+state: dynamo guards on the values it reads (verified on torch 2.14: a context variable's value
+changing between calls is a guard miss, not a wrong answer).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class SequenceSlot:
+    """One forward's rows: its SequenceShards (parallel/sequence.py), or None (every row on every
+    rank); `fixed_shape`: the forward is the text phase's graph-ready decode step (text_decode.py):
+    every row on every rank, no host sync and no data-dependent shape in it (the MoE takes its
+    fixed-shape form, moe/dispatch.py); `prefix`: a kv_reuse.PrefixPlan the next fitting forward takes."""
+    shards: Optional[Any] = None
+    fixed_shape: bool = False
+    prefix: Optional[Any] = None
+
+
+@dataclass
+class JobCache:
+    """A job's state across its requests (one per loaded model and job; the pipeline's)."""
+    decode_steps: dict = field(default_factory=dict)    # (batch, capacity, graph mode) -> DecodeStep, oldest first
+    last_prompt: Optional[Any] = None                   # kv_reuse.PromptKV: the last text call's prompt, row 0
+
+
+@dataclass
+class ForwardContext:
+    cache: JobCache = field(default_factory=JobCache)
+    text_phase: Optional[Any] = None        # the TextPhase (or a batch's BatchPhase) being run (text_phase.py)
+    last_text_phase: Optional[Any] = None   # the TextPhase of the last generate_image of this context
+    text_stage_only: bool = False           # a batch's text stage: stop at the image call (image_batch.py)
+    text_script: Optional[Any] = None       # a request's script of batched text calls (text_batch.py)
+    image_phases: Optional[list] = None     # the image rows' TextPhases, their prompt KV (kv_reuse.py)
+    denoise_watch: Optional[Any] = None     # progress, previews, an agreed cancel (denoise_watch.py)
+    step_cache_run: Optional[Any] = None    # the image's step-cache run (step_cache.py)
+    sequence: SequenceSlot = field(default_factory=SequenceSlot)   # the forward's shares, fixed shape, prefix
+
+
+_active: contextvars.ContextVar = contextvars.ContextVar("forward_context", default=None)
+
+
+def current() -> ForwardContext:
+    """The context of the call being run; outside any, a blank one (nothing written to it is kept)."""
+    context = _active.get()
+    return context if context is not None else ForwardContext()
+
+
+def active() -> Optional[ForwardContext]:
+    return _active.get()
+
+
+@contextlib.contextmanager
+def request(cache: Optional[JobCache] = None):
+    """A new context for one request or batch, with the job's `cache` (None: a cache of its own)."""
+    token = _active.set(ForwardContext(cache if cache is not None else JobCache()))
+    try:
+        yield _active.get()
+    finally:
+        _active.reset(token)
+
+
+@contextlib.contextmanager
+def scope():
+    """The context being run, or a new one for the duration (an entry point called outside a request)."""
+    context = _active.get()
+    if context is not None:
+        yield context
+        return
+    with request() as context:
+        yield context
+
+
+@contextlib.contextmanager
+def using(**fields):
+    """Set `fields` of the current context (opened if none) for the duration; restored after."""
+    with scope() as context:
+        before = {name: getattr(context, name) for name in fields}
+        for name, value in fields.items():
+            setattr(context, name, value)
+        try:
+            yield context
+        finally:
+            for name, value in before.items():
+                setattr(context, name, value)

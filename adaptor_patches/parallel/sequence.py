@@ -20,7 +20,6 @@ The one-token text decode keeps every row on every rank (today's path).
 """
 from __future__ import annotations
 
-
 import torch
 
 

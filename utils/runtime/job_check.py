@@ -105,12 +105,14 @@ class CheckedJob:
 
 
 def check_job(args, *, world_size: int, env: Mapping, writes_outputs: bool, inputs=(),
-              resolve: Optional[Callable] = None, model_ready: bool = True) -> CheckedJob:
+              resolve: Optional[Callable] = None, model_ready: bool = True, api: bool = False) -> CheckedJob:
     """Every rule above, in that order. `env`: where CFG_PARALLEL / USE_VAE_PARALLEL are read;
     `inputs`: more (what, path) inputs no output may land on (the launcher's YAML); `resolve`: how a
     path the check itself adds is made (the launcher's: relative to the project root);
-    `model_ready`: False while the launcher's tiny checkpoint is still to be built (its checks wait)."""
-    check_mode(args, resolve or str)
+    `model_ready`: False while the launcher's tiny checkpoint is still to be built (its checks wait);
+    `api`: the Python API's job (utils/pipeline.py): no mode flag, its requests come later."""
+    if not api:
+        check_mode(args, resolve or str)
     from utils.runtime import api_key
     args.api_key = api_key.from_args(args, env)       # an ApiKey (prints as <hidden>) or None
     files = ModelFiles(args.model_id) if model_ready else None

@@ -382,12 +382,17 @@ class _Checked:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse's own refusals (unknown flag, missing value, a checked field) as one `error:` line, exit 2."""
+    """argparse's own refusals (unknown flag, missing value, a checked field) as one `error:` line, exit 2;
+    with `raises` set (the Python API) as a FieldError instead."""
+    raises = False
 
     def error(self, message):
         match = re.match(r"argument (?:--)?([\w-]+)(?:/[^:]*)?: (.*)\Z", message, re.S)
         field, problem = (match.group(1), match.group(2)) if match else ("arguments", message)
         fix = "" if "; " in problem else f"; see {self.prog} --help"
+        if self.raises:
+            problem, _, fix = f"{problem}{fix}".partition("; ")
+            raise FieldError(field, problem, fix)
         self.exit(2, f"error: {field}: {problem}{fix}\n")
 
 

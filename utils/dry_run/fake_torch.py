@@ -1,0 +1,134 @@
+"""What torch must believe during a dry run, and only then.
+
+- fake CUDA: torch.autocast("cuda") switches itself off when no CUDA is present; on the device it is
+  on (upstream's denoising forward runs under bf16 autocast), so the dry run tells autocast CUDA is
+  there; and a device named without an index (`"cuda"`) is the current one, which the rank set
+  (Device.make_current), as on the device. Nothing else of torch.cuda is touched: the device layer
+  asks the FakeAccelerator.
+- fake NPU: torch has no `npu` device without torch_npu; `torch.utils.rename_privateuse1_backend("npu")`
+  names the PrivateUse1 backend so (once per process: torch cannot undo it) and the FakeAccelerator
+  serves as its device module (`torch.npu`) for the dry run. Refused when torch_npu is importable
+  (that is a real NPU stack: run the real job).
+- the world: torch's fake process-group backend, one rank of any world size in this process.
+- `Tensor.new_tensor` keeps its tensor's device index, as on the device (see _new_tensor_keeps_index).
+- the PNG: a fake image has no pixels; the pipeline's postprocess returns blank PIL images of the
+  decoded size (the VAE decode itself ran).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import types
+
+import torch
+
+
+@contextlib.contextmanager
+def fake_backend(kind: str, accelerator):
+    with _new_tensor_keeps_index(), _backend(kind, accelerator):
+        yield
+
+
+@contextlib.contextmanager
+def _new_tensor_keeps_index():
+    """`t.new_tensor(data)` is made on t's device, index included; on a fake tensor torch's C++ path
+    drops the index (cuda:3 -> cuda:0), which the device never does: the dry run makes it as the
+    device would (torch.tensor on t's device and dtype)."""
+    original = torch.Tensor.new_tensor
+
+    def new_tensor(self, data, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
+        return torch.tensor(data, dtype=dtype or self.dtype, device=device or self.device, requires_grad=requires_grad)
+    torch.Tensor.new_tensor = new_tensor
+    try:
+        yield
+    finally:
+        torch.Tensor.new_tensor = original
+
+
+@contextlib.contextmanager
+def _backend(kind: str, accelerator):
+    if kind == "cuda":
+        import torch.cuda.amp.common as amp_common
+        saved = (amp_common.amp_definitely_not_available, torch.cuda.is_bf16_supported, torch.cuda.is_initialized,
+                 torch.cuda.current_device)
+        amp_common.amp_definitely_not_available = lambda: False
+        torch.cuda.is_bf16_supported = lambda *a, **k: True
+        # `cuda` without an index is the current device (set_device(local rank)), as on the device
+        torch.cuda.is_initialized = lambda: True
+        torch.cuda.current_device = lambda: accelerator.index
+        try:
+            yield
+        finally:
+            (amp_common.amp_definitely_not_available, torch.cuda.is_bf16_supported, torch.cuda.is_initialized,
+             torch.cuda.current_device) = saved
+        return
+    register_fake_npu(accelerator)
+    try:
+        yield
+    finally:
+        _NPU_MODULE.target = None
+
+
+class _NpuModule(types.ModuleType):
+    """torch.npu for a dry run: every attribute is the current FakeAccelerator's."""
+
+    target = None
+
+    def __getattr__(self, name):
+        if name in ("is_autocast_enabled",):
+            return lambda *a: torch.is_autocast_enabled("npu")
+        if name == "get_amp_supported_dtype":
+            return lambda: [torch.float16, torch.bfloat16, torch.float32]
+        if name == "is_initialized":
+            return lambda: True
+        if name == "_is_in_bad_fork":
+            return lambda: False
+        if name == "manual_seed_all" or name == "manual_seed":
+            return lambda seed: None
+        if self.target is None:
+            raise AttributeError(name)
+        return getattr(self.target, name)
+
+
+_NPU_MODULE = _NpuModule("torch.npu (dry run)")
+
+
+def register_fake_npu(accelerator) -> None:
+    if importlib.util.find_spec("torch_npu") is not None:
+        raise RuntimeError("dry-run-device npu: torch_npu is installed here; run the job itself on the NPU")
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+        torch._register_device_module("npu", _NPU_MODULE)
+        torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
+    _NPU_MODULE.target = accelerator
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """Rank `rank` of `world_size` on the fake backend (nothing when the job is one process)."""
+    if world_size == 1:
+        yield
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def no_image_files():
+    """The pipeline's postprocess gives blank PIL images of the decoded size (a fake image has no pixels)."""
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+    original = VaeImageProcessor.postprocess
+
+    def blank(self, image, output_type="pil", do_denormalize=None):
+        return [Image.new("RGB", (int(image.shape[-1]), int(image.shape[-2]))) for _ in range(image.shape[0])]
+    VaeImageProcessor.postprocess = blank
+    try:
+        yield
+    finally:
+        VaeImageProcessor.postprocess = original

@@ -75,6 +75,8 @@ class DryRunMode(FakeTensorMode):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
             return self._host_read(args[0])
+        if func is aten._to_copy.default and getattr(kwargs.get("device"), "type", "cpu") not in ("cpu", "cuda", "meta"):
+            args = (self._without_constant(args[0]),) + tuple(args[1:])
         try:
             out = self._run(func, types, args, kwargs)
         except (DynamicOutputShapeException, DataDependentOutputException):
@@ -104,6 +106,18 @@ class DryRunMode(FakeTensorMode):
             self.shadow[moved] = self.shadow[tensor]
         return moved
 
+    def _without_constant(self, tensor):
+        """A fake of `tensor` that holds no constant: torch's fake mode computes a constant's copy to a
+        device by running the real copy, which a PrivateUse1 device without kernels (fake npu) refuses."""
+        if not isinstance(tensor, torch.Tensor) or (isinstance(tensor, FakeTensor) and tensor.constant is None):
+            return tensor
+        value = self.shadow.get(tensor) if isinstance(tensor, FakeTensor) else tensor
+        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+        fake = FakeTensor(self, meta, tensor.device)
+        if value is not None:
+            self.shadow[fake] = value
+        return fake
+
     def _off_device(self, tensor) -> bool:
         device = tensor.device
         if device == self.rank_device:
@@ -112,7 +126,7 @@ class DryRunMode(FakeTensorMode):
 
     def _after(self, func, args, kwargs, out):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, FakeTensor)]
-        if not outs:
+        if not outs or outs[0].device.type == "meta":       # the model being built: nothing to track
             return
         on_device = outs[0].device == self.rank_device
         self.ops["device" if on_device else "host"] += 1

@@ -91,16 +91,59 @@ class _NpuModule(types.ModuleType):
 
 
 _NPU_MODULE = _NpuModule("torch.npu (dry run)")
+_AUTOCAST_LIBRARY = None
 
 
 def register_fake_npu(accelerator) -> None:
     if importlib.util.find_spec("torch_npu") is not None:
         raise RuntimeError("dry-run-device npu: torch_npu is installed here; run the job itself on the NPU")
     if torch._C._get_privateuse1_backend_name() != "npu":
-        torch.utils.rename_privateuse1_backend("npu")
-        torch._register_device_module("npu", _NPU_MODULE)
-        torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
+        # the name, the device module, and torch's Python-side hooks and device guard (which C++
+        # asks for on every PrivateUse1 factory op; no kernel is registered: fake tensors need none)
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+        _setup_privateuseone_for_python_backend(rename="npu", backend_module=_NPU_MODULE)
+        register_npu_autocast()
     _NPU_MODULE.target = accelerator
+
+
+# torch's autocast "lower precision" list (CUDA's policy, which torch_npu's follows for these ops)
+AUTOCAST_TO_LOW = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                   "linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "prelu", "_convolution",
+                   "scaled_dot_product_attention")
+
+
+def register_npu_autocast() -> None:
+    """NPU autocast for a dry run: torch_npu registers its kernels for the AutocastPrivateUse1 key;
+    here every op passes through it, and the ops of AUTOCAST_TO_LOW cast their floating inputs to the
+    autocast dtype first (what autocast does to them on the device)."""
+    global _AUTOCAST_LIBRARY
+    if _AUTOCAST_LIBRARY is not None:
+        return
+    library = torch.library.Library("_", "IMPL")
+    library.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
+    lowered = torch.library.Library("aten", "IMPL")
+    for name in AUTOCAST_TO_LOW:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            lowered.impl(op._schema.name.split("::")[1] + ("." + overload if overload != "default" else ""),
+                         _autocast_kernel(op), "AutocastPrivateUse1")
+    _AUTOCAST_LIBRARY = (library, lowered)
+
+
+def _autocast_kernel(op):
+    from torch.utils._pytree import tree_map
+
+    def kernel(*args, **kwargs):
+        dtype = torch.get_autocast_dtype("npu")
+
+        def cast(a):
+            return a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype else a
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)):
+            return op(*tree_map(cast, args), **tree_map(cast, kwargs))
+    return kernel
 
 
 @contextlib.contextmanager

@@ -60,6 +60,8 @@ class DryRunJob:
         compute = resolve_compute(expert_format, self.args.quant_compute)
         device = Device(self.kind, rank, cpu_noise=True, fake=FakeAccelerator(self.kind, device_count=self.world_size))
         if self.kind == "npu":
+            from utils.dry_run.fake_torch import register_fake_npu
+            register_fake_npu(device.fake)
             kernels = make_kernels("npu", npu=test_double("npu_double"), quant_compute=compute)
             kernels.comm_name = lambda group: f"fake-hccl-{id(group)}"
         else:

@@ -43,9 +43,10 @@ class RankResult:
         return not (self.error or self.mismatches or self.misplaced or self.stream_problems)
 
 
-def build_fake_model(model_dir, context, weights_dir=None):
-    """The model of `context`'s rank, as fake tensors on its device: built by the model file that runs
-    the checkpoint (model_family), under the layout's patches, the tokenizer and generation config
+def build_fake_model(model_dir, context, mode, weights_dir=None):
+    """The model of `context`'s rank, as fake tensors on its device: built on the meta device by the
+    model file that runs the checkpoint (model_family), under the layout's patches, then given its
+    tensors on the device (as loading does, without values); the tokenizer and generation config
     read from `weights_dir` (default `model_dir`)."""
     from transformers import GenerationConfig
     from transformers.initialization import no_init_weights
@@ -60,10 +61,12 @@ def build_fake_model(model_dir, context, weights_dir=None):
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)             # dtype "auto": the checkpoint's bf16
     try:
-        with torch.device(context.device.torch_device), building(context), no_init_weights():
+        with mode, torch.device("meta"), building(context), no_init_weights():   # as from_pretrained builds it
             model = cls(config)
     finally:
         torch.set_default_dtype(default)
+    with mode:
+        place(model, context.device.torch_device)                           # the weights' place, no values
     model.skipped_bytes = {}
     weights_dir = weights_dir or model_dir
     model.generation_config = GenerationConfig.from_pretrained(str(weights_dir))
@@ -71,6 +74,19 @@ def build_fake_model(model_dir, context, weights_dir=None):
     adopt_kernel_storage(model)
     model.pipeline.set_progress_bar_config(disable=True)
     return model.eval()
+
+
+def place(model, device) -> None:
+    """Every parameter and buffer of `model` made anew on `device` (Module.to_empty, without its tensor
+    swap, which fake tensors refuse)."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.device != device:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                              requires_grad=param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
 
 
 def run_rank(job, rank: int) -> RankResult:
@@ -85,11 +101,14 @@ def run_rank(job, rank: int) -> RankResult:
     mode = DryRunMode(device.torch_device, job.stand_in_token, device.fake)
     recorder = CollectiveRecorder(device.torch_device)
     phases = PhaseFlops()
+    entered = False
     try:
-        with fake_backend(job.kind, device.fake), job.world(rank), no_image_files(), torch.no_grad(), mode:
+        with fake_backend(job.kind, device.fake), job.world(rank), no_image_files(), torch.no_grad():
             model_adaptor.apply(device)
             device.make_current()
-            model = build_fake_model(job.model_dir, context, job.weights_dir)
+            model = build_fake_model(job.model_dir, context, mode, job.weights_dir)
+            mode.__enter__()
+            entered = True
             model.text_graph = job.args.text_graph
             tracker = DeviceMemory()
             tracker.track_external(model)
@@ -98,12 +117,16 @@ def run_rank(job, rank: int) -> RankResult:
                 run_image_gen.generate(model, job.args, job.request, rank, job.pictures or None)
             result.memory = memory_of(tracker, device.torch_device)
             result.flops = phases.per_forward()
+            entered = False
+            mode.__exit__(None, None, None)
     except Exception as exc:         # a failing rank is reported, the others still run
         import traceback
         result.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}" \
                        f" at {innermost_project_line(exc)}"
         result.error_trace = traceback.format_exc()
     finally:
+        if entered:
+            mode.__exit__(None, None, None)
         model_adaptor.remove()
     result.seconds = time.perf_counter() - started
     result.mismatches = list(mode.mismatches)

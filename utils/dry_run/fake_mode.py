@@ -78,7 +78,13 @@ class DryRunMode(FakeTensorMode):
         if func is aten._to_copy.default and getattr(kwargs.get("device"), "type", "cpu") not in ("cpu", "cuda", "meta"):
             args = (self._without_constant(args[0]),) + tuple(args[1:])
         try:
-            out = self._run(func, types, args, kwargs)
+            try:
+                out = self._run(func, types, args, kwargs)
+            except NotImplementedError:          # a constant's real op on a device without kernels
+                if self.rank_device.type in ("cpu", "cuda", "meta"):
+                    raise
+                args, kwargs = tree_map(self._without_constant, (args, kwargs))
+                out = self._run(func, types, args, kwargs)
         except (DynamicOutputShapeException, DataDependentOutputException):
             return self._data_dependent(func, types, args, kwargs)
         self._after(func, args, kwargs, out)

@@ -63,10 +63,20 @@ def _backend(kind: str, accelerator):
              torch.cuda.current_device) = saved
         return
     register_fake_npu(accelerator)
+    original = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):
+        """torch.tensor(data, device=npu): torch's C++ allocates it on the backend before the fake mode
+        sees it (no kernels here); made on the host and copied, which the fake mode does see."""
+        if device is not None and torch.device(device).type == "npu":
+            return original(data, *args, **kwargs).to(device)
+        return original(data, *args, device=device, **kwargs)
+    torch.tensor = tensor
     try:
         yield
     finally:
         _NPU_MODULE.target = None
+        torch.tensor = original
 
 
 class _NpuModule(types.ModuleType):
@@ -147,14 +157,15 @@ def _autocast_kernel(op):
 
 
 @contextlib.contextmanager
-def fake_world(rank: int, world_size: int):
+def fake_world(rank: int, world_size: int, kind: str = "cuda"):
     """Rank `rank` of `world_size` on the fake backend (nothing when the job is one process)."""
     if world_size == 1:
         yield
         return
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    backend = "fake" if kind == "cuda" else f"cpu:fake,cuda:fake,{kind}:fake"     # the fake backend for every device
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -72,7 +72,7 @@ class DryRunJob:
 
     def world(self, rank: int):
         from utils.dry_run.fake_torch import fake_world
-        return fake_world(rank, self.world_size)
+        return fake_world(rank, self.world_size, self.kind)
 
 
 def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:

@@ -77,3 +77,27 @@ def test_new_tensor_on_another_rank_keeps_its_device_index(tiny_model):
     torch's fake tensors dropped the index (cuda:1 -> cuda:0), a mismatch the device never has."""
     [result] = dry_run(tiny_model, "--moe-tp", "--vae-parallel")
     assert result.passed, (result.error, result.mismatches)
+
+
+def test_the_text_decode_step_runs_and_a_host_tensor_in_it_is_reported(tiny_instruct, monkeypatch):
+    """think_recaption on Instruct: the stand-in's text (4 ordinary tokens, then the call's stop token,
+    utils/dry_run/stand_in_text.py) runs the static decode step 7 times on every rank; a tensor made
+    there without device= fails the dry run with its file:line (before the stand-in's text the first
+    token ended the text and the step never ran)."""
+    from adaptor_patches import text_decode
+    from utils.planner.traffic import TEXT_DECODE
+    [clean] = dry_run(tiny_instruct, "--moe-ep", "--bot-task", "think_recaption")
+    assert clean.passed, (clean.error, clean.mismatches)
+    assert clean.traffic["forwards"][TEXT_DECODE] == 7 and clean.flops[TEXT_DECODE]["forwards"] == 7
+    # per step and layer (2 layers): the attention TP all-reduce and the MoE's EP all-reduce (fixed-shape form)
+    assert clean.traffic["phases"][TEXT_DECODE]["all_reduce"]["calls"] == 7 * 2 * 2
+    original = text_decode.DecodeStep.forward
+
+    def forward(self, tokens, positions):
+        shift = torch.zeros(positions.shape, dtype=positions.dtype)      # PLANTED: no device=
+        return original(self, tokens, positions + shift)
+    monkeypatch.setattr(text_decode.DecodeStep, "forward", forward)
+    [result] = dry_run(tiny_instruct, "--moe-ep", "--bot-task", "think_recaption")
+    assert not result.passed
+    made = [line for _op, _devices, tensors, _where in result.mismatches for _device, line in tensors]
+    assert made.count(planted_line(forward)) == 7, result.mismatches

@@ -6,12 +6,15 @@ other rank holds what this rank holds (ranks are symmetric under uniform routing
   all_reduce (sum)        -> input x group size      all_gather   -> the input, once per rank
   reduce_scatter (sum)    -> this rank's chunk x n   all_to_all   -> this rank's own chunk from each
   broadcast               -> unchanged
+  all_gather_object       -> this rank's object, once per rank (not sent: the fake backend carries no
+  broadcast_object_list      pickles, which torch reads back through .numpy()); the list unchanged
 computed on the shadow values (utils/dry_run/fake_mode.py) when the input has them; otherwise the
 output keeps none. Tensor shapes and devices are the real collective's either way.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import torch
@@ -74,6 +77,14 @@ def symmetric_values(mode):
                        ("all_gather", all_gather), ("reduce_scatter_tensor", reduce_scatter_tensor),
                        ("all_to_all_single", all_to_all_single), ("broadcast", broadcast)):
         wrap(name, fill)
+    def all_gather_object(object_list, obj, group=None):
+        object_list[:] = [copy.deepcopy(obj) for _ in object_list]
+
+    def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        pass
+    for name, instead in (("all_gather_object", all_gather_object), ("broadcast_object_list", broadcast_object_list)):
+        saved[name] = getattr(dist, name)
+        setattr(dist, name, instead)
     try:
         yield
     finally:

@@ -15,8 +15,9 @@
    `STAND_IN` says what a dry run uses instead, and nothing else does:
      - routing: top-k indices (and sort / max indices) over unknown scores are uniform: row r takes
        r*k, r*k+1, ... modulo the experts, so every expert receives the same number of rows (+-1);
-     - a sampled or arg-max token is `STAND_IN_TOKEN` (the model's end-of-text token where the job
-       gives it: the text stops at once); a comparison of unknown values is False, an unknown number 0.
+     - a sampled or arg-max token over unknown scores is `stand_in_token` (the model's end-of-text
+       token); a text call's sampled tokens are first a few ordinary tokens (utils/dry_run/stand_in_text.py,
+       so its decode steps run); a comparison of unknown values is False, an unknown number 0.
    Each host read it answers is counted by source line (`stand_in_reads`).
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 SHADOW_LIMIT = 1 << 18           # elements: larger tensors carry no values (they are never read on the host)
 ROOT = Path(__file__).resolve().parents[2]
-STAND_IN = "uniform routing, a fixed token (the model's end-of-text), unknown comparisons False, unknown numbers 0"
+STAND_IN = ("uniform routing, a text call's tokens: 4 x an ordinary token then end-of-text, unknown comparisons "
+            "False, unknown numbers 0")
 aten = torch.ops.aten
 INDEX_OPS = {aten.topk.default: 1, aten.sort.default: 1, aten.sort.stable: 1, aten.max.dim: 1, aten.min.dim: 1}
 TOKEN_OPS = {aten.argmax.default, aten.argmin.default, aten.multinomial.default}
@@ -165,7 +167,7 @@ class DryRunMode(FakeTensorMode):
         if func in INDEX_OPS and isinstance(args[0], FakeTensor) and args[0] not in self.shadow:
             self._uniform_indices(func, args, kwargs, outs)
             return
-        if func in TOKEN_OPS:
+        if func in TOKEN_OPS and not (isinstance(args[0], FakeTensor) and args[0] in self.shadow):
             for t in outs:
                 self.shadow[t] = torch.full(t.shape, self.stand_in_token, dtype=t.dtype)
             return

@@ -3,7 +3,7 @@
 - fake CUDA: torch.autocast("cuda") switches itself off when no CUDA is present; on the device it is
   on (upstream's denoising forward runs under bf16 autocast), so the dry run tells autocast CUDA is
   there; and a device named without an index (`"cuda"`) is the current one, which the rank set
-  (Device.make_current), as on the device. Nothing else of torch.cuda is touched: the device layer
+  (Device.make_current), as on the device; its compute capability is 9.0 (an H100). Nothing else of torch.cuda is touched: the device layer
   asks the FakeAccelerator.
 - fake NPU: torch has no `npu` device without torch_npu; `torch.utils.rename_privateuse1_backend("npu")`
   names the PrivateUse1 backend so (once per process: torch cannot undo it) and the FakeAccelerator
@@ -11,6 +11,8 @@
   (that is a real NPU stack: run the real job).
 - the world: torch's fake process-group backend, one rank of any world size in this process.
 - `Tensor.new_tensor` keeps its tensor's device index, as on the device (see _new_tensor_keeps_index).
+- `torch.Generator(device=cuda|npu)` is a host generator (torch would start the real device's runtime;
+  a fake draw reads no numbers from it).
 - the PNG: a fake image has no pixels; the pipeline's postprocess returns blank PIL images of the
   decoded size (the VAE decode itself ran).
 """
@@ -25,8 +27,27 @@ import torch
 
 @contextlib.contextmanager
 def fake_backend(kind: str, accelerator):
-    with _new_tensor_keeps_index(), _backend(kind, accelerator):
+    with _new_tensor_keeps_index(), _host_generators(), _backend(kind, accelerator):
         yield
+
+
+@contextlib.contextmanager
+def _host_generators():
+    original = torch.Generator
+
+    class HostGenerator(original):
+        """torch.Generator(device=...) made on the host, whatever the device."""
+
+        def __new__(cls, device="cpu"):
+            return super().__new__(cls, "cpu")
+
+        def __init__(self, device="cpu"):
+            pass
+    torch.Generator = HostGenerator
+    try:
+        yield
+    finally:
+        torch.Generator = original
 
 
 @contextlib.contextmanager
@@ -50,8 +71,9 @@ def _backend(kind: str, accelerator):
     if kind == "cuda":
         import torch.cuda.amp.common as amp_common
         saved = (amp_common.amp_definitely_not_available, torch.cuda.is_bf16_supported, torch.cuda.is_initialized,
-                 torch.cuda.current_device)
+                 torch.cuda.current_device, torch.cuda.get_device_capability)
         amp_common.amp_definitely_not_available = lambda: False
+        torch.cuda.get_device_capability = lambda *a, **k: (9, 0)      # an H100 (dist.broadcast asks it)
         torch.cuda.is_bf16_supported = lambda *a, **k: True
         # `cuda` without an index is the current device (set_device(local rank)), as on the device
         torch.cuda.is_initialized = lambda: True
@@ -60,7 +82,7 @@ def _backend(kind: str, accelerator):
             yield
         finally:
             (amp_common.amp_definitely_not_available, torch.cuda.is_bf16_supported, torch.cuda.is_initialized,
-             torch.cuda.current_device) = saved
+             torch.cuda.current_device, torch.cuda.get_device_capability) = saved
         return
     register_fake_npu(accelerator)
     original = torch.tensor

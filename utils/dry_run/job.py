@@ -43,7 +43,8 @@ class DryRunJob:
     weights_dir: Path                # where the tokenizer and generation config are read
     request: object
     pictures: tuple = ()
-    stand_in_token: int = 0
+    stand_in_token: int = 0           # end-of-text: a draw over unknown scores
+    text_token: int = 0               # a text call's first tokens (utils/dry_run/stand_in_text.py)
 
     @property
     def world_size(self) -> int:
@@ -92,13 +93,15 @@ def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:
         from utils.runtime.job_check import check_model_request
         images = check_model_request(args, checked.files, read=True)
         pictures = tuple(decoded_images(images, None))
+    from utils.dry_run.stand_in_text import ordinary_token
     token = stand_in_token(weights_dir)
-    return DryRunJob(kind, args, checked.layout, model_dir, weights_dir, default_request(args), pictures, token)
+    return DryRunJob(kind, args, checked.layout, model_dir, weights_dir, default_request(args), pictures, token,
+                     ordinary_token(weights_dir))
 
 
 def stand_in_token(weights_dir: Path) -> int:
-    """The token a dry run's sampler "draws": the end-of-text token of the generation config, so a
-    text phase stops at its first decoded token (fake logits name no token)."""
+    """The end-of-text token of the generation config: what a draw over unknown scores gives (a text
+    call's last token, utils/dry_run/stand_in_text.py)."""
     import json
     generation = json.loads((weights_dir / "generation_config.json").read_text())
     eos = generation.get("eos_token_id", 0)

@@ -20,6 +20,7 @@ import torch
 from utils.dry_run.collective_values import symmetric_values
 from utils.dry_run.fake_mode import DryRunMode
 from utils.dry_run.fake_torch import fake_backend, no_image_files
+from utils.dry_run.stand_in_text import stand_in_draws
 
 
 @dataclass
@@ -112,7 +113,9 @@ def run_rank(job, rank: int) -> RankResult:
             model.text_graph = job.args.text_graph
             tracker = DeviceMemory()
             tracker.track_external(model)
-            with recorder, symmetric_values(mode), phases.attach(model, recorder), tracker, FlopCounterMode(display=False) as flops:
+            with recorder, symmetric_values(mode), stand_in_draws(mode, job.text_token), \
+                    phases.attach(model, recorder), decode_phase(recorder), tracker, \
+                    FlopCounterMode(display=False) as flops:
                 phases.counter = flops
                 run_image_gen.generate(model, job.args, job.request, rank, job.pictures or None)
             result.memory = memory_of(tracker, device.torch_device)
@@ -137,6 +140,27 @@ def run_rank(job, rank: int) -> RankResult:
     result.misplaced = summary.pop("misplaced")
     result.traffic = summary
     return result
+
+
+@contextlib.contextmanager
+def decode_phase(recorder):
+    """The text phase's decode steps (text_decode.DecodeStep: the text model called directly, not the
+    model's forward that the recorder follows) as the planner's phase "text decode step"."""
+    from adaptor_patches import text_decode
+    from utils.planner.traffic import TEXT_DECODE
+    original = text_decode.DecodeStep.__call__
+
+    def call(self):
+        recorder.phase, recorder.forwards[TEXT_DECODE] = TEXT_DECODE, recorder.forwards[TEXT_DECODE] + 1
+        try:
+            return original(self)
+        finally:
+            recorder.phase = "other"
+    text_decode.DecodeStep.__call__ = call
+    try:
+        yield
+    finally:
+        text_decode.DecodeStep.__call__ = original
 
 
 def innermost_project_line(exc: BaseException) -> str:

@@ -64,7 +64,7 @@ class DryRunJob:
             from utils.dry_run.fake_torch import register_fake_npu
             register_fake_npu(device.fake)
             kernels = make_kernels("npu", npu=test_double("npu_double"), quant_compute=compute)
-            kernels.comm_name = lambda group: f"fake-hccl-{id(group)}"
+            kernels.comm_name = test_double("npu_double").hccl_comm_name    # the names its fused ops resolve
         else:
             kernels = kernels_for(self.kind, quant_compute=compute)
         context = RankContext(self.layout, rank, device, multi_stream(self.args), text_to_image_only=True,

@@ -19,6 +19,7 @@ import torch
 
 from utils.dry_run.collective_values import symmetric_values
 from utils.dry_run.fake_mode import DryRunMode
+from utils.dry_run.flops import custom_formulas
 from utils.dry_run.fake_torch import fake_backend, no_image_files
 from utils.dry_run.stand_in_text import stand_in_draws
 
@@ -101,6 +102,9 @@ def run_rank(job, rank: int) -> RankResult:
     started = time.perf_counter()
     mode = DryRunMode(device.torch_device, job.stand_in_token, device.fake)
     recorder = CollectiveRecorder(device.torch_device)
+    if job.kind == "cuda":                 # symm_mem's fused ops communicate inside the op: counted here
+        from utils.dry_run.symm_mem import RecordedSymmMem
+        context.kernels._symm_mem_injected = RecordedSymmMem(recorder)
     phases = PhaseFlops()
     entered = False
     try:
@@ -115,7 +119,7 @@ def run_rank(job, rank: int) -> RankResult:
             tracker.track_external(model)
             with recorder, symmetric_values(mode), stand_in_draws(mode, job.text_token), \
                     phases.attach(model, recorder), decode_phase(recorder), tracker, \
-                    FlopCounterMode(display=False) as flops:
+                    FlopCounterMode(display=False, custom_mapping=custom_formulas()) as flops:
                 phases.counter = flops
                 run_image_gen.generate(model, job.args, job.request, rank, job.pictures or None)
             result.memory = memory_of(tracker, device.torch_device)

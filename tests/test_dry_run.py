@@ -101,3 +101,21 @@ def test_the_text_decode_step_runs_and_a_host_tensor_in_it_is_reported(tiny_inst
     assert not result.passed
     made = [line for _op, _devices, tensors, _where in result.mismatches for _device, line in tensors]
     assert made.count(planted_line(forward)) == 7, result.mismatches
+
+
+def test_bytes_per_denoising_step_equal_the_planners_lines(tiny_model):
+    """Every rank of CFG2 x EP2 (the ep8_cfg design on 4 ranks): the bytes sent per denoising step equal
+    the planner's traffic lines (the stand-in's routing spreads a row's experts over the EP ranks, as
+    the planner's (n-1)/n does; on ep8_cfg's real shapes all of a row's k experts on one rank sent
+    10.5 MiB more per step: docs/DRY_RUN.md), and the tracked weights are the plan's parameters."""
+    from utils.dry_run.job import make_job, run_job
+    from utils.dry_run.versus_plan import compare, planned
+    job = make_job("cuda", job_flags(tiny_model, "--cfg-parallel", "--moe-ep", "--vae-parallel", "--prompt",
+                                     "a red fox in the snow at dawn"), 4)
+    plan = planned(job)
+    for result in run_job(job, log=lambda line: None):
+        versus = compare(job, result, plan)
+        dry, planner = versus["sent"]["denoising step"]
+        assert dry == pytest.approx(planner, rel=1e-9), (result.rank, versus["sent"])
+        tracked, planned_bytes = versus["memory"]["weights"]
+        assert tracked == pytest.approx(planned_bytes, rel=0.01), (result.rank, versus["memory"])

@@ -34,9 +34,16 @@ def main(argv=None) -> int:
         print(f"error: rank: {opts.rank} is outside world size {job.world_size}", file=sys.stderr)
         return 2
     results = run_job(job, None if opts.rank is None else [opts.rank])
+    from utils.dry_run.versus_plan import compare, comparison_lines, flops_lines, planned
+    plan = planned(job)
+    if "error" in plan:
+        print(f"note: no plan to compare with ({plan['error']})")
     for result in results:
-        for line in rank_lines(result):
+        result.versus_plan = compare(job, result, plan)
+        for line in rank_lines(result) + comparison_lines(result.versus_plan):
             print(line)
+    for line in flops_lines(job, results):
+        print(line)
     if opts.json:
         Path(opts.json).write_text(json.dumps(results_json(job, results), indent=1, default=str))
     failed = [r.rank for r in results if not r.passed]

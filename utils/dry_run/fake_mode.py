@@ -14,7 +14,10 @@
 3. **The one stand-in for data.** A value that depends on the weights or activations cannot be known.
    `STAND_IN` says what a dry run uses instead, and nothing else does:
      - routing: top-k indices (and sort / max indices) over unknown scores are uniform: row r takes
-       r*k, r*k+1, ... modulo the experts, so every expert receives the same number of rows (+-1);
+       r, r + E/k, r + 2E/k, ... modulo the E experts, so every expert receives the same number of rows
+       (+-1) and a row's k experts spread over the EP ranks, as uniform random routing does on
+       average: a rank sends (n-1)/n of its rows' copies, the planner's traffic line (a sort's indices
+       are a rotation: a permutation still);
      - a sampled or arg-max token over unknown scores is `stand_in_token` (the model's end-of-text
        token); a text call's sampled tokens are first a few ordinary tokens (utils/dry_run/stand_in_text.py,
        so its decode steps run); a comparison of unknown values is False, an unknown number 0.
@@ -207,7 +210,8 @@ class DryRunMode(FakeTensorMode):
         rows = indices.numel() // max(k, 1)
         if indices.numel() > SHADOW_LIMIT * 4:
             return
-        pattern = (torch.arange(rows).unsqueeze(1) * k + torch.arange(k).unsqueeze(0)) % max(n, 1)
+        stride = max(n // max(k, 1), 1)
+        pattern = (torch.arange(rows).unsqueeze(1) + torch.arange(k).unsqueeze(0) * stride) % max(n, 1)
         moved = pattern.reshape(*[s for i, s in enumerate(indices.shape) if i != dim], k).movedim(-1, dim)
         self.shadow[indices] = moved.to(indices.dtype).contiguous()
 

@@ -13,7 +13,8 @@ A fake model needs token ids, not words, so the stand-in is honest about what it
     BPE's words take the ids from 0 up around the config's small ids; all below the config's vocab_size.
 A folder without generation_config.json (config/real_instruct) gets the tiny model's, with the config's
 ids (and its max_position_embeddings as max_length). Written once per config under res/dry_run/
-(git-ignored), named after the folder and a digest of its config.json.
+(git-ignored), named after the folder and a digest of its config.json, with a copy of config.json: the
+dry run's job names that folder (its checks read the generation config there).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def tokenizer_dir(model_dir: Path) -> Path:
         return model_dir
     config_bytes = (model_dir / "config.json").read_bytes()
     out = CACHE / f"{model_dir.resolve().name}-{hashlib.sha256(config_bytes).hexdigest()[:12]}"
-    if (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file():
+    if all((out / name).is_file() for name in ("tokenizer.json", "generation_config.json", "config.json")):
         return out
     staging = Path(tempfile.mkdtemp(prefix="tokenizer-", dir=_made(CACHE)))
     write_stand_in(model_dir, json.loads(config_bytes), staging)
@@ -77,6 +78,7 @@ def write_stand_in(model_dir: Path, config: dict, out: Path) -> None:
     if instruct:
         settings = tiny_instruct.tokenizer_config(settings)
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    shutil.copyfile(model_dir / "config.json", out / "config.json")       # the folder the dry run's job names
     if (model_dir / "generation_config.json").is_file():
         shutil.copyfile(model_dir / "generation_config.json", out / "generation_config.json")
     else:

@@ -81,12 +81,13 @@ def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:
     from utils.runtime.job_check import check_job
     if kind not in KINDS:
         raise ValueError(f"dry-run-device: '{kind}' is not one of {', '.join(KINDS)}")
+    from utils.dry_run.config_tokenizer import tokenizer_dir
     args = parse_args(list(argv))
     args.device = kind
+    if (Path(args.model_id) / "config.json").is_file():
+        args.model_id = str(tokenizer_dir(Path(args.model_id)))     # a config-only folder: the stand-in's copy
     checked = check_job(args, world_size=world_size, env=env if env is not None else os.environ, writes_outputs=False)
-    model_dir = Path(args.model_id)
-    from utils.dry_run.config_tokenizer import tokenizer_dir
-    weights_dir = tokenizer_dir(model_dir)
+    model_dir = weights_dir = Path(args.model_id)
     pictures = ()
     if args.image:
         from utils.runtime.input_images import decoded_images

@@ -150,6 +150,19 @@ def env_string(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+DRY_RUN_KINDS = ("cuda", "npu")     # utils/dry_run/job.KINDS
+
+
+def check_kind(value, field: str):
+    """None, or the dry-run device `value` names; a ConfigError naming `field` otherwise."""
+    if value is None:
+        return None
+    if value not in DRY_RUN_KINDS:
+        raise ConfigError(field, f"{value!r} is not one of {'|'.join(DRY_RUN_KINDS)}",
+                          "use cuda or npu (the fake device the dry run runs on), or leave it out")
+    return value
+
+
 def check_top(cfg: dict) -> dict:
     for key in cfg:
         if key in RECIPE_OTHER_KEYS:
@@ -203,7 +216,6 @@ def check_top(cfg: dict) -> dict:
         raise ConfigError("launcher", f"{job['launcher']!r} is not supported; this launcher always starts torchrun",
                           "use launcher: torchrun or leave it out")
     job["env_vars"] = check_env_vars(job["env_vars"])
-    from utils.launcher.launch_dry_run import check_kind
     check_kind(job["dry_run_device"], "dry_run_device")
     return job
 

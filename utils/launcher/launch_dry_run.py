@@ -11,20 +11,8 @@ import contextlib
 import subprocess
 import sys
 
-from utils.launcher.launch_config import ROOT, TINY_MODEL_SCRIPT, ConfigError, resolve_path
-
-KINDS = ("cuda", "npu")             # utils/dry_run/job.KINDS
-
-
-def check_kind(value, field: str):
-    """None, or the dry-run device `value` names; a ConfigError naming `field` otherwise."""
-    if value is None:
-        return None
-    if value not in KINDS:
-        raise ConfigError(field, f"{value!r} is not one of {'|'.join(KINDS)}",
-                          "use cuda or npu (the fake device the dry run runs on), or leave it out")
-    return value
-
+from utils.launcher.launch_config import (DRY_RUN_KINDS, ROOT, TINY_MODEL_SCRIPT, ConfigError,  # noqa: F401
+                                          check_kind, resolve_path)
 
 def check_rank(rank, world_size: int, kind):
     """None, or the one rank `--rank` asks for, within the job's ranks."""

@@ -119,3 +119,16 @@ def test_bytes_per_denoising_step_equal_the_planners_lines(tiny_model):
         assert dry == pytest.approx(planner, rel=1e-9), (result.rank, versus["sent"])
         tracked, planned_bytes = versus["memory"]["weights"]
         assert tracked == pytest.approx(planned_bytes, rel=0.01), (result.rank, versus["memory"])
+
+
+def test_an_edit_with_a_conditioning_image_runs_on_the_device(tiny_instruct):
+    """Instruct with one conditioning image (SigLIP2 and the VAE encoder run): upstream's ViT kwargs
+    (spatial shapes, the padding mask) stay on the host through its to_device (a dict it passes as is);
+    the mask then met device scores in SigLIP2's attention (siglip2.py:210). Fails without
+    compat_instruct.vit_kwargs_on_device. (The run then stops at SigLIP2's pooling head: a float32 mask
+    beside bf16 activations in baddbmm, which CUDA's autocast casts and the fake run does not: not asserted.)"""
+    from instruct_runs import demo_image
+    [result] = dry_run(tiny_instruct, "--moe-ep", "--image", demo_image("input_0_0.png"), "--bot-task", "image",
+                       "--image-size", "256x256")
+    assert result.traffic["forwards"] or result.error, result
+    assert not [m for m in result.mismatches if "siglip2" in m[3]], result.mismatches[:3]

@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 
 PRIMITIVES = (int, float, str, bool, bytes, type(None))
+# A kernel set's scratch workspace: buffers reused across calls and grown to the largest call (an
+# allocator's cache, kept out of every captured graph since 7b6813a): not a request's state.
+WORKSPACE = ("_scratch_buffers",)
 MODULE_INTERNALS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
                     "_backward_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
 
@@ -27,7 +30,7 @@ def fingerprint(value, depth: int = 1):
                                                 for k, v in list(value.items())[:256])), len(value))
     if depth > 0 and hasattr(value, "__dict__") and not isinstance(value, type):
         return ("object", id(value), type(value).__qualname__,
-                tuple(sorted((k, fingerprint(v, depth - 1)) for k, v in vars(value).items())))
+                tuple(sorted((k, fingerprint(v, depth - 1)) for k, v in vars(value).items() if k not in WORKSPACE)))
     return ("object", id(value), type(value).__qualname__)
 
 

@@ -93,16 +93,19 @@ def test_two_ranks_start_from_the_text_prompt(tiny_instruct, one_process, tmp_pa
 def texts_in_a_row(model_dir, reuse: bool) -> list:
     """Three requests on one model (the job's system prompt each time; the second with an image):
     each one's text tokens and its prefill's reused positions."""
+    from adaptor_patches import forward_context
+    from adaptor_patches.forward_context import JobCache
     from adaptor_patches.image_batch import text_stage
     try:
         model = load(model_dir, False)
         model.kv_reuse = reuse
-        out = []
+        out, cache = [], JobCache()                  # one job: its requests share the last prompt's KV
         for prompt, image in (("a red fox", None), ("a blue bird on a branch", demo_image("input_0_0.png")),
                               ("a lighthouse at dusk", None)):
-            handoff = text_stage(model, [dict(prompt=prompt, image=[image] if image else None, seed=5,
-                                              bot_task="think", image_size="256x256", max_new_tokens=24,
-                                              use_system_prompt="en_unified")])[0]
+            with forward_context.request(cache):
+                handoff = text_stage(model, [dict(prompt=prompt, image=[image] if image else None, seed=5,
+                                                  bot_task="think", image_size="256x256", max_new_tokens=24,
+                                                  use_system_prompt="en_unified")])[0]
             call = handoff.text_phase.calls[0]
             out.append((call.new_token_ids, call.decode["prefill_positions_reused"]))
         return out

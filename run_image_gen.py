@@ -228,27 +228,23 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
 @dataclass
 class Generated:
     """One request's outcome on this rank: the image (rank 0's is the one written), what its text
-    phase did (text_phase.TextPhase) and its step cache's summary (None without one)."""
+    phase did (text_phase.TextPhase.summary()) and its step cache's summary (None without one)."""
     image: object
-    text_phase: object
+    text_phase: dict
     step_cache: Optional[dict]
 
 
 def generate(model, args, request, rank, images=None, cache=None) -> Generated:
-    """One image in its own forward context (adaptor_patches/forward_context.py: nothing of the request
-    is written onto the model) with the job's `cache` (captured decode steps, the last prompt's KV;
-    None: one of its own). The Instruct model takes the request's images (decoded alike on every rank;
-    `images`: already decoded, --prompt's for every round) and returns (cot_text, images). (A batch of
-    requests, --prompts and --serve, runs the same arguments through utils/runtime/batch_stages.py.)"""
-    from adaptor_patches import forward_context, step_cache
-    from adaptor_patches.model_family import takes_conditioning_images
-    from utils.runtime.batch_stages import generation_kwargs
-    kwargs = generation_kwargs(model, args, request, rank, images)
-    with forward_context.request(cache) as call, \
-            step_cache.running(model, request.step_cache, request.diff_infer_steps) as run:
-        result = model.generate_image(**kwargs)
-    image = result[1][0] if takes_conditioning_images(model) else result
-    return Generated(image, call.last_text_phase, run.summary() if run is not None else None)
+    """One image: a batch of one through the stages every mode runs (utils/runtime/batch_stages.py:
+    the text stage, the handoff, the denoising batch, the decode), in its forward context with the
+    job's `cache` (captured decode steps, the last prompt's KV; None: one of its own). `images`: the
+    Instruct model's conditioning images, already decoded (--prompt decodes them once per job)."""
+    from utils.runtime.batch_stages import BatchStages
+    stages = BatchStages(model, args, rank, cache=cache, pictures=images)
+    handoff, = stages.text([request], keep_going=lambda exc: False)
+    made, = stages.image([request], [handoff])
+    image, text_phase, step_cache, _ = made
+    return Generated(image, text_phase, step_cache)
 
 
 def describe_text_phase(text: dict) -> str:
@@ -299,7 +295,7 @@ def one_image(rank_job: RankJob, model, load_s: float, phase: JobPhase) -> Round
         made = generate(model, args, request, rank, rank_job.pictures, cache)
         image = made.image
         device.synchronize()
-        text = made.text_phase.summary()
+        text = made.text_phase
         phases = timer.summary() if timer else {}
         records.append({"total_s": round(time.perf_counter() - start, 6), **phases, "text_phase": text,
                         "step_cache": round_record(made.step_cache, rank_job.dist)})

@@ -86,6 +86,20 @@ def padding_mask_4d(_original, _device):
     return _prepare_4d_attention_mask
 
 
+def vit_kwargs_on_device(original, _device):
+    """upstream's _prepare_vit_image_kwargs gives the ViT's spatial shapes and padding masks on the host,
+    and its to_device passes that dict on as it is: the mask then meets the device's attention scores
+    in SigLIP2 (siglip2.py, `attn_weights + attention_mask`). Every tensor of it on the model's device."""
+    @functools.wraps(original)
+    def _prepare_vit_image_kwargs(self, *args, **kwargs):
+        packed = original(self, *args, **kwargs)
+        if packed is None:
+            return None
+        return {name: [t.to(self.device) for t in tensors] for name, tensors in packed.items()}
+
+    return _prepare_vit_image_kwargs
+
+
 def pipeline_call_honours_steps(original, _device):
     @functools.wraps(original)
     def __call__(self, *args, model_kwargs=None, **kwargs):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The first run on a machine with an accelerator (NPU or GPU; one device is enough), one command
 # of under 10 minutes:   bash bench/device_day.sh [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]
+#   0 dry_run     python -m utils.dry_run: the tiny model's 2 ranks on a fake cuda / npu (no device), first
 #   1 selfcheck   python -m utils.selfcheck on one device: env, every kernel and the quantized kernels (int8 /
 #                 fp8 W8A16 / W8A8, int4 W4A16: npu_grouped_matmul, torch._weight_int4pack_mm) vs the
 #                 reference at real shapes, the MoE layer with the side stream on/off + overlap_pct
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=${2:-}; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     --*) echo "error: $1: unknown option; use [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]" >&2; exit 2 ;;
     *) out=$1; shift ;;
   esac
@@ -56,9 +57,15 @@ step() {            # step NAME LIMIT_S COMMAND...: run it time-boxed, record st
   echo "[device_day] $name: exit $rc" >&2
 }
 
+tiny="$out/tiny_model"
+[ -f "$tiny/config.json" ] || "$py" utils/make_tiny_model.py --out "$tiny" > "$out/tiny_model.log" 2>&1
+# 0: the dry run first (docs/DRY_RUN.md): the tiny model's 2 ranks (MoE EP, VAE parallel) on a fake device, no
+# device touched; what it predicts (no tensor off the device) the steps after it confirm on the device.
+# Fake npu where torch_npu is absent (it refuses to fake a real NPU stack), else fake cuda.
+dry=$("$py" -c "import importlib.util as u, sys; print('npu' if sys.argv[1] == 'npu' and u.find_spec('torch_npu') is None else 'cuda')" "$device")
+step dry_run 120 "$py" -m utils.dry_run --dry-run-device "$dry" --world-size 2 --json "$out/dry_run.json" -- \
+     --prompt "a red fox" --model-id "$tiny" --seed 1 --image-size 64x64 --diff-infer-steps 2 --moe-ep --vae-parallel
 if [ "$quick" = 1 ]; then
-  tiny="$out/tiny_model"
-  [ -f "$tiny/config.json" ] || "$py" utils/make_tiny_model.py --out "$tiny" > "$out/tiny_model.log" 2>&1
   step selfcheck 180 "$py" -m utils.selfcheck --device "$device" --nproc 1 --shapes small --repeat 2 \
        --skip collectives,generation,instruct --out "$out/selfcheck"
   step collectives 180 "$py" -m utils.selfcheck --device "$device" --shapes small --collective-mib 4 \

@@ -145,14 +145,14 @@ def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
     _require(weight.shape[-1] % INT4_PER_INT32 == 0, f"the last dim ({weight.shape[-1]}) must be 8-aligned")
     _require(bool(((weight >= -8) & (weight <= 7)).all()), "weight values must be in the int4 range [-8, 7]")
     nibbles = (weight.to(torch.int64) & 0xF).view(weight.shape[0], -1, INT4_PER_INT32)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=weight.device)
     packed = (nibbles << shifts).sum(-1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def _unpack_int4(packed):
     """npu_convert_weight_to_int4pack's inverse on the last dim: int32 [..., n/8] -> float32 [..., n]."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
     nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
     return ((nibbles ^ 8) - 8).flatten(-2).float()
 
@@ -249,7 +249,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     sorted_slot = torch.sort(flat, stable=True).indices
     expanded_x = x[sorted_slot // topk]
     expanded_row_idx = torch.zeros_like(sorted_slot, dtype=torch.int32)
-    expanded_row_idx[sorted_slot] = torch.arange(flat.numel(), dtype=torch.int32)
+    expanded_row_idx[sorted_slot] = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
     counts = torch.bincount(flat, minlength=expert_num).to(torch.int64)
     if quant_mode == 1:
         rows = expanded_x.float()
@@ -257,7 +257,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
         safe = torch.where(expanded_scale > 0, expanded_scale, torch.ones_like(expanded_scale))
         expanded_x = (rows / safe.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
         return expanded_x, expanded_row_idx, counts, expanded_scale
-    return expanded_x, expanded_row_idx, counts, torch.empty(0, dtype=torch.float32)
+    return expanded_x, expanded_row_idx, counts, torch.empty(0, dtype=torch.float32, device=x.device)
 
 
 def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
@@ -295,10 +295,10 @@ def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=No
     _require(int(counts.sum()) == tokens.shape[0], "sum of counts must equal the token rows")
     starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
     starts = starts.view_as(counts)
-    pieces = [torch.arange(int(starts[r, e]), int(starts[r, e] + counts[r, e]))
+    pieces = [torch.arange(int(starts[r, e]), int(starts[r, e] + counts[r, e]), device=tokens.device)
               for e in range(counts.shape[1]) for r in range(counts.shape[0])]
-    gather = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-    scales = per_token_scales[gather] if per_token_scales is not None else torch.empty(0)
+    gather = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=tokens.device)
+    scales = per_token_scales[gather] if per_token_scales is not None else torch.empty(0, device=tokens.device)
     return tokens[gather], scales, gather.to(torch.int32), counts.sum(0).to(expert_token_num_per_rank.dtype)
 
 
@@ -340,7 +340,7 @@ def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, num_h
         _require(atten_mask.dim() in (2, 4), "atten_mask must be [Sq, Skv] or [B|1, 1, Sq, Skv]")
         scores = scores.masked_fill(atten_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True) if softmax_lse_flag else torch.empty(0)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True) if softmax_lse_flag else torch.empty(0, device=query.device)
     return torch.matmul(probs, v).to(query.dtype), lse
 
 

@@ -36,7 +36,8 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path, backgroun
     returncode, _, stderr = job.finish(timeout=1500)
     assert returncode == 0, stderr[-2000:]
     summary = json.loads((day / "device_day.json").read_text())
-    assert list(summary["steps"]) == ["selfcheck", "collectives", "moe_layer", "e2e", "layouts", "instruct", "text"]
+    assert list(summary["steps"]) == ["dry_run", "selfcheck", "collectives", "moe_layer", "e2e", "layouts", "instruct",
+                                      "text"]
     failed = {name: s for name, s in summary["steps"].items() if s["status"] != "pass"}
     assert not failed, "\n".join(f"{name}: {s['status']} (exit {s['exit_code']}):\n" + "\n".join(s["tail"])
                                   for name, s in failed.items())
@@ -74,7 +75,7 @@ def test_a_step_past_its_time_box_is_recorded_not_fatal(tmp_path, tiny_model):
     proc = device_day(tmp_path / "day", env={"DEVICE_DAY_LIMIT_S": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = json.loads((tmp_path / "day" / "device_day.json").read_text())["steps"]
-    assert [s["status"] for s in steps.values()] == ["timeout"] * 7
+    assert [s["status"] for s in steps.values()] == ["timeout"] * 8
     assert all(s["exit_code"] == 124 and s["seconds"] < 15 for s in steps.values())
 
 

@@ -22,7 +22,7 @@ PROJECT = ("adaptor_patches", "utils", "bench", "model_adaptor.py", "run_image_g
 # Bottom first. A tuple is one layer; its members may import each other (but not in a circle).
 LAYERS = (
     ("kernel_names",),                      # the kernel layer's names, torch-free (the launcher's schema reads them)
-    ("kernels.device", "model_family"),     # model_family: which upstream model file runs a checkpoint (a leaf)
+    ("kernels.device", "kernels.fake_device", "model_family"),    # fake_device: a dry run's streams and events     # model_family: which upstream model file runs a checkpoint (a leaf)
     ("kernels.int4", "kernels.quant", "kernels.collective_matmul", "kernels.fixed_shape", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
      "kernels.__init__", "kernels.decode_graph"),
     ("parallel.shards", "parallel.layout"),  # what one rank holds of a layer; the one Layout

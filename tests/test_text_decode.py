@@ -8,7 +8,9 @@
 - host syncs (tests/host_syncs.py): none inside the decode step, at most one per decoded token in the
   loop around it, on one process and on 2 gloo ranks under MoE EP, Ulysses and CFG parallel;
 - `--text-graph on`: the step traced as ONE graph (torch.compile fullgraph: a graph break fails), the
-  same tokens as `off`.
+  same tokens as `off`; counted through the backend (tests/graph_count.py): compiled once, every step
+  run through the compiled code, and no recompile at a request after a warm-up whose image phase grew
+  the kernel set's scratch buffers (issue 49).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 import model_adaptor
 from adaptor_patches.text_phase import SharedTokenSampler
 from adaptor_patches.text_sampling import DeviceChoice, RatioSlice, StageTransitions
+from graph_count import CountingBackend
 from host_syncs import HostSyncs
 from multirank import run_ranks
 
@@ -87,10 +90,10 @@ def instruct_model(tiny_instruct):
     model_adaptor.remove()
 
 
-def text_of(model, loop: str, graph: str = "off", **request) -> tuple:
+def text_of(model, loop: str, graph: str = "off", backend="eager", **request) -> tuple:
     """(tokens of every text call, ratio, the static loop's record of the first call) of one text stage."""
     from adaptor_patches.image_batch import text_stage
-    model.text_loop, model.text_graph, model.text_graph_cpu_backend = loop, graph, "eager"
+    model.text_loop, model.text_graph, model.text_graph_cpu_backend = loop, graph, backend
     handoff = text_stage(model, [dict(dict(prompt=PROMPT, image_size="auto", max_new_tokens=40), **request)])[0]
     phase = handoff.text_phase
     return [c.new_token_ids for c in phase.calls], phase.ratio, phase.calls[0].decode
@@ -186,12 +189,54 @@ def test_two_ranks_decode_without_syncs_and_agree(tiny_instruct, layout):
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
 
 
+def compiled_text(model, **request) -> tuple:
+    """text_of with `--text-graph on` on a step of its own, and what its backend counted."""
+    model.__dict__.pop("_decode_steps", None)           # no step another test (or its backend) captured
+    backend = CountingBackend("eager")
+    try:
+        return text_of(model, "static", "on", backend, **request), backend.counts()
+    finally:
+        model.__dict__.pop("_decode_steps", None)
+
+
 @pytest.mark.slow
-def test_the_decode_step_traces_as_one_graph_and_writes_the_same_tokens(instruct_model):
+def test_the_decode_step_runs_as_one_compiled_graph_and_writes_the_same_tokens(instruct_model):
+    """Compiled once, and every decode step ran the compiled code: a step labelled torch.compile that
+    runs eager fails here, not only one that breaks the graph."""
     request = dict(CASES["think_recaption sampled"], image_size="auto")
     eager = text_of(instruct_model, "static", "off", **request)
-    graph = text_of(instruct_model, "static", "on", **request)
+    graph, counted = compiled_text(instruct_model, **request)
     assert graph[2]["graph"] == "torch.compile (eager)" and graph[:2] == eager[:2]
+    assert graph[2]["decode_steps"] >= 16 and counted == {"compiles": 1, "runs": graph[2]["decode_steps"]}, counted
+
+
+@pytest.mark.slow
+def test_a_request_after_a_warm_up_runs_the_warm_ups_graph(instruct_model, monkeypatch):
+    """Issue 49: the warm-up's generation compiles the decode step; each later request of the same step
+    shapes (batch 1, one KV capacity) runs that graph, with no recompile, though the image phase in
+    between grew the CPU kernel set's scratch buffers (seed 2's image has another size than seed 5's).
+    Counted through the backend: one compile in all, every decode step a run of the compiled code."""
+    from adaptor_patches import text_decode
+    step_call, steps = text_decode.DecodeStep.__call__, []
+
+    def counted_step(self):
+        steps.append(self.graph)
+        return step_call(self)
+    monkeypatch.setattr(text_decode.DecodeStep, "__call__", counted_step)
+    backend, after = CountingBackend("eager"), []
+    instruct_model.__dict__.pop("_decode_steps", None)
+    instruct_model.text_loop, instruct_model.text_graph, instruct_model.text_graph_cpu_backend = "static", "on", backend
+    try:
+        for seed in (5, 2, 5):                          # the warm-up, then two requests
+            instruct_model.generate_image(prompt=PROMPT, seed=seed, image_size="auto", bot_task="think_recaption",
+                                          use_system_prompt="None", max_new_tokens=40, diff_infer_steps=2)
+            after.append(dict(backend.counts(), steps=len(steps)))
+    finally:
+        instruct_model.__dict__.pop("_decode_steps", None)
+    assert set(steps) == {"torch.compile (eager)"} and after[0]["steps"] >= 16, after
+    assert after[1]["steps"] > after[0]["steps"] and after[2]["steps"] > after[1]["steps"], after
+    assert [a["compiles"] for a in after] == [1, 1, 1], after
+    assert all(a["runs"] == a["steps"] for a in after), after
 
 
 def traced_on_ranks(rank, world_size, model_dir, layout_kwargs):
@@ -199,13 +244,14 @@ def traced_on_ranks(rank, world_size, model_dir, layout_kwargs):
     from utils.runtime.rank_model import load_rank_model
     model, _ = load_rank_model(model_dir, "cpu", layout=Layout(world_size, **layout_kwargs), rank=rank)
     request = dict(CASES["think_recaption sampled"], image_size="auto")
-    return text_of(model, "static", "off", **request), text_of(model, "static", "on", **request)
+    return (text_of(model, "static", "off", **request),) + compiled_text(model, **request)
 
 
 @pytest.mark.slow
-def test_the_decode_step_traces_as_one_graph_under_moe_ep(tiny_instruct):
-    for eager, graph in run_ranks(2, traced_on_ranks, tiny_instruct, dict(moe="ep")):
+def test_the_decode_step_runs_as_one_compiled_graph_under_moe_ep(tiny_instruct):
+    for eager, graph, counted in run_ranks(2, traced_on_ranks, tiny_instruct, dict(moe="ep")):
         assert graph[2]["graph"] == "torch.compile (eager)" and graph[:2] == eager[:2]
+        assert counted == {"compiles": 1, "runs": graph[2]["decode_steps"]}, counted
 
 
 @pytest.mark.slow
@@ -273,6 +319,7 @@ def test_the_inductor_compiled_step_keeps_the_greedy_text_and_the_logits_within_
         model, _ = load_rank_model(checkpoint, "cpu")
         assert model.lm_head.weight.dtype == dtype
         logits, tokens = {}, {}
+        model.text_graph_cpu_backend = backend = CountingBackend("inductor")
         try:
             def recorded(self):
                 out = step_call(self)
@@ -289,5 +336,6 @@ def test_the_inductor_compiled_step_keeps_the_greedy_text_and_the_logits_within_
             model_adaptor.remove()
         eager, compiled = logits["eager"], logits["torch.compile (inductor)"]
         assert tokens["on"] == tokens["off"] and len(eager) == len(compiled) >= 6
+        assert backend.counts() == {"compiles": 1, "runs": len(compiled)}, backend.counts()    # inductor ran them
         worst = max(float((a - b).abs().max()) for a, b in zip(eager, compiled))
         assert worst <= INDUCTOR_LOGIT_BOUND[dtype], (dtype, worst)

@@ -47,6 +47,7 @@ int4 matmul is fast for a few rows per expert (decode) and about half the bf16 s
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +65,19 @@ class CpuKernels(GroupedMmKernels):
     def __init__(self):
         self._scratch_buffers: dict = {}
 
-    def _scratch(self, name: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised [shape] tensor in `like`'s dtype/device, reused across calls."""
+    def _scratch(self, name: str, shape: tuple, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """An uninitialised [shape] tensor in `like`'s dtype/device, reused across calls, for an op's
+        `out=`; None inside a traced graph (the captured decode step, `--text-graph on`): the op
+        allocates its own output."""
+        if torch.compiler.is_compiling():
+            # The buffers grow when the image phase runs a larger call. A graph that read one would
+            # guard on its size and compile again at the next request (issue 49; under fullgraph
+            # dynamo's 8th recompile is an error), and a graph replayed on fixed addresses must not
+            # hold a buffer that is later swapped. So a graph gets no scratch and no `out=` at all:
+            # its intermediates are the compiler's to place (inductor's memory plan; an `out=` of a
+            # fresh tensor there freed an invalid pointer on 2 threads, torch 2.14.1). The decode
+            # step's are a few rows, far under the sizes that page-fault, which this scratch is for.
+            return None
         numel = math.prod(shape)
         key = (name, like.dtype, like.device)
         buffer = self._scratch_buffers.get(key)
@@ -169,7 +181,8 @@ class CpuKernels(GroupedMmKernels):
         wide = quant.dequantize(q, scale, torch.float32, scratch=wide)
         if like.dtype == torch.float32:
             return wide
-        return self._scratch("dequant", tuple(q.shape), like).copy_(wide)
+        narrow = self._scratch("dequant", tuple(q.shape), like)
+        return wide.to(like.dtype) if narrow is None else narrow.copy_(wide)
 
     def shared_mlp(self, x, gate_and_up, down):
         """down(x1 * silu(x2)), [x1 | x2] = x @ gate_and_up^T (upstream's halves), gate/up in scratch."""

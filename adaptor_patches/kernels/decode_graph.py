@@ -44,6 +44,8 @@ def captured(step: Callable, device: Device, mode: str, inputs: tuple, cpu_backe
     """(callable, name of what runs) for `step(*inputs)`."""
     if not captures(device, mode):
         return step, "eager"
+    if device.fake is not None:             # a dry run: no graph is captured on a fake device
+        return step, "eager (dry run)"
     if device.kind == "cuda":
         return CudaGraphStep(step, inputs), "cuda graph"
     if device.kind == "npu":

@@ -60,6 +60,7 @@ class Device:
     kind: str
     index: Optional[int] = None
     cpu_noise: bool = False      # draw the initial noise on the CPU: the same seed starts alike on every device
+    fake: object = None          # a dry run's FakeAccelerator (kernels/fake_device.py): fake tensors, no device
 
     @property
     def torch_device(self) -> torch.device:
@@ -78,7 +79,7 @@ class Device:
         return self.is_accelerator
 
     def _module(self):
-        return _accelerator_module(self.kind)
+        return self.fake if self.fake is not None else _accelerator_module(self.kind)
 
     def make_current(self) -> None:
         if self.is_accelerator and self.index is not None:
@@ -104,7 +105,7 @@ class Device:
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """Mark `tensor` as used on `stream`: its block is not reused before that stream's queued work."""
-        if stream is not None:
+        if stream is not None and self.fake is None:
             tensor.record_stream(stream)
 
     def synchronize(self) -> None:
@@ -129,17 +130,17 @@ class Device:
         """Upstream seeds `torch.Generator(model.device)` for the initial latents, so one seed gives
         different noise on CPU, CUDA and NPU. With cpu_noise the generator lives on the CPU (diffusers
         then draws there and moves the noise over), which makes runs on different devices comparable."""
-        return torch.Generator("cpu" if self.cpu_noise else upstream_device)
+        return torch.Generator("cpu" if self.cpu_noise or self.fake is not None else upstream_device)
 
     # What upstream's CUDA-only calls mean here (used by compat.py).
     def apply_upstream_set_device(self, index) -> None:
         """Upstream calls torch.cuda.set_device(tensor.device.index): meaningful on CUDA only."""
         if self.kind == "cuda":
-            torch.cuda.set_device(index)
+            self._module().set_device(index)
 
     def nvtx(self):
         """torch.cuda.nvtx on CUDA, else None (ranges become no-ops)."""
-        return torch.cuda.nvtx if self.kind == "cuda" else None
+        return torch.cuda.nvtx if self.kind == "cuda" and self.fake is None else None
 
     @property
     def vae_decode_dtype(self):

@@ -1,6 +1,8 @@
 """YAML -> validated -> torchrun launcher behind run.sh. Keys: config/README.md.
 
 Usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB]
+       run.sh [CONFIG_YAML] --dry-run-device cuda|npu [--rank R]   (every rank on a fake device, no torchrun:
+       utils/launcher/launch_dry_run.py, docs/DRY_RUN.md; or the YAML's top-level dry_run_device)
        (default config: config/tiny_cpu.yaml; every launch is planned first: utils/launcher/launch_plan.py)
        run.sh --selfcheck [--device D] [--nproc N] ...   (utils/selfcheck/selfcheck.py: is this node ready?)
 
@@ -36,8 +38,8 @@ from utils.runtime import request_schema as schema
 from utils.runtime.request_schema import join_image_names
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
-USAGE = ("usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB] | "
-         "run.sh --selfcheck [--device D] [--nproc N]")
+USAGE = ("usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB] "
+         "[--dry-run-device cuda|npu [--rank R]] | run.sh --selfcheck [--device D] [--nproc N]")
 
 FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", re.S | re.M)   # torchrun's report
 
@@ -369,15 +371,19 @@ def launch(job: dict, env: dict, config_path: Path) -> int:
 
 
 def parse_argv(argv: list[str]) -> tuple:
-    """(config path, options): --dry-run, --plan (print the plan and stop), --no-plan, --device-memory X."""
-    options = {"dry_run": False, "plan": False, "no_plan": False, "device_memory": None}
+    """(config path, options): --dry-run, --plan (print the plan and stop), --no-plan, --device-memory X,
+    --dry-run-device K, --rank R."""
+    options = {"dry_run": False, "plan": False, "no_plan": False, "device_memory": None, "dry_run_device": None,
+               "rank": None}
     rest, args = [], list(argv)
     while args:
         arg = args.pop(0)
         if arg in ("--dry-run", "--plan", "--no-plan"):
             options[arg[2:].replace("-", "_")] = True
-        elif arg == "--device-memory" and args:
-            options["device_memory"] = args.pop(0)
+        elif arg in ("--device-memory", "--dry-run-device", "--rank"):
+            if not args:
+                raise ConfigError(arg, "needs a value", USAGE)
+            options[arg[2:].replace("-", "_")] = args.pop(0)
         else:
             rest.append(arg)
     if any(a.startswith("-") for a in rest) or len(rest) > 1:
@@ -393,18 +399,32 @@ def run(argv: list[str]) -> int:
         from utils.selfcheck import selfcheck
         return selfcheck.main(argv[1:])
     path, options = parse_argv(argv)
+    from utils.launcher import launch_dry_run as fake
+    fake.check_kind(options["dry_run_device"], "--dry-run-device")
     job = check_top(load_config(path))
+    kind = options["dry_run_device"] or job["dry_run_device"]
+    rank = fake.check_rank(options["rank"], job["world_size"] * job["nnodes"], kind)
+    if kind and options["dry_run"]:
+        raise ConfigError("--dry-run", f"given with a dry run on a fake {kind}", "use one: --dry-run prints the "
+                                                                                "torchrun command, the fake device runs the job")
     config = check_model_args(job["model_args"], job["build_tiny_model"])
+    if kind and isinstance(job["model_args"], dict):
+        job["model_args"]["device"] = kind      # checked and planned as the fake device's job
     key_handover(job)                   # the YAML's key refusals, in its own words, before the job check
     layout = check_job_values(job, config, path, {**os.environ, **job["env_vars"]})
     env = exports(job)
-    if not options["dry_run"] and not options["plan"]:
+    if not options["dry_run"] and not options["plan"] and not kind:
         check_port_free(job)
     if not options["no_plan"]:          # last: the cheap checks speak first, each alone on the console
         from utils.launcher.launch_plan import plan_job
         plan_job(job, layout, options)
         if options["plan"]:
             return 0
+    if kind:
+        if needs_tiny_model(job):
+            fake.build_tiny_model(job)
+        margs = {k: v for k, v in job["model_args"].items() if k not in ("api-key", "api-key-env")}   # nothing served
+        return fake.run_dry(job, kind, rank, flags(margs))
     if not options["dry_run"]:
         return launch(job, env, path)
     if needs_tiny_model(job):

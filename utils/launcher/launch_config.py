@@ -19,7 +19,7 @@ TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
 REQUIRED_KEYS = ("world_size", "master_port", "entry_script", "model_args")
 DEFAULTS = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "env_vars": {}, "build_tiny_model": False,
             "dist_timeout": None, "model_name": None, "launcher": "torchrun", "device_memory": None,
-            "rendezvous_timeout": None}
+            "rendezvous_timeout": None, "dry_run_device": None}
 TOP_KEYS = REQUIRED_KEYS + tuple(DEFAULTS)
 # Keys the cann-recipes-infer launcher knows for its other models: refused, saying why. The keys of
 # its HunyuanImage-3.0 YAML are ours or in DEFAULTS (model_name; launcher: torchrun, its default).
@@ -150,6 +150,19 @@ def env_string(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+DRY_RUN_KINDS = ("cuda", "npu")     # utils/dry_run/job.KINDS
+
+
+def check_kind(value, field: str):
+    """None, or the dry-run device `value` names; a ConfigError naming `field` otherwise."""
+    if value is None:
+        return None
+    if value not in DRY_RUN_KINDS:
+        raise ConfigError(field, f"{value!r} is not one of {'|'.join(DRY_RUN_KINDS)}",
+                          "use cuda or npu (the fake device the dry run runs on), or leave it out")
+    return value
+
+
 def check_top(cfg: dict) -> dict:
     for key in cfg:
         if key in RECIPE_OTHER_KEYS:
@@ -203,6 +216,7 @@ def check_top(cfg: dict) -> dict:
         raise ConfigError("launcher", f"{job['launcher']!r} is not supported; this launcher always starts torchrun",
                           "use launcher: torchrun or leave it out")
     job["env_vars"] = check_env_vars(job["env_vars"])
+    check_kind(job["dry_run_device"], "dry_run_device")
     return job
 
 

@@ -46,11 +46,13 @@ class BatchStages:
     forward batch, the requests at `indices` of the batch (None: none; --serve gives one: progress
     and cancel)."""
 
-    def __init__(self, model, args, rank: int, watch_for: Optional[Callable] = None):
+    def __init__(self, model, args, rank: int, watch_for: Optional[Callable] = None, cache=None,
+                 pictures: Optional[tuple] = None):
         from adaptor_patches.forward_context import JobCache
         self.model, self.args, self.rank = model, args, rank
         self.watch_for = watch_for or (lambda indices, requests: None)
-        self.cache = JobCache()          # the job's across its batches: captured decode steps, the last prompt
+        self.cache = cache or JobCache()  # the job's across its batches: captured decode steps, the last prompt
+        self.pictures = pictures          # --prompt's conditioning images, decoded once for every round
 
     def text(self, requests: list, keep_going: Callable) -> list:
         """[TextHandoff or Exception], one per request (image_batch.text_stage: the seam)."""
@@ -59,7 +61,7 @@ class BatchStages:
         calls = []
         for request in requests:
             try:
-                calls.append(generation_kwargs(self.model, self.args, request, self.rank))
+                calls.append(generation_kwargs(self.model, self.args, request, self.rank, self.pictures))
             except Exception as exc:           # its images: unreadable or not rank 0's on every rank
                 if not keep_going(exc):
                     raise

@@ -1,0 +1,134 @@
+"""The dry run on a fake device (utils/dry_run/, issue 48): the tiny model's ranks on fake CUDA and
+fake NPU pass; a tensor made without device= is reported with the line that made it."""
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = ((1, ()), (2, ("--moe-tp",)), (2, ("--moe-ep", "--vae-parallel")),
+           (4, ("--cfg-parallel", "--moe-ep", "--vae-parallel")), (4, ("--cfg-parallel", "--moe-tp", "--ulysses", "2")))
+
+
+def job_flags(model, *extra, steps=2):
+    return ["--prompt", "a red fox", "--model-id", str(model), "--seed", "1", "--image-size", "64x64",
+            "--diff-infer-steps", str(steps), *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["cuda", "npu"])
+def test_every_rank_of_each_layout_passes(kind, tiny_model):
+    """One interpreter per device (the fake NPU renames torch's PrivateUse1 backend for good)."""
+    script = ("import sys; sys.path.insert(0, '.'); from utils.dry_run.__main__ import main; codes = ["
+              + ", ".join(f"main({['--dry-run-device', kind, '--world-size', str(n), '--', *job_flags(tiny_model, *flags)]!r})"
+                          for n, flags in LAYOUTS) + "]; print('codes', codes); sys.exit(max(codes))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(" ranks passed") == len(LAYOUTS)
+    assert proc.stdout.count("passed in") == sum(n for n, _ in LAYOUTS) * 2       # run_job's line and the report's
+
+
+def planted_line(function) -> str:
+    source, first = inspect.getsourcelines(function)
+    offset = next(i for i, line in enumerate(source) if "PLANTED" in line)
+    return f"tests/test_dry_run.py:{first + offset}"
+
+
+def dry_run(model, *flags, world_size=2, ranks=(1,)):
+    from utils.dry_run.job import make_job, run_job
+    job = make_job("cuda", job_flags(model, *flags), world_size)
+    return run_job(job, list(ranks), log=lambda line: None)
+
+
+def test_a_host_tensor_in_the_ep_dispatch_is_reported_with_its_line(tiny_model, monkeypatch):
+    from adaptor_patches.moe import dispatch
+    original = dispatch.ExpertParallel.routed
+
+    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None):
+        scale = torch.ones(rows.shape[-1], dtype=rows.dtype)         # PLANTED: no device=
+        return original(self, experts, rows * scale, topk_weight, topk_idx, add_to)
+    monkeypatch.setattr(dispatch.ExpertParallel, "routed", routed)
+    [result] = dry_run(tiny_model, "--moe-ep")
+    assert not result.passed
+    made = [line for _op, _devices, tensors, _where in result.mismatches for _device, line in tensors]
+    assert planted_line(routed) in made, result.mismatches
+
+
+def test_a_host_tensor_in_the_vae_band_exchange_is_reported_with_its_line(tiny_model, monkeypatch):
+    from adaptor_patches.parallel import vae_bands
+    owner = next(cls for cls in vars(vae_bands).values() if isinstance(cls, type) and hasattr(cls, "_with_halo"))
+    original = owner._with_halo
+
+    def with_halo(self, band, rows):
+        border = torch.zeros(band.shape[-1], dtype=band.dtype)       # PLANTED: no device=
+        return original(self, band + border, rows)
+    monkeypatch.setattr(owner, "_with_halo", with_halo)
+    [result] = dry_run(tiny_model, "--moe-tp", "--vae-parallel")
+    made = [line for _op, _devices, tensors, _where in result.mismatches for _device, line in tensors]
+    assert planted_line(with_halo) in made, result.mismatches
+
+
+def test_new_tensor_on_another_rank_keeps_its_device_index(tiny_model):
+    """Rank 1 of a VAE-parallel job: group_norm's weights come from band.new_tensor (vae_bands.py);
+    torch's fake tensors dropped the index (cuda:1 -> cuda:0), a mismatch the device never has."""
+    [result] = dry_run(tiny_model, "--moe-tp", "--vae-parallel")
+    assert result.passed, (result.error, result.mismatches)
+
+
+def test_the_text_decode_step_runs_and_a_host_tensor_in_it_is_reported(tiny_instruct, monkeypatch):
+    """think_recaption on Instruct: the stand-in's text (4 ordinary tokens, then the call's stop token,
+    utils/dry_run/stand_in_text.py) runs the static decode step 7 times on every rank; a tensor made
+    there without device= fails the dry run with its file:line (before the stand-in's text the first
+    token ended the text and the step never ran)."""
+    from adaptor_patches import text_decode
+    from utils.planner.traffic import TEXT_DECODE
+    [clean] = dry_run(tiny_instruct, "--moe-ep", "--bot-task", "think_recaption")
+    assert clean.passed, (clean.error, clean.mismatches)
+    assert clean.traffic["forwards"][TEXT_DECODE] == 7 and clean.flops[TEXT_DECODE]["forwards"] == 7
+    # per step and layer (2 layers): the attention TP all-reduce and the MoE's EP all-reduce (fixed-shape form)
+    assert clean.traffic["phases"][TEXT_DECODE]["all_reduce"]["calls"] == 7 * 2 * 2
+    original = text_decode.DecodeStep.forward
+
+    def forward(self, tokens, positions):
+        shift = torch.zeros(positions.shape, dtype=positions.dtype)      # PLANTED: no device=
+        return original(self, tokens, positions + shift)
+    monkeypatch.setattr(text_decode.DecodeStep, "forward", forward)
+    [result] = dry_run(tiny_instruct, "--moe-ep", "--bot-task", "think_recaption")
+    assert not result.passed
+    made = [line for _op, _devices, tensors, _where in result.mismatches for _device, line in tensors]
+    assert made.count(planted_line(forward)) == 7, result.mismatches
+
+
+def test_bytes_per_denoising_step_equal_the_planners_lines(tiny_model):
+    """Every rank of CFG2 x EP2 (the ep8_cfg design on 4 ranks): the bytes sent per denoising step equal
+    the planner's traffic lines (the stand-in's routing spreads a row's experts over the EP ranks, as
+    the planner's (n-1)/n does; on ep8_cfg's real shapes all of a row's k experts on one rank sent
+    10.5 MiB more per step: docs/DRY_RUN.md), and the tracked weights are the plan's parameters."""
+    from utils.dry_run.job import make_job, run_job
+    from utils.dry_run.versus_plan import compare, planned
+    job = make_job("cuda", job_flags(tiny_model, "--cfg-parallel", "--moe-ep", "--vae-parallel", "--prompt",
+                                     "a red fox in the snow at dawn"), 4)
+    plan = planned(job)
+    for result in run_job(job, log=lambda line: None):
+        versus = compare(job, result, plan)
+        dry, planner = versus["sent"]["denoising step"]
+        assert dry == pytest.approx(planner, rel=1e-9), (result.rank, versus["sent"])
+        tracked, planned_bytes = versus["memory"]["weights"]
+        assert tracked == pytest.approx(planned_bytes, rel=0.01), (result.rank, versus["memory"])
+
+
+def test_an_edit_with_a_conditioning_image_runs_on_the_device(tiny_instruct):
+    """Instruct with one conditioning image (SigLIP2 and the VAE encoder run): upstream's ViT kwargs
+    (spatial shapes, the padding mask) stay on the host through its to_device (a dict it passes as is);
+    the mask then met device scores in SigLIP2's attention (siglip2.py:210). Fails without
+    compat_instruct.vit_kwargs_on_device. (The run then stops at SigLIP2's pooling head: a float32 mask
+    beside bf16 activations in baddbmm, which CUDA's autocast casts and the fake run does not: not asserted.)"""
+    from instruct_runs import demo_image
+    [result] = dry_run(tiny_instruct, "--moe-ep", "--image", demo_image("input_0_0.png"), "--bot-task", "image",
+                       "--image-size", "256x256")
+    assert result.traffic["forwards"] or result.error, result
+    assert not [m for m in result.mismatches if "siglip2" in m[3]], result.mismatches[:3]

@@ -1,0 +1,131 @@
+"""A dry run of a whole job on a fake device: every rank of the layout (or one), one after another in
+this process, each through utils/dry_run/rank_run.py.
+
+    python -m utils.dry_run --dry-run-device cuda|npu [--rank R] [--json PATH] -- <run_image_gen.py flags>
+    bash run.sh CONFIG --dry-run-device cuda|npu [--rank R]        (the launcher, YAML `dry-run-device`)
+
+The job's flags are run_image_gen.py's and are checked as a rank checks them (job_check.check_job:
+the layout against config.json), except that no weight is read: `--model-id` may be a checkpoint, a
+folder with only config.json (config/real_model, config/real_instruct), or a converted folder.
+Without a tokenizer beside config.json one is made from the config's special-token ids
+(utils/dry_run/config_tokenizer.py). Exit 0 only when every rank passed.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = ("cuda", "npu")
+
+
+def test_double(name: str):
+    """tests/<name>.py (the torch_npu double): the NPU kernel set's ops in a dry run, as in the tests."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class DryRunJob:
+    kind: str
+    args: object                     # run_image_gen's parsed, checked flags
+    layout: object
+    model_dir: Path
+    weights_dir: Path                # where the tokenizer and generation config are read
+    request: object
+    pictures: tuple = ()
+    stand_in_token: int = 0           # end-of-text: a draw over unknown scores
+    text_token: int = 0               # a text call's first tokens (utils/dry_run/stand_in_text.py)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def rank_context(self, rank: int):
+        """(Device, RankContext) of `rank`: its fake device (index: the rank), the device's kernel set."""
+        from adaptor_patches.kernels import kernels_for, make_kernels, resolve_compute
+        from adaptor_patches.kernels.device import Device
+        from adaptor_patches.kernels.fake_device import FakeAccelerator
+        from adaptor_patches.parallel.context import RankContext
+        from run_image_gen import multi_stream
+        expert_format = None if self.args.quantize in (None, "none") else self.args.quantize
+        compute = resolve_compute(expert_format, self.args.quant_compute)
+        device = Device(self.kind, rank, cpu_noise=True, fake=FakeAccelerator(self.kind, device_count=self.world_size))
+        if self.kind == "npu":
+            from utils.dry_run.fake_torch import register_fake_npu
+            register_fake_npu(device.fake)
+            kernels = make_kernels("npu", npu=test_double("npu_double"), quant_compute=compute)
+            kernels.comm_name = test_double("npu_double").hccl_comm_name    # the names its fused ops resolve
+        else:
+            kernels = kernels_for(self.kind, quant_compute=compute)
+        context = RankContext(self.layout, rank, device, multi_stream(self.args), text_to_image_only=True,
+                              kernels=kernels, expert_format=expert_format)
+        return device, context
+
+    def world(self, rank: int):
+        from utils.dry_run.fake_torch import fake_world
+        return fake_world(rank, self.world_size, self.kind)
+
+
+def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:
+    from utils.runtime.job_args import default_request, parse_args
+    from utils.runtime.job_check import check_job
+    if kind not in KINDS:
+        raise ValueError(f"dry-run-device: '{kind}' is not one of {', '.join(KINDS)}")
+    from utils.dry_run.config_tokenizer import tokenizer_dir
+    args = parse_args(list(argv))
+    args.device = kind
+    if (Path(args.model_id) / "config.json").is_file():
+        args.model_id = str(tokenizer_dir(Path(args.model_id)))     # a config-only folder: the stand-in's copy
+    checked = check_job(args, world_size=world_size, env=env if env is not None else os.environ, writes_outputs=False)
+    model_dir = weights_dir = Path(args.model_id)
+    pictures = ()
+    if args.image:
+        from utils.runtime.input_images import decoded_images
+        from utils.runtime.job_check import check_model_request
+        images = check_model_request(args, checked.files, read=True)
+        pictures = tuple(decoded_images(images, None))
+    from utils.dry_run.stand_in_text import ordinary_token
+    token = stand_in_token(weights_dir)
+    return DryRunJob(kind, args, checked.layout, model_dir, weights_dir, default_request(args), pictures, token,
+                     ordinary_token(weights_dir))
+
+
+def stand_in_token(weights_dir: Path) -> int:
+    """The end-of-text token of the generation config: what a draw over unknown scores gives (a text
+    call's last token, utils/dry_run/stand_in_text.py)."""
+    import json
+    generation = json.loads((weights_dir / "generation_config.json").read_text())
+    eos = generation.get("eos_token_id", 0)
+    return int(eos[0] if isinstance(eos, list) else eos)
+
+
+def run_job(job: DryRunJob, ranks=None, log=print) -> list:
+    """Every rank of `ranks` (default: all) in turn; [RankResult]."""
+    from utils.dry_run.rank_run import run_rank
+    results = []
+    for rank in (range(job.world_size) if ranks is None else ranks):
+        with quiet():
+            result = run_rank(job, rank)
+        results.append(result)
+        log(f"dry run: rank {rank} on fake {result.device} ({result.kernel_set} kernels): "
+            f"{'passed' if result.passed else 'FAILED'} in {result.seconds:.1f} s")
+    return results
+
+
+@contextlib.contextmanager
+def quiet():
+    """Upstream's and transformers' warnings once per process, not once per rank."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -1,6 +1,6 @@
 """A batch of requests through the two phases: each request's text phase, one handoff each, one image batch.
 
-The job as stages (docs/ARCHITECTURE.md, "The two phases as stages"):
+The job as stages (docs/SERVING.md, "Batches: requests that share a forward"):
 
     text_stage(model, calls, keep_going)  -> [TextHandoff | Exception]     one per request (THE SEAM)
     image_batches(model, handoffs)        -> [[index, ...], ...]           requests that share a generated size

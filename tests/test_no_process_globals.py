@@ -1,5 +1,5 @@
 """Nothing below the entry points reads the environment (docs/ARCHITECTURE.md, "Rules"; the
-exceptions outside its reach: docs/DESIGN_NOTES.md).
+exceptions outside its reach are listed there too).
 
 A static check (the source's syntax tree, not a run): no module under adaptor_patches/ reads
 `os.environ` / `os.getenv` (any alias of `os`, or the names imported from it). The entry points read

@@ -152,23 +152,32 @@ def test_a_client_that_disconnects_mid_body_is_one_line(server, capfd):
     assert code == 200
 
 
-@pytest.mark.slow
-def test_real_server_survives_vanishing_clients_and_answers_the_running_request_on_sigterm(tiny_model, tmp_path):
-    """One rank, one load: a client gone mid-generation costs one log line; SIGTERM while a request
-    runs still answers it with 200, then the server exits 0; no traceback anywhere in its output."""
+def serving(model, tmp_path, *flags) -> tuple:
+    """(the process, its port, its log) of `run_image_gen.py --serve` on `model` in a session of its own,
+    once /health says it is loaded."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), "--client-timeout", "2",
-           "--model-id", str(tiny_model), "--device", "cpu", "--image-size", "64x64", "--diff-infer-steps", "2"]
+    cmd = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), *flags,
+           "--model-id", str(model), "--device", "cpu", "--image-size", "64x64", "--diff-infer-steps", "2"]
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while health(f"http://127.0.0.1:{port}")[0] != 200:
+        if server.poll() is not None or time.time() > deadline:
+            server.kill()
+            raise AssertionError(log_path.read_text()[-3000:])
+        time.sleep(0.5)
+    return server, port, log_path
+
+
+@pytest.mark.slow
+def test_real_server_survives_vanishing_clients_and_answers_the_running_request_on_sigterm(tiny_model, tmp_path):
+    """One rank, one load: a client gone mid-generation costs one log line; SIGTERM while a request
+    runs still answers it with 200, then the server exits 0; no traceback anywhere in its output."""
+    server, port, log_path = serving(tiny_model, tmp_path, "--client-timeout", "2")
+    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while health(url)[0] != 200:
-            assert server.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.5)
         half_open = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
         for sock in half_open:
             sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\n")
@@ -207,19 +216,9 @@ def test_sigterm_stops_accepting_and_exits_within_the_shutdown_timeout(tiny_mode
     """A request of 1000 steps runs and another waits when SIGTERM comes: the waiting one gets 503 at
     once, no new connection is taken, the running one is cancelled --shutdown-timeout (1 s) later and
     answered 503, and the server exits 0 within seconds, not after the 1000 steps."""
-    port = free_port()
+    server, port, log_path = serving(tiny_model, tmp_path, "--shutdown-timeout", "1")
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), "--shutdown-timeout", "1",
-           "--model-id", str(tiny_model), "--device", "cpu", "--image-size", "64x64", "--diff-infer-steps", "2"]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.time() + 300
-        while health(url)[0] != 200:
-            assert server.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.5)
         answers = {}
         long = threading.Thread(target=lambda: answers.update(long=post(url, {"prompt": "long", "steps": 1000})))
         long.start()

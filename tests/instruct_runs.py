@@ -90,7 +90,7 @@ def generate(model, out_dir: Path, name: str, steps: int = 2, step_cache: Option
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with forward_context.request() as call, \
+        with forward_context.scope() as call, \
                 running(model, StepCacheSettings(**step_cache) if step_cache else None, steps) as cache:
             cot_text, images = model.generate_image(prompt=PROMPT, seed=SEED, diff_infer_steps=steps,
                                                     use_system_prompt="None", **case)

@@ -3,23 +3,25 @@
 The patches read what a call is doing (its text phase, the text stage's stop, a batched text
 call's script, the image rows' text phases, the denoise watch, the step-cache run, the forward's
 sequence shares and prefix) from the ForwardContext set around the call, through `current()`,
-instead of attributes written onto the model and its modules. A context is a context variable:
-set by `request(cache)` for one request or batch (the pipeline's entry points), by `scope()` where
-a patched entry point may be called without one (upstream's generate_image, a model forward in a
-test), gone after; `using(**fields)` sets fields for a nested part of a call and restores them.
+instead of attributes written onto the model and its modules. The context is set by
+`request(cache)` for one request or batch (the pipeline's entry points), by `scope()` where a patched
+entry point may be called without one (upstream's generate_image, a model forward in a test), gone
+after; `using(**fields)` sets fields for a nested part of a call and restores them. One call runs at a
+time in a rank's process (its main thread: the rank loop, the CLI, the Python API), so the context is
+one module attribute, as vLLM's forward context is; the HTTP thread never reads it.
 
 What outlives a request is the JobCache the pipeline owns and hands to each request's context: the
 captured decode steps (text_decode.py) and the job's last prompt, whose system prompt the next
 text prefill reuses (kv_reuse.py).
 
-Inside a captured decode step (torch.compile, fullgraph) the context is read like any Python
-state: dynamo guards on the values it reads (verified on torch 2.14: a context variable's value
-changing between calls is a guard miss, not a wrong answer).
+Inside a captured decode step (torch.compile, fullgraph) the context is read like any module
+attribute: dynamo guards on the values it reads, not on the object (verified on torch 2.14.1 and
+2.7.1: four requests' contexts, one graph; another value, another graph). A context variable was the
+first form: torch 2.7.1's dynamo cannot trace ContextVar.get (torch_npu's stack: its decode step).
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -55,35 +57,35 @@ class ForwardContext:
     sequence: SequenceSlot = field(default_factory=SequenceSlot)   # the forward's shares, fixed shape, prefix
 
 
-_active: contextvars.ContextVar = contextvars.ContextVar("forward_context", default=None)
+_active: Optional[ForwardContext] = None         # the call being run's (module docstring)
 
 
 def current() -> ForwardContext:
     """The context of the call being run; outside any, a blank one (nothing written to it is kept)."""
-    context = _active.get()
+    context = _active
     return context if context is not None else ForwardContext()
 
 
 def active() -> Optional[ForwardContext]:
-    return _active.get()
+    return _active
 
 
 @contextlib.contextmanager
 def request(cache: Optional[JobCache] = None):
     """A new context for one request or batch, with the job's `cache` (None: a cache of its own)."""
-    token = _active.set(ForwardContext(cache if cache is not None else JobCache()))
+    global _active
+    before, _active = _active, ForwardContext(cache if cache is not None else JobCache())
     try:
-        yield _active.get()
+        yield _active
     finally:
-        _active.reset(token)
+        _active = before
 
 
 @contextlib.contextmanager
 def scope():
     """The context being run, or a new one for the duration (an entry point called outside a request)."""
-    context = _active.get()
-    if context is not None:
-        yield context
+    if _active is not None:
+        yield _active
         return
     with request() as context:
         yield context

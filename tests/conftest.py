@@ -32,6 +32,8 @@ def pytest_configure(config):
                                        "`pytest -m 'not slow'` is the fast tier")
     config.addinivalue_line("markers", "compat: also run on the oldest supported stack (torch 2.7.1, "
                                        "transformers 5.2.0): `pytest -m 'not slow or compat'` there")
+    config.addinivalue_line("markers", "recent_torch: needs requirements.txt's torch (the dry run's fake "
+                                       "devices: utils/dry_run/job.MIN_TORCH); left out of the compat tier")
 
 
 @pytest.fixture(scope="session", autouse=True)

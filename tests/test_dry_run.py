@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.recent_torch
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ((1, ()), (2, ("--moe-tp",)), (2, ("--moe-ep", "--vae-parallel")),
            (4, ("--cfg-parallel", "--moe-ep", "--vae-parallel")), (4, ("--cfg-parallel", "--moe-tp", "--ulysses", "2")))

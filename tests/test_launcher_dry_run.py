@@ -14,6 +14,8 @@ import pytest
 import torch
 import yaml
 
+pytestmark = pytest.mark.recent_torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -76,11 +76,18 @@ class DryRunJob:
         return fake_world(rank, self.world_size, self.kind)
 
 
+MIN_TORCH = (2, 14)          # the fake CUDA / NPU devices verified on 2.14.1; 2.7.1's FakeTensorMode calls CUDA
+
+
 def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:
     from utils.runtime.job_args import default_request, parse_args
     from utils.runtime.job_check import check_job
     if kind not in KINDS:
         raise ValueError(f"dry-run-device: '{kind}' is not one of {', '.join(KINDS)}")
+    import torch
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < MIN_TORCH:
+        raise ValueError(f"dry-run-device: needs torch >= {'.'.join(map(str, MIN_TORCH))} (its fake devices; this "
+                         f"is {torch.__version__}); run it from the main .venv (requirements.txt)")
     from utils.dry_run.config_tokenizer import tokenizer_dir
     args = parse_args(list(argv))
     args.device = kind

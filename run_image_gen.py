@@ -76,7 +76,11 @@ def check_checkpoint_files(args, layout, rank: int) -> tuple:
     from adaptor_patches.weights.checkpoint import open_checkpoint
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
     checkpoint = open_checkpoint(args.model_id)
-    return checkpoint, checkpoint.check_for_run(layout, rank, per_rank, args.quantize)
+    expert_format = checkpoint.check_for_run(layout, rank, per_rank, args.quantize)
+    if args.lora is not None:         # the adapter read and held against the checkpoint's headers
+        from adaptor_patches.weights.lora import adapter_for_run
+        args.lora_adapter = adapter_for_run(args.lora, checkpoint, per_rank, expert_format)
+    return checkpoint, expert_format
 
 
 def rank_log(rank: int, verbose: int) -> Callable:
@@ -101,7 +105,8 @@ def set_up_device(args, layout, rank: int, expert_format):
         raise UsageError(problem)
     compute = resolve_compute(expert_format, args.quant_compute)       # not given: the experts' weight-only one
     context = RankContext(layout, rank, device, multi_stream(args), text_to_image_only=args.adaptor == "full",
-                          kernels=kernels_for(device.kind, quant_compute=compute), expert_format=expert_format)
+                          kernels=kernels_for(device.kind, quant_compute=compute), expert_format=expert_format,
+                          lora=getattr(args, "lora_adapter", None))
     problem = quant_problem(device.kind, expert_format, compute)
     if problem:
         raise UsageError(problem)
@@ -216,6 +221,8 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
         rank_job.dist.barrier()
     load_s = time.perf_counter() - rank_job.started
     log(f"loaded {args.model_id} in {load_s:.2f}s")
+    if rank_job.context.lora is not None:
+        log(rank_job.context.lora.describe())
     skipped = getattr(model, "skipped_bytes", {})
     if skipped:
         log("not loaded (text-to-image never calls them): " + ", ".join(

@@ -105,14 +105,38 @@ def test_lora_scale_zero_is_the_base(adapters, gained_model, out_dir, base_image
 
 
 @pytest.mark.slow
+def test_lora_bin_is_the_safetensors_one(adapters, gained_model, out_dir, tmp_path):
+    """adapter_model.bin (save_pretrained(safe_serialization=False)), read with weights_only=True."""
+    from safetensors.torch import load_file
+    source = adapters["attention"][0]
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    shutil.copy(source / "adapter_config.json", folder)
+    torch.save(load_file(source / "adapter_model.safetensors"), folder / "adapter_model.bin")
+    png = generate(gained_model, out_dir, "bin", "--lora", folder)[0]
+    assert png.read_bytes() == generate(gained_model, out_dir, "safetensors", "--lora", source)[0].read_bytes()
+
+
+def test_scale_is_alpha_over_r_or_its_root_times_the_given_one(adapters, tmp_path):
+    from adaptor_patches.weights.lora import parse_lora, read_adapter
+    plain = adapters["attention"][0]
+    assert read_adapter(str(plain)).scale == 2.0                      # lora_alpha 8 / r 4
+    assert read_adapter(f"{plain}:0.5").scale == 1.0
+    rslora = _adapter_copy(adapters, tmp_path, config={"use_rslora": True})
+    assert read_adapter(f"{rslora}:0.5").scale == 2.0                 # 8 / sqrt(4) * 0.5
+    assert parse_lora("a:b/c") == ("a:b/c", 1.0) and parse_lora("dir:2") == ("dir", 2.0)
+
+
+@pytest.mark.slow
 def test_lora_on_two_ranks(adapters, gained_model, out_dir):
-    """TP2 (attention heads split, o_proj's columns) with MoE TP (the shared MLP's slices): the
-    merged weight goes through the weight's own slicing."""
+    """TP2 (attention heads split, o_proj's columns) with MoE TP (the shared MLP's slices), and MoE
+    EP (the routed experts' stacks of this rank's experts): the merged weight goes through the
+    weight's own slicing."""
     jobs, refs = [], {}
-    for case in ("attention", "attention_shared"):
+    for case, layout in (("attention", "--moe-tp"), ("attention_shared", "--moe-tp"), ("every_linear", "--moe-ep")):
         adapter, merged = adapters[case]
         refs[case] = generate(merged, out_dir, f"{case}_eager2", "--adaptor", "shims")[0]
-        png, _, args = generate_args(gained_model, out_dir, f"{case}_tp2", "--lora", adapter, "--moe-tp")
+        png, _, args = generate_args(gained_model, out_dir, f"{case}_tp2", "--lora", adapter, layout)
         jobs.append((case, png, args))
     results = run_in_pool(2, [args for _, _, args in jobs])
     for (case, png, _), proc in zip(jobs, results):
@@ -198,3 +222,22 @@ def test_lora_refused_with(extra, expected, adapters, tiny_model, tmp_path):
     proc = run_cli_in_process(["--prompt", "a fox", "--model-id", tiny_model, "--device", "cpu", "--image-size",
                                "64x64", "--save", tmp_path / "out.png", "--lora", adapters["attention"][0], *extra])
     assert proc.returncode == 2 and proc.stderr.strip().startswith(expected), proc.stderr[-2000:]
+
+
+def test_lora_refused_with_a_converted_folder(adapters, tiny_model, tmp_path):
+    from test_convert_model import run_convert
+    out = tmp_path / "tp2"
+    assert run_convert("--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--tp-moe", 2).returncode == 0
+    proc = run_cli_in_process(["--prompt", "x", "--model-id", out, "--device", "cpu", "--moe-tp", "--save",
+                               tmp_path / "never.png", "--lora", adapters["attention"][0]],
+                              env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: lora: {out} is converted per rank; adapters are merged into an original checkpoint only for now; "
+        f"pass the original checkpoint with --lora"), proc.stderr[-2000:]
+
+
+def test_lora_scale_must_be_finite(adapters, tiny_model, tmp_path):
+    proc = run_cli_in_process(["--prompt", "x", "--model-id", tiny_model, "--device", "cpu", "--save",
+                               tmp_path / "never.png", "--lora", f"{adapters['attention'][0]}:nan"])
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "error: lora: scale 'nan' is not a finite number; use e.g. --lora DIR:0.8", proc.stderr

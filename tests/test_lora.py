@@ -133,16 +133,18 @@ def test_lora_on_two_ranks(adapters, gained_model, out_dir):
     EP (the routed experts' stacks of this rank's experts): the merged weight goes through the
     weight's own slicing."""
     jobs, refs = [], {}
-    for case, layout in (("attention", "--moe-tp"), ("attention_shared", "--moe-tp"), ("every_linear", "--moe-ep")):
+    for case, layout in (("attention", "--moe-tp"), ("attention_shared", "--moe-tp"), ("every_linear", "--moe-ep"),
+                         ("attention_shared", "--cfg-parallel")):
         adapter, merged = adapters[case]
-        refs[case] = generate(merged, out_dir, f"{case}_eager2", "--adaptor", "shims")[0]
-        png, _, args = generate_args(gained_model, out_dir, f"{case}_tp2", "--lora", adapter, layout)
+        if case not in refs:
+            refs[case] = generate(merged, out_dir, f"{case}_eager2", "--adaptor", "shims")[0]
+        png, _, args = generate_args(gained_model, out_dir, f"{case}_{layout[2:]}2", "--lora", adapter, layout)
         jobs.append((case, png, args))
     results = run_in_pool(2, [args for _, _, args in jobs])
-    for (case, png, _), proc in zip(jobs, results):
-        assert "tp=2" in proc.stdout and "lora: merged" in proc.stdout
+    for (case, png, args), proc in zip(jobs, results):
+        assert ("cfg=2" if "--cfg-parallel" in args else "tp=2") in proc.stdout and "lora: merged" in proc.stdout
         db = psnr(png, refs[case])
-        print(f"{case} TP2: {db:.1f} dB vs peft-merged upstream eager")
+        print(f"{case} {args[-1]} on 2 ranks: {db:.1f} dB vs peft-merged upstream eager")
         assert db >= PSNR_MIN_DB, (case, db)
 
 

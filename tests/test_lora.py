@@ -100,8 +100,10 @@ def test_lora_matches_peft_merged_upstream_eager(case, adapters, gained_model, o
 
 @pytest.mark.slow
 def test_lora_scale_zero_is_the_base(adapters, gained_model, out_dir, base_image):
-    png, _, _ = generate(gained_model, out_dir, "scale0", "--lora", f"{adapters['attention'][0]}:0")
+    value = f"{adapters['attention'][0]}:0"
+    png, _, _ = generate(gained_model, out_dir, "scale0", "--lora", value, "--metrics-json", out_dir / "scale0.json")
     assert png.read_bytes() == base_image.read_bytes()
+    assert json.loads((out_dir / "scale0.json").read_text())["settings"]["lora"] == value
 
 
 @pytest.mark.slow

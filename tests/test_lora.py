@@ -202,7 +202,7 @@ REFUSALS = {
         k: (v * float("nan") if k == _first(s, "lora_B") else v) for k, v in s.items()}),
         "holds NaN or infinite values; use a finite adapter"),
     "pickled-bin": (lambda a, t: _pickled(_adapter_copy(a, t, tensors=lambda s: None)) or t / "adapter",
-                    "lora: {tmp}/adapter/adapter_model.bin holds pickled objects that weights_only loading refuses;"),
+                    "lora: {tmp}/adapter/adapter_model.bin holds pickled objects, which torch.load(weights_only=True) refuses to run;"),
 }
 
 

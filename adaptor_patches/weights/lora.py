@@ -120,8 +120,13 @@ def _tensors(folder: Path) -> dict:
         else:
             state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:        # weights_only refuses a pickled object; safetensors a damaged header
-        what = "holds pickled objects that weights_only loading refuses" if path.suffix == ".bin" \
-            else f"is not a readable safetensors file ({exc})"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        if path.suffix == ".safetensors":
+            what = f"is not a readable safetensors file ({first})"
+        elif "Unsupported global" in str(exc):          # a class torch.load(weights_only=True) would have to import
+            what = "holds pickled objects, which torch.load(weights_only=True) refuses to run"
+        else:
+            what = "is not a file torch.load(weights_only=True) reads"
         raise LoraError(f"{path} {what}", "save the adapter again as safetensors (save_pretrained's default)") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise LoraError(f"{path} is not a dict of tensors", "save the adapter again with save_pretrained")

@@ -105,14 +105,27 @@ def _check_config(config: dict, path: Path) -> None:
                             f"modules are not supported)", f"train an adapter of {SUPPORTED} alone")
 
 
-def _tensors(folder: Path) -> dict:
+def _weights_file(folder: Path) -> Path:
     for name in WEIGHT_FILES:
-        path = folder / name
-        if path.is_file():
-            break
-    else:
-        raise LoraError(f"{folder} holds neither {WEIGHT_FILES[0]} nor {WEIGHT_FILES[1]}",
-                        "save the adapter again with save_pretrained")
+        if (folder / name).is_file():
+            return folder / name
+    raise LoraError(f"{folder} holds neither {WEIGHT_FILES[0]} nor {WEIGHT_FILES[1]}",
+                    "save the adapter again with save_pretrained")
+
+
+def check_adapter_folder(value: str) -> tuple:
+    """(folder, multiplier, adapter_config.json) of `--lora PATH[:SCALE]`, from the JSON file alone
+    (the weights file present, not read): the job check's part, before launch."""
+    folder, multiplier = parse_lora(value)
+    folder = Path(folder)
+    config = _config(folder)
+    _check_config(config, folder / CONFIG_FILE)
+    _weights_file(folder)
+    return folder, multiplier, config
+
+
+def _tensors(folder: Path) -> dict:
+    path = _weights_file(folder)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -161,10 +174,7 @@ class Adapter:
 
 def read_adapter(value: str) -> Adapter:
     """`--lora PATH[:SCALE]` read and checked on its own (Adapter.check holds it against a checkpoint)."""
-    folder, multiplier = parse_lora(value)
-    folder = Path(folder)
-    config = _config(folder)
-    _check_config(config, folder / CONFIG_FILE)
+    folder, multiplier, config = check_adapter_folder(value)
     halves: dict = {}
     for name, tensor in _tensors(folder).items():
         match = PAIR_KEY.match(name)

@@ -229,9 +229,13 @@ def test_lora_refused_with(extra, expected, adapters, tiny_model, tmp_path):
 
 
 def test_lora_refused_with_a_converted_folder(adapters, tiny_model, tmp_path):
-    from test_convert_model import run_convert
+    import contextlib
+    import io
+    from utils import convert_model
     out = tmp_path / "tp2"
-    assert run_convert("--model-path", tiny_model, "--output-path", out, "--tp-attn", 2, "--tp-moe", 2).returncode == 0
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert convert_model.main([str(a) for a in ("--model-path", tiny_model, "--output-path", out,
+                                                    "--tp-attn", 2, "--tp-moe", 2)]) == 0
     proc = run_cli_in_process(["--prompt", "x", "--model-id", out, "--device", "cpu", "--moe-tp", "--save",
                                tmp_path / "never.png", "--lora", adapters["attention"][0]],
                               env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})

@@ -150,6 +150,21 @@ def test_lora_on_two_ranks(adapters, gained_model, out_dir):
         assert db >= PSNR_MIN_DB, (case, db)
 
 
+@pytest.mark.slow
+def test_lora_on_instruct(tiny_instruct, tmp_path):
+    """HunyuanImage-3.0-Instruct's model file: the same checkpoint names, the same merge."""
+    (tmp_path / "a").mkdir()
+    adapter, merged = make_adapter(tiny_instruct, tmp_path / "a", ["qkv_proj", "o_proj", "shared_mlp.down_proj"])
+    extra = ("--bot-task", "image")
+    reference = generate(merged, tmp_path, "eager", "--adaptor", "shims", *extra)[0]
+    png, _, proc = generate(tiny_instruct, tmp_path, "lora", "--lora", adapter, *extra)
+    base = generate(tiny_instruct, tmp_path, "base", *extra)[0]
+    same, moved = psnr(png, reference), psnr(png, base)
+    print(f"instruct: {same:.1f} dB vs peft-merged upstream eager, {moved:.1f} dB vs the base")
+    assert "lora: merged 6 targets" in proc.stdout
+    assert same >= PSNR_MIN_DB and moved < PSNR_MIN_DB - 10, (same, moved)
+
+
 # ---------------------------------------------------------------- refusals
 
 def _adapter_copy(adapters, tmp_path, case="attention", config=None, drop=(), tensors=None) -> Path:

@@ -69,14 +69,20 @@ class RankJob:
 
 
 def check_checkpoint_files(args, layout, rank: int) -> tuple:
-    """(Checkpoint, expert format): the checkpoint opened once (the loader uses the same object),
-    checked as this run loads it (format, converted layout, this rank's folder), every file against
-    its index and config.json from JSON and safetensors headers (no hashes), 8-bit experts' scales
-    and --quantize, before any weight is read."""
+    """(Checkpoint, expert format, --lora's Adapter or None): the checkpoint opened once (the loader
+    uses the same object), checked as this run loads it (format, converted layout, this rank's
+    folder), every file against its index and config.json from JSON and safetensors headers (no
+    hashes), 8-bit experts' scales and --quantize, the adapter against its headers, before any
+    weight is read."""
     from adaptor_patches.weights.checkpoint import open_checkpoint
     per_rank = args.adaptor == "full"     # the shims-only reference loads upstream's layout
     checkpoint = open_checkpoint(args.model_id)
-    return checkpoint, checkpoint.check_for_run(layout, rank, per_rank, args.quantize)
+    expert_format = checkpoint.check_for_run(layout, rank, per_rank, args.quantize)
+    adapter = None
+    if args.lora is not None:         # the adapter read and held against the checkpoint's headers
+        from adaptor_patches.weights.lora import adapter_for_run
+        adapter = adapter_for_run(args.lora, checkpoint, per_rank, expert_format)
+    return checkpoint, expert_format, adapter
 
 
 def rank_log(rank: int, verbose: int) -> Callable:
@@ -86,9 +92,10 @@ def rank_log(rank: int, verbose: int) -> Callable:
     return lambda msg: None
 
 
-def set_up_device(args, layout, rank: int, expert_format):
-    """(Device, RankContext): the device resolved, the patches installed, the kernel set chosen;
-    8-bit settings this device cannot run refused."""
+def set_up_device(args, layout, rank: int, expert_format, lora=None):
+    """(Device, RankContext): the device resolved, the patches installed, the kernel set chosen,
+    `lora` (weights/lora.py's Adapter) to be merged as the weights load; 8-bit settings this device
+    cannot run refused."""
     import model_adaptor
     from adaptor_patches.kernels import kernels_for, quant_compute_problem, quant_problem, resolve_compute
     from adaptor_patches.kernels.device import resolve
@@ -101,7 +108,8 @@ def set_up_device(args, layout, rank: int, expert_format):
         raise UsageError(problem)
     compute = resolve_compute(expert_format, args.quant_compute)       # not given: the experts' weight-only one
     context = RankContext(layout, rank, device, multi_stream(args), text_to_image_only=args.adaptor == "full",
-                          kernels=kernels_for(device.kind, quant_compute=compute), expert_format=expert_format)
+                          kernels=kernels_for(device.kind, quant_compute=compute), expert_format=expert_format,
+                          lora=lora)
     problem = quant_problem(device.kind, expert_format, compute)
     if problem:
         raise UsageError(problem)
@@ -117,12 +125,12 @@ def prepare(job: CheckedJob, rank: int, phase: JobPhase) -> RankJob:
     prompts against the context (the tokenizer), --serve's port, device and patches, the process
     group, the shared seed."""
     args, layout = job.args, job.layout
-    checkpoint, expert_format = check_checkpoint_files(args, layout, rank)
+    checkpoint, expert_format, adapter = check_checkpoint_files(args, layout, rank)
     check_prompt_lengths(job)
     log = rank_log(rank, args.verbose)
     server = many_images.start_server(args, log) if args.serve and rank == 0 else None    # a taken port: before the load
     started = time.perf_counter()
-    device, context = set_up_device(args, layout, rank, expert_format)
+    device, context = set_up_device(args, layout, rank, expert_format, adapter)
     phase.name = "joining the process group"
     dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
     phase.name = "agreeing on the seed"
@@ -216,6 +224,8 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
         rank_job.dist.barrier()
     load_s = time.perf_counter() - rank_job.started
     log(f"loaded {args.model_id} in {load_s:.2f}s")
+    if rank_job.context.lora is not None:
+        log(rank_job.context.lora.describe())
     skipped = getattr(model, "skipped_bytes", {})
     if skipped:
         log("not loaded (text-to-image never calls them): " + ", ".join(

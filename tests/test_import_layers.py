@@ -35,7 +35,7 @@ LAYERS = (
     ("weights.recipe_format",),             # the recipe's folders, as the same plan
     ("weights.quantized",),                 # quantization: a plan -> a plan
     ("weights.config_shapes",),             # what config.json implies: size fields, every tensor's shape
-    ("weights.checkpoint",),                # the one checkpoint object
+    ("weights.checkpoint", "weights.lora"),  # the one checkpoint object; LoRA adapters merged as it is read
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
     ("forward_context",),                   # a call's state, read by the features below (torch-free)

@@ -38,6 +38,7 @@ from ..model_family import model_class, takes_conditioning_images
 from ..parallel.context import RankContext, building, components_left_out
 from ..parallel.layout import Layout
 from .checkpoint import Checkpoint, open_checkpoint
+from .lora import MergedFiles
 from .rank_slices import RankTensor
 from .safetensors_io import CheckpointFiles, LoadingError
 
@@ -79,6 +80,8 @@ def lazy_state_dict(checkpoint: Checkpoint, context: RankContext, left_out=None)
     CheckpointFiles, the plan). Components left out (default: the context's skipped_components; the
     model class decides, parallel/context.components_left_out) are neither built nor read."""
     files, tensors = checkpoint.plan(context.layout, context.tp_rank, context.expert_format)
+    if context.lora is not None:        # the adapter's targets read merged, then sliced as the plan says
+        files = MergedFiles(files, context.lora.check(files))
     left_out = context.skipped_components if left_out is None else left_out
     skipped = tuple(f"{path}." for path in left_out)
     return {t.name: _LazyTensor(t, files) for t in tensors if not t.name.startswith(skipped)}, files, tensors

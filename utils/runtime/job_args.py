@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
     schema.add_arguments(p, ["ulysses", "sequence_shares"])
-    schema.add_arguments(p, ["dist_timeout", "quantize", "quant_compute", "step_cache", *schema.STEP_CACHE_SETTINGS])
+    schema.add_arguments(p, ["dist_timeout", "quantize", "lora", "quant_compute", "step_cache", *schema.STEP_CACHE_SETTINGS])
     schema.add_arguments(p, [f.name for f in schema.UPSTREAM_TAYLOR_CACHE])       # upstream's spelling of a taylor cache
     return p
 

@@ -14,6 +14,8 @@ field `model_args.<flag>`) or, for the layout, LayoutError. In this order:
                  checkpoint's model (utils/runtime/model_rules.py); where inputs are read (rank 0,
                  the launcher) each --image file read and checked (utils/runtime/input_images.py)
   quant-compute  W8A8 off the NPU, where the device is named (`auto`: once the rank has resolved it)
+  lora           --lora's folder and adapter_config.json (the full adaptor merges it); its tensors
+                 against the checkpoint come with the checkpoint's files, on every rank
   outputs        where outputs are written (rank 0, the launcher): the output rule over every output
                  flag and every prompts-file line (never onto an input: the checkpoint, the YAML,
                  the prompts file, an --image or a line's image), each line's request rules, each
@@ -127,6 +129,7 @@ def check_job(args, *, world_size: int, env: Mapping, writes_outputs: bool, inpu
         check_text_task(args.bot_task, args.save_text is not None, files.generation_config)
     images = check_model_request(args, files, read=writes_outputs)
     check_quant_compute(args.device, args.quant_compute)
+    check_lora(args)
     image_inputs = [("conditioning image", path) for path in args.image or ()]
     requests = check_outputs(args, files, [*inputs, *image_inputs]) if writes_outputs else None
     layout = job_layout(args, world_size, env, files)
@@ -219,6 +222,21 @@ def check_quant_compute(device: str, quant_compute: str) -> None:
         problem = quant_compute_problem(device, quant_compute)
         if problem:
             raise field_error(problem)
+
+
+def check_lora(args) -> None:
+    """--lora's folder and adapter_config.json (adaptor_patches/weights/lora.py), and the adaptor that
+    merges it; its tensors are read and held against the checkpoint on every rank before the load."""
+    if args.lora is None:
+        return
+    if args.adaptor != "full":
+        raise FieldError("lora", "merged by the adaptor's weight path, which --adaptor shims does not take",
+                         "use --adaptor full, or merge the adapter into a checkpoint (peft's merge_and_unload)")
+    from adaptor_patches.weights.lora import LoraError, check_adapter_folder
+    try:
+        check_adapter_folder(args.lora)
+    except LoraError as exc:
+        raise field_error(str(exc)) from None
 
 
 def check_outputs(args, files: Optional[ModelFiles], inputs=()) -> Optional[list]:

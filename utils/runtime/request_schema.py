@@ -316,6 +316,9 @@ JOB_OPTIONS = (
     Field("quantize", "choice", None, "routed experts quantized while loading: int8 / fp8 (8 bit), int4 (4 bit, "
           "a scale per 128 input channels; int4-g32/-g64/-g256 other group sizes) (default: a converted folder's "
           "format, else none = bf16); docs/QUANTIZATION.md", choices=("none",) + EXPERT_FORMATS, optional=True),
+    Field("lora", "text", None, "a PEFT LoRA adapter folder merged into the weights as they load: PATH or "
+          "PATH:SCALE (SCALE multiplies lora_alpha / r; attention and MLP targets; docs/LORA.md)", optional=True,
+          example="adapters/fox:0.8"),
     Field("quant_compute", "choice", None, "how quantized experts compute: "
           + "; ".join(f"{c} = {COMPUTE_MEANS[c]}" for c in QUANT_COMPUTES)
           + " (default: the experts' weight-only one, w8a16 for 8-bit, w4a16 for int4; where each runs: "

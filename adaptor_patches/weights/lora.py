@@ -1,0 +1,254 @@
+"""LoRA adapters (PEFT's folder format), merged into the checkpoint's tensors as they are read.
+
+`read_adapter(value)` reads `--lora PATH[:SCALE]`: PATH/adapter_config.json (`r`, `lora_alpha`,
+`use_rslora`, `target_modules`) and PATH/adapter_model.safetensors (or adapter_model.bin, read with
+torch.load(weights_only=True) only). Each pair lora_A [r, in] / lora_B [out, r] names one Linear of
+upstream's model; its checkpoint tensor W becomes
+
+    W' = W + scale * B @ A        scale = lora_alpha / r (rslora: / sqrt(r)), times SCALE (default 1)
+
+computed in float32 on the whole tensor and cast back to its dtype. `Adapter.check(files)` holds
+the pairs against the checkpoint's headers (every target present, shapes fitting), before any
+weight is read. `MergedFiles` wraps the checkpoint's CheckpointFiles: a target's rows, columns or
+index are cut from the merged whole tensor, so every layout's slicing (attention TP's head rows,
+o_proj's columns, MoE TP's shared-MLP slices, the routed experts' stacks) takes the merged weight
+through the same plan as the weight itself (rank_slices.py). Every problem is one
+`lora: problem; fix` line (LoraError), before any weight is read.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .safetensors_io import CheckpointFiles, LoadingError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# The Linear layers of upstream's decoder an adapter may change (peft's module names), and the
+# checkpoint tensors they are: attention, the shared MLP, the routed experts (merged per expert
+# before they are stacked), a dense layer's MLP.
+TARGET_KEY = re.compile(r"^model\.layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(shared_mlp\.|experts\.\d+\.)?"
+                        r"(gate_and_up_proj|down_proj))$")
+TARGET_NAMES = ("qkv_proj", "o_proj", "gate_and_up_proj", "down_proj")
+PAIR_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+SUPPORTED = "attention qkv_proj / o_proj, the MLPs' gate_and_up_proj / down_proj"
+
+
+class LoraError(LoadingError):
+    """An adapter this run cannot merge; str() is one `lora: problem; fix` line."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"lora: {problem}; {fix}")
+
+
+def parse_lora(value: str) -> tuple:
+    """(folder, multiplier) of `PATH[:SCALE]` (a trailing `:number` is the scale; a path may hold ':')."""
+    path, sep, tail = value.rpartition(":")
+    if sep:
+        try:
+            multiplier = float(tail)
+        except ValueError:
+            return value, 1.0
+        if not math.isfinite(multiplier):
+            raise LoraError(f"scale {tail!r} is not a finite number", "use e.g. --lora DIR:0.8")
+        return path, multiplier
+    return value, 1.0
+
+
+def _config(folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    if not folder.is_dir():
+        raise LoraError(f"{folder} is not a folder", "pass a PEFT adapter folder (adapter_config.json and "
+                                                     "adapter_model.safetensors), as save_pretrained writes it")
+    if not path.is_file():
+        raise LoraError(f"{path} is missing", "pass a PEFT adapter folder, as save_pretrained writes it")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise LoraError(f"{path} is not readable JSON ({exc})", "save the adapter again") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"{path} is not a JSON object", "save the adapter again")
+    return config
+
+
+def _check_config(config: dict, path: Path) -> None:
+    """The adapter kinds merged here: plain LoRA on the supported Linear layers."""
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise LoraError(f"{path} is a {kind} adapter", "only LoRA adapters (peft_type LORA) are merged")
+    for key, what in (("use_dora", "DoRA (use_dora: true)"), ("fan_in_fan_out", "fan_in_fan_out"),
+                      ("lora_bias", "a LoRA bias (lora_bias: true)")):
+        if config.get(key):
+            raise LoraError(f"{path} uses {what}, which is not merged yet", "train a plain LoRA adapter")
+    for key in ("modules_to_save", "trainable_token_indices", "layers_to_transform"):
+        if config.get(key):
+            raise LoraError(f"{path} sets {key} ({config[key]!r}), which is not supported",
+                            f"train an adapter of {SUPPORTED} alone")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise LoraError(f"{path} sets {key}, which is not supported yet", "use one r and lora_alpha for all targets")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    for name, value in (("r", r), ("lora_alpha", alpha)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise LoraError(f"{path}: {name} is {value!r}, not a positive number", "save the adapter again")
+    targets = config.get("target_modules")
+    names = [targets] if isinstance(targets, str) else list(targets or ())
+    for name in names:
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(targets, list) and last not in TARGET_NAMES:
+            raise LoraError(f"{path} targets {name!r}, which is not merged (embeddings, lm_head and other "
+                            f"modules are not supported)", f"train an adapter of {SUPPORTED} alone")
+
+
+def _weights_file(folder: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise LoraError(f"{folder} holds neither {WEIGHT_FILES[0]} nor {WEIGHT_FILES[1]}",
+                    "save the adapter again with save_pretrained")
+
+
+def check_adapter_folder(value: str) -> tuple:
+    """(folder, multiplier, adapter_config.json) of `--lora PATH[:SCALE]`, from the JSON file alone
+    (the weights file present, not read): the job check's part, before launch."""
+    folder, multiplier = parse_lora(value)
+    folder = Path(folder)
+    config = _config(folder)
+    _check_config(config, folder / CONFIG_FILE)
+    _weights_file(folder)
+    return folder, multiplier, config
+
+
+def _tensors(folder: Path) -> dict:
+    path = _weights_file(folder)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            state = load_file(str(path))
+        else:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:        # weights_only refuses a pickled object; safetensors a damaged header
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        if path.suffix == ".safetensors":
+            what = f"is not a readable safetensors file ({first})"
+        elif "Unsupported global" in str(exc):          # a class torch.load(weights_only=True) would have to import
+            what = "holds pickled objects, which torch.load(weights_only=True) refuses to run"
+        else:
+            what = "is not a file torch.load(weights_only=True) reads"
+        raise LoraError(f"{path} {what}", "save the adapter again as safetensors (save_pretrained's default)") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise LoraError(f"{path} is not a dict of tensors", "save the adapter again with save_pretrained")
+    return state
+
+
+class Adapter:
+    """An adapter read and checked: {checkpoint key: (A fp32 [r, in], B fp32 [out, r])} and its scale."""
+
+    def __init__(self, path: Path, scale: float, pairs: dict):
+        self.path, self.scale, self.pairs = path, scale, pairs
+
+    def check(self, files: CheckpointFiles) -> "Adapter":
+        """Every target against the checkpoint's headers: present, 2-D, shapes fitting A and B."""
+        for key, (a, b) in self.pairs.items():
+            if key not in files.weight_map:
+                raise LoraError(f"{self.path} changes {key[:-len('.weight')]}, which this checkpoint does not have",
+                                "use an adapter trained on this model")
+            shape = tuple(files.info(key).shape)
+            if shape != (b.shape[0], a.shape[1]):
+                raise LoraError(f"{self.path}'s {key[:-len('.weight')]} is B {list(b.shape)} @ A {list(a.shape)} "
+                                f"but the checkpoint's weight is {list(shape)}", "use an adapter trained on this model")
+        return self
+
+    def delta(self, key: str) -> torch.Tensor:
+        a, b = self.pairs[key]
+        return (b @ a) * self.scale
+
+    def describe(self) -> str:
+        return f"lora: merged {len(self.pairs)} targets from {self.path} (scale {self.scale:g})"
+
+
+def read_adapter(value: str) -> Adapter:
+    """`--lora PATH[:SCALE]` read and checked on its own (Adapter.check holds it against a checkpoint)."""
+    folder, multiplier, config = check_adapter_folder(value)
+    halves: dict = {}
+    for name, tensor in _tensors(folder).items():
+        match = PAIR_KEY.match(name)
+        module = match[1] if match else name
+        if match is None or not TARGET_KEY.match(module):
+            raise LoraError(f"{folder} holds {name}, which is not merged (only {SUPPORTED})",
+                            f"train an adapter of {SUPPORTED} alone")
+        if tensor.dim() != 2 or not tensor.is_floating_point():
+            raise LoraError(f"{folder}'s {name} is not a 2-D float tensor", "save the adapter again")
+        if not torch.isfinite(tensor).all():
+            raise LoraError(f"{folder}'s {name} holds NaN or infinite values", "use a finite adapter")
+        halves.setdefault(module, {})[match[2]] = tensor.float()
+    r = config["r"]
+    pairs = {}
+    for module, half in sorted(halves.items()):
+        if set(half) != {"A", "B"}:
+            raise LoraError(f"{folder} holds lora_{''.join(half)} of {module} without its other half",
+                            "save the adapter again")
+        a, b = half["A"], half["B"]
+        if a.shape[0] != r or b.shape[1] != r:
+            raise LoraError(f"{folder}'s {module} has A {list(a.shape)} and B {list(b.shape)}, not rank r={r}",
+                            "save the adapter again")
+        pairs[f"{module}.weight"] = (a, b)
+    if not pairs:
+        raise LoraError(f"{folder} holds no LoRA weights", "save the adapter again with save_pretrained")
+    scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r) * multiplier
+    return Adapter(folder, scale, pairs)
+
+
+def adapter_for_run(value: str, checkpoint, per_rank: bool, expert_format: Optional[str]) -> Adapter:
+    """`--lora`'s adapter, read and checked for this run (the folder, the adaptor, the experts'
+    format, `checkpoint`'s headers: a checkpoint.Checkpoint) before any weight is read."""
+    if not per_rank:
+        raise LoraError("merged by the adaptor's weight path, which --adaptor shims does not take",
+                        "use --adaptor full, or merge the adapter into a checkpoint (peft's merge_and_unload)")
+    if checkpoint.per_rank:
+        raise LoraError(f"{checkpoint.directory} is converted per rank; adapters are merged into an original "
+                        f"checkpoint only for now", "pass the original checkpoint with --lora")
+    if expert_format is not None:
+        raise LoraError(f"not merged into {expert_format} experts yet", "drop --quantize or --lora")
+    return read_adapter(value).check(checkpoint.files())
+
+
+class MergedFiles:
+    """CheckpointFiles whose adapter targets read as W + scale * B @ A (one merge per target read:
+    the last merged tensor is kept while its slices are cut); every other tensor as stored."""
+
+    def __init__(self, files: CheckpointFiles, adapter: Adapter):
+        self.files, self.adapter = files, adapter
+        self.merged: set = set()
+        self._last: tuple = (None, None)
+
+    def __getattr__(self, name):
+        return getattr(self.files, name)
+
+    def _merged(self, key: str) -> torch.Tensor:
+        if self._last[0] != key:
+            weight = self.files.read_rows(key)
+            delta = self.adapter.delta(key)
+            self._last = (key, (weight.float() + delta).to(weight.dtype))
+            self.merged.add(key)
+        return self._last[1]
+
+    def read_rows(self, key: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        if key not in self.adapter.pairs:
+            return self.files.read_rows(key, start, stop)
+        return self._merged(key)[start:stop].clone()
+
+    def read_columns(self, key: str, start: int, stop: int) -> torch.Tensor:
+        if key not in self.adapter.pairs:
+            return self.files.read_columns(key, start, stop)
+        return self._merged(key)[:, start:stop].contiguous()
+
+    def read_index(self, key: str, index: torch.Tensor, dim: int) -> torch.Tensor:
+        if key not in self.adapter.pairs:
+            return self.files.read_index(key, index, dim)
+        return self._merged(key).index_select(dim, index)

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a red fox standing in fresh snow"
 
 
-def scaled_checkpoint(src: Path, dst: Path, gain_of) -> Path:
-    """A copy of checkpoint `src` at `dst` with each tensor multiplied by gain_of(key) (1: unchanged)."""
+def rewritten_checkpoint(src: Path, dst: Path, rewrite) -> Path:
+    """A copy of checkpoint `src` at `dst` with each tensor replaced by rewrite(key, tensor)."""
     import shutil
     from safetensors.torch import load_file, save_file
     dst.mkdir()
@@ -25,11 +25,17 @@ def scaled_checkpoint(src: Path, dst: Path, gain_of) -> Path:
             shutil.copy(path, dst / path.name)
             continue
         state = load_file(path)
-        for key, value in state.items():
-            gain = gain_of(key)
-            state[key] = (value.float() * gain).to(value.dtype) if gain != 1 else value
-        save_file(state, dst / path.name, metadata={"format": "pt"})
+        save_file({key: rewrite(key, value) for key, value in state.items()}, dst / path.name,
+                  metadata={"format": "pt"})
     return dst
+
+
+def scaled_checkpoint(src: Path, dst: Path, gain_of) -> Path:
+    """A copy of checkpoint `src` at `dst` with each tensor multiplied by gain_of(key) (1: unchanged)."""
+    def scaled(key, value):
+        gain = gain_of(key)
+        return (value.float() * gain).to(value.dtype) if gain != 1 else value
+    return rewritten_checkpoint(src, dst, scaled)
 
 
 def run_cli(args, nproc: int = 1, timeout: float = 300, env=None):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from generation import generate, generate_args, psnr, run_cli_in_process, run_in_pool
+from generation import generate, generate_args, psnr, rewritten_checkpoint, run_cli_in_process, run_in_pool
 
 PSNR_MIN_DB = 40.0
 ATTENTION = ["qkv_proj", "o_proj"]
@@ -30,7 +30,6 @@ def make_adapter(base: Path, out: Path, targets: list, seed: int = 0) -> tuple:
     with save_pretrained; and a copy of `base` with merge_and_unload()'s weights."""
     import model_adaptor
     from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file, save_file
     from utils.runtime.rank_model import load_rank_model
     model, _ = load_rank_model(base, "cpu", shims_only=True)
     torch.manual_seed(seed)
@@ -39,17 +38,9 @@ def make_adapter(base: Path, out: Path, targets: list, seed: int = 0) -> tuple:
     peft_model.save_pretrained(str(adapter))
     merged_state = peft_model.merge_and_unload().state_dict()
     model_adaptor.remove()
-    merged = out / "merged"
-    merged.mkdir()
-    for path in base.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, merged / path.name)
-            continue
-        state = load_file(path)
-        for key in state:
-            if key in merged_state:
-                state[key] = merged_state[key].to(state[key].dtype).contiguous()
-        save_file(state, merged / path.name, metadata={"format": "pt"})
+    def merged_weight(key, value):
+        return merged_state[key].to(value.dtype).contiguous() if key in merged_state else value
+    merged = rewritten_checkpoint(base, out / "merged", merged_weight)
     return adapter, merged
 
 

@@ -256,7 +256,7 @@ def run_tee(cmd: list[str], env: dict, log) -> int:
         where = getattr(log, "name", "the log")
         rank_log = Path(where).with_suffix("") / f"rank{cause[0]}.log" if cause else None
         own = f" and in {rank_log}" if rank_log and rank_log.is_file() else ""     # its traceback too
-        if own and cause[0] != 0:           # the console shows rank 0 only: the dead rank's last words
+        if own and cause[0] != 0 and code > 128:     # killed by a signal (an abort): its last words were only logged
             last = [line for line in rank_log.read_text(errors="replace").splitlines() if line.strip()][-5:]
             print("\n".join(f"[rank {cause[0]}] {line}" for line in last), file=sys.stderr, flush=True)
         print(f"error: job: {who} failed (exit {code}); its own messages are above{own}, torchrun's report is in "

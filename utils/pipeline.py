@@ -56,6 +56,8 @@ class Pipeline:
         self.args, self.rank = rank_job.args, rank_job.rank
         self.progress: Optional[Callable] = None
         self._done, self._total = 0, 0
+        from utils.runtime.image_requests import RequestChecker
+        self.checker = RequestChecker(self.args.model_id)     # its tokenizer read once, on the first request
 
     @classmethod
     def load(cls, model_id, **options) -> "Pipeline":
@@ -86,7 +88,7 @@ class Pipeline:
 
     def request(self, entry, number: int = 1):
         """One checked ImageRequest from a prompt or a dict of a prompts-file line's fields."""
-        from utils.runtime.image_requests import LINE_FIELDS, RequestChecker
+        from utils.runtime.image_requests import LINE_FIELDS
         from utils.runtime.job_args import default_request
         from utils.runtime.request_schema import REQUEST, FieldError
         entry = {"prompt": entry} if isinstance(entry, str) else dict(entry)
@@ -100,7 +102,7 @@ class Pipeline:
                 raise FieldError("prompt", "missing", "every request needs a prompt")
             fields = {name: REQUEST[name].check(value, base=getattr(defaults, name)) for name, value in entry.items()}
             request = replace(defaults, **fields, save=None, save_text=None, label=f"request {number}")
-            problem = RequestChecker(self.args.model_id).problem(request)
+            problem = self.checker.problem(request)
             if problem:
                 raise problem
         except FieldError as exc:

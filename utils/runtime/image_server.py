@@ -69,18 +69,17 @@ class Job:
         self.done = threading.Event()
         self.answered = threading.Event()       # its response is written (or its client is gone)
         self.cancelled = threading.Event()      # its client left: do not run it, or stop it at the next step
-        self.changed = threading.Condition()
+        self.lock = threading.Lock()            # the fields below, written by the rank loop, read by the endpoints
         self.version = 0                        # bumped on every change a follower may show
         self.progress = None                    # {"image", "images", "step", "steps", "batch"} while it runs
         self.previews = []                      # [(image index, PIL image)] in the order they were decoded
         self.followers = []                     # [(event loop, asyncio.Event)]: told of every change
 
     def touch(self, **progress) -> None:
-        with self.changed:
+        with self.lock:
             if progress:
                 self.progress = progress
             self.version += 1
-            self.changed.notify_all()
             followers = list(self.followers)
         for loop, event in followers:
             try:
@@ -89,21 +88,15 @@ class Job:
                 pass
 
     def add_preview(self, index: int, image) -> None:
-        with self.changed:
+        with self.lock:
             self.previews.append((index, image))
         self.touch()
-
-    def wait_change(self, seen: int, timeout: float) -> int:
-        with self.changed:
-            if self.version == seen:
-                self.changed.wait(timeout)
-            return self.version
 
     async def changed_since(self, seen: int, timeout: float) -> int:
         """The job's version once it differs from `seen` or `timeout` passed (on the event loop)."""
         event = asyncio.Event()
         entry = (asyncio.get_running_loop(), event)
-        with self.changed:
+        with self.lock:
             self.followers.append(entry)
         try:
             if self.version == seen:
@@ -113,7 +106,7 @@ class Job:
                     pass
             return self.version
         finally:
-            with self.changed:
+            with self.lock:
                 self.followers.remove(entry)
 
     def finish(self, results=None, refusal=None) -> None:

@@ -85,6 +85,14 @@ def check_checkpoint_files(args, layout, rank: int) -> tuple:
     return checkpoint, expert_format, adapter
 
 
+def served_adapters(args, checkpoint) -> tuple:
+    """--lora-modules' adapters ((name, Adapter), ...), read and held against the checkpoint's headers."""
+    if not args.lora_modules:
+        return ()
+    from adaptor_patches.weights.lora import served_adapters as read_served
+    return read_served(args.lora_modules.split(","), checkpoint, Path(args.model_id).resolve().name)
+
+
 def rank_log(rank: int, verbose: int) -> Callable:
     """Rank 0's progress lines (every rank's with --verbose)."""
     if rank == 0 or verbose:
@@ -92,10 +100,10 @@ def rank_log(rank: int, verbose: int) -> Callable:
     return lambda msg: None
 
 
-def set_up_device(args, layout, rank: int, expert_format, lora=None):
+def set_up_device(args, layout, rank: int, expert_format, lora=None, adapters: tuple = ()):
     """(Device, RankContext): the device resolved, the patches installed, the kernel set chosen,
-    `lora` (weights/lora.py's Adapter) to be merged as the weights load; 8-bit settings this device
-    cannot run refused."""
+    `lora` (weights/lora.py's Adapter) to be merged as the weights load, `adapters` kept beside them
+    for requests to choose; 8-bit settings this device cannot run refused."""
     import model_adaptor
     from adaptor_patches.kernels import kernels_for, quant_compute_problem, quant_problem, resolve_compute
     from adaptor_patches.kernels.device import resolve
@@ -109,7 +117,7 @@ def set_up_device(args, layout, rank: int, expert_format, lora=None):
     compute = resolve_compute(expert_format, args.quant_compute)       # not given: the experts' weight-only one
     context = RankContext(layout, rank, device, multi_stream(args), text_to_image_only=args.adaptor == "full",
                           kernels=kernels_for(device.kind, quant_compute=compute), expert_format=expert_format,
-                          lora=lora)
+                          lora=lora, adapters=adapters)
     problem = quant_problem(device.kind, expert_format, compute)
     if problem:
         raise UsageError(problem)
@@ -126,11 +134,12 @@ def prepare(job: CheckedJob, rank: int, phase: JobPhase) -> RankJob:
     group, the shared seed."""
     args, layout = job.args, job.layout
     checkpoint, expert_format, adapter = check_checkpoint_files(args, layout, rank)
+    adapters = served_adapters(args, checkpoint)
     check_prompt_lengths(job)
     log = rank_log(rank, args.verbose)
     server = many_images.start_server(args, log) if args.serve and rank == 0 else None    # a taken port: before the load
     started = time.perf_counter()
-    device, context = set_up_device(args, layout, rank, expert_format, adapter)
+    device, context = set_up_device(args, layout, rank, expert_format, adapter, adapters)
     phase.name = "joining the process group"
     dist, owns_group = init_distributed(layout, rank, device, args.dist_timeout)
     phase.name = "agreeing on the seed"

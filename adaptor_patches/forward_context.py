@@ -42,6 +42,7 @@ class JobCache:
     """A job's state across its requests (one per loaded model and job; the pipeline's)."""
     decode_steps: dict = field(default_factory=dict)    # (batch, capacity, graph mode) -> DecodeStep, oldest first
     last_prompt: Optional[Any] = None                   # kv_reuse.PromptKV: the last text call's prompt, row 0
+    last_prompt_lora: Optional[tuple] = None            # the LoRA adapters that prompt ran with (RowAdapters.key)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class ForwardContext:
     denoise_watch: Optional[Any] = None     # progress, previews, an agreed cancel (denoise_watch.py)
     step_cache_run: Optional[Any] = None    # the image's step-cache run (step_cache.py)
     sequence: SequenceSlot = field(default_factory=SequenceSlot)   # the forward's shares, fixed shape, prefix
+    lora: Optional[Any] = None              # lora_rows.RowAdapters: each request's adapter, None: all the base
 
 
 _active: Optional[ForwardContext] = None         # the call being run's (module docstring)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import denoise_watch, forward_context, kv_reuse, step_cache
+from . import denoise_watch, forward_context, kv_reuse, lora_rows, step_cache
 from .moe.dispatch import dispatcher_for
 from .moe.experts import GroupedExperts
 from .moe.gate import route
@@ -73,8 +73,11 @@ def causal_mm_from_pretrained(original, device):
         if pretrained_model_name_or_path is None or args or kwargs.get("state_dict") is not None:
             return function(cls, pretrained_model_name_or_path, *args, **kwargs)
         context = rank_context or context_being_built(device)
-        return from_pretrained_by_slices(cls, functools.partial(function, cls), pretrained_model_name_or_path,
-                                         context, **kwargs)
+        model = from_pretrained_by_slices(cls, functools.partial(function, cls), pretrained_model_name_or_path,
+                                          context, **kwargs)
+        if context.adapters:        # requests' LoRA adapters, kept beside the loaded weights
+            lora_rows.install(model[0] if isinstance(model, tuple) else model, context.adapters)
+        return model
 
     return classmethod(from_pretrained)
 
@@ -260,23 +263,33 @@ def _with_bias(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return x if linear.bias is None else x + linear.bias
 
 
-def _project(self, hidden_states, shards):
+def _project(self, hidden_states, shards, adapters=None):
     """(q [B, heads, S, D], k, v [B, KV heads, S, D] of the heads this rank attends to, B, S).
     On sequence shares the attention-TP group's rows are gathered into qkv_proj; under Ulysses its
-    shard's heads are exchanged so this rank holds every row of its own (parallel/ulysses.py)."""
+    shard's heads are exchanged so this rank holds every row of its own (parallel/ulysses.py).
+    `adapters`: (LowRank, RowAdapters) of requests' LoRA adapters (lora_rows.py), or None."""
     exchange, dim = self.exchange, self.head_dim
     if shards is None:
         bsz, q_len, _ = hidden_states.size()
-        qkv = self.qkv_proj(hidden_states).reshape(bsz * q_len, -1)
+        rows = hidden_states.reshape(bsz * q_len, -1)
+        qkv = self.qkv_proj(rows)
+        if adapters is not None:
+            qkv = qkv + adapters[0].delta(rows, adapters[1].rows(bsz, q_len))
     else:
         bsz, q_len = shards.batch, shards.seq
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.head_shard.degree == 1:
             qkv = self.qkv_proj(rows)
+            if adapters is not None:
+                qkv = qkv + adapters[0].delta(rows, adapters[1].rows(bsz, q_len, shards.local))
         else:
             group = self.rank_context.group("attention_tp")
             qkv = self.kernels.all_gather_matmul(rows, self.qkv_proj.weight, group, shards.attention_shares)
             qkv = _with_bias(qkv, self.qkv_proj)
+            if adapters is not None:        # the low-rank half gathered (R columns), then expanded
+                low = adapters[0].project(rows, adapters[1].rows(bsz, q_len, shards.local))
+                low = self.kernels.all_gather_shares(low, group, shards.attention_shares)
+                qkv = qkv + adapters[0].expand(low)
     if exchange is None:
         qkv = qkv.reshape(bsz, q_len, self.num_key_value_heads, self.num_key_value_groups + 2, dim)
         query, key, value = torch.split(qkv, [self.num_key_value_groups, 1, 1], dim=3)
@@ -294,30 +307,52 @@ def _project(self, hidden_states, shards):
     return query, key, value, bsz, q_len
 
 
-def _o_proj(self, attn_output, shards, bsz, q_len):
+def _o_proj(self, attn_output, shards, bsz, q_len, adapters=None):
     """This rank's heads' output rows [B*S, heads*D] -> the layer's output: [B, S, H] for every row
-    (today: one all-reduce), or [1, share, H] on sequence shares (one reduce-scatter)."""
+    (today: one all-reduce), or [1, share, H] on sequence shares (one reduce-scatter). A LoRA
+    adapter's part (`adapters`, as _project's) is added to each rank's partial sum before it is reduced."""
     exchange, weight = self.exchange, self.o_proj.weight
+    low, lora = adapters if adapters is not None else (None, None)
     if shards is None and exchange is not None:                 # Ulysses, one-token decode
-        mine = weight.narrow(1, *exchange.o_span) if exchange.o_span else weight.index_select(1, exchange.o_columns)
+        span = exchange.o_span or exchange.o_columns
+        mine = weight.narrow(1, *span) if exchange.o_span else weight.index_select(1, span)
         partial = F.linear(attn_output, mine)
+        if low is not None:
+            partial = partial + low.input_columns(span).delta(attn_output, lora.rows(bsz, q_len))
         dist.all_reduce(partial, group=self.rank_context.group("attention_decode"))
         return _with_bias(partial, self.o_proj).view(bsz, q_len, -1)
     if shards is None:
-        attn_output = attn_output.view(bsz, q_len, -1)
-        if self.head_shard.degree == 1:
-            return self.o_proj(attn_output)
+        if self.head_shard.degree == 1 and low is None:
+            return self.o_proj(attn_output.view(bsz, q_len, -1))
         partial = F.linear(attn_output, weight)
-        dist.all_reduce(partial, group=self.rank_context.group("attention_tp"))
-        return _with_bias(partial, self.o_proj)
+        if low is not None:
+            partial = partial + low.delta(attn_output, lora.rows(bsz, q_len))
+        if self.head_shard.degree > 1:
+            dist.all_reduce(partial, group=self.rank_context.group("attention_tp"))
+        return _with_bias(partial, self.o_proj).view(bsz, q_len, -1)
     if exchange is not None:
         attn_output = exchange.back(attn_output, shards.ulysses_chunks, self.rank_context.group("ulysses"))
+    rows = lora.rows(bsz, q_len, shards.attention_rows) if low is not None else None
     if self.head_shard.degree == 1:
         out = F.linear(attn_output, weight)
+        if low is not None:
+            out = out + low.delta(attn_output, rows)
     else:
-        out = self.kernels.matmul_reduce_scatter(attn_output, weight, self.rank_context.group("attention_tp"),
-                                                 shards.attention_shares)
+        group = self.rank_context.group("attention_tp")
+        out = self.kernels.matmul_reduce_scatter(attn_output, weight, group, shards.attention_shares)
+        if low is not None:     # the low-rank half reduce-scattered (R columns), then expanded
+            out = out + low.expand(self.kernels.reduce_scatter_shares(low.project(attn_output, rows), group,
+                                                                      shards.attention_shares))
     return _with_bias(out, self.o_proj).unsqueeze(0)
+
+
+def _adapters(self, module: str):
+    """(LowRank, RowAdapters) when the call's requests chose adapters that change `module`; else None."""
+    lora = forward_context.current().lora
+    if lora is None:
+        return None
+    low = lora_rows.low_rank(self.rank_context, lora_rows.layer_key(self.layer_idx, module))
+    return None if low is None else (low, lora)
 
 
 def attention_forward(_original, _device):
@@ -329,7 +364,7 @@ def attention_forward(_original, _device):
             raise NotImplementedError("attention: output_attentions=True is not supported (as upstream's SDPA path)")
         upstream = sys.modules[type(self).__module__]
         shards = forward_context.current().sequence.shards
-        query, key, value, bsz, q_len = _project(self, hidden_states, shards)
+        query, key, value, bsz, q_len = _project(self, hidden_states, shards, _adapters(self, "self_attn.qkv_proj"))
         if self.use_rotary_pos_emb:
             cos, sin = custom_pos_emb
             query, key = upstream.apply_rotary_pos_emb(query, key, cos, sin)
@@ -341,7 +376,7 @@ def attention_forward(_original, _device):
             query = query.to(key.dtype)
         attn_output = self.kernels.attention(query, key, value, attention_mask)
         attn_output = attn_output.transpose(1, 2).reshape(bsz * q_len, -1)
-        return _o_proj(self, attn_output, shards, bsz, q_len), None, past_key_value
+        return _o_proj(self, attn_output, shards, bsz, q_len, _adapters(self, "self_attn.o_proj")), None, past_key_value
 
     return forward
 
@@ -400,12 +435,25 @@ def moe_init(_original, device):
     return __init__
 
 
-def _fixed_shape_moe(moe, tokens):
+def _shared_adapters(moe, bsz, seq_len, shards=None, span=None):
+    """SharedMlp.start's `adapters` for the call's requests' LoRA adapters, or None."""
+    lora = forward_context.current().lora
+    if lora is None:
+        return None
+    lows = [lora_rows.low_rank(moe.rank_context, lora_rows.layer_key(moe.layer_idx, f"mlp.shared_mlp.{name}"))
+            for name in ("gate_and_up_proj", "down_proj")]
+    if lows == [None, None]:
+        return None
+    batch, seq = (shards.batch, shards.seq) if shards is not None else (bsz, seq_len)
+    return (*lows, lora.rows(batch, seq, span))
+
+
+def _fixed_shape_moe(moe, tokens, bsz, seq_len):
     """The decode step's MoE (SequenceSlot.fixed_shape): every rank routes every row, computes its
     experts' share and its slice of the shared MLP; TP / EP join them in one all-reduce
     (moe/dispatch.py). No host sync, no data-dependent shape."""
     dispatcher = moe.dispatcher
-    shared = moe.shared.start(tokens, part=dispatcher.shared_part)
+    shared = moe.shared.start(tokens, part=dispatcher.shared_part, adapters=_shared_adapters(moe, bsz, seq_len))
     topk_weight, topk_idx = route(moe, tokens)
     routed = dispatcher.routed_fixed(moe.experts, tokens, topk_weight, topk_idx, add_to=shared.inline_output)
     return dispatcher.combine_fixed(shared.join(routed))
@@ -417,10 +465,11 @@ def moe_forward(_original, _device):
         tokens = hidden_states.reshape(-1, hidden_size)
         slot = forward_context.current().sequence
         if slot.fixed_shape:                                        # the decode step: every row on every rank
-            return _fixed_shape_moe(self, tokens).view(bsz, seq_len, hidden_size)
+            return _fixed_shape_moe(self, tokens, bsz, seq_len).view(bsz, seq_len, hidden_size)
         shards = slot.shards                                        # the input is this rank's share
         rows = self.dispatcher.local_rows(tokens, shards)           # EP replicated rows: this rank's chunk
-        shared = self.shared.start(rows)                            # on the side stream, if any
+        adapters = _shared_adapters(self, bsz, seq_len, shards, self.dispatcher.local_span(tokens.shape[0], shards))
+        shared = self.shared.start(rows, adapters=adapters)         # on the side stream, if any
         topk_weight, topk_idx = route(self, rows)
         routed = self.dispatcher.routed(self.experts, rows, topk_weight, topk_idx, add_to=shared.inline_output)
         output = shared.join(routed)                                # after the side stream: the one add

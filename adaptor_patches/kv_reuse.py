@@ -186,8 +186,11 @@ def plan_from(prompts: list, ids: torch.Tensor, limit: int, mode: str) -> Option
 def job_prompt_plan(model, tokenizer_output, length: int) -> Optional[PrefixPlan]:
     """The plan of a text prefill that starts as the job's last prompt did (its system prompt): up to
     the first position of either whose embedding is not its token's."""
-    last = forward_context.current().cache.last_prompt
+    context = forward_context.current()
+    last = context.cache.last_prompt
     if last is None or tokenizer_output is None or not getattr(model, "kv_reuse", True):
+        return None
+    if context.cache.last_prompt_lora != _lora_key(context):      # another adapter wrote other keys / values
         return None
     rows = tokenizer_output.tokens.shape[0]
     limit = min(min(tokens_only_length(tokenizer_output, length)), last.tokens_only[0], length - 1)
@@ -200,9 +203,16 @@ def keep_job_prompt(model, prompt: Optional[PromptKV]) -> None:
     if prompt is None or not getattr(model, "kv_reuse", True):
         return
     end = prompt.tokens_only[0]
-    forward_context.current().cache.last_prompt = PromptKV(prompt.ids[:1, :end].clone(), [end],
+    context = forward_context.current()
+    context.cache.last_prompt_lora = _lora_key(context)
+    context.cache.last_prompt = PromptKV(prompt.ids[:1, :end].clone(), [end],
                                  {i: k[:1, :, :end].clone() for i, k in prompt.keys.items()},
                                  {i: v[:1, :, :end].clone() for i, v in prompt.values.items()})
+
+
+def _lora_key(context) -> Optional[tuple]:
+    """The adapter every row of the call runs (a text call's rows share one: batch_stages.py), or None."""
+    return None if context.lora is None else context.lora.key[0]
 
 
 # ---------------------------------------------------------------- the cut (HunyuanImage3Model.forward)

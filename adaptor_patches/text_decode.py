@@ -142,8 +142,11 @@ def static_sample(original, device):
         if choice is None:
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        # A captured graph would keep the first call's LoRA rows (a CUDA graph replays their addresses):
+        # a text whose requests chose adapters decodes op by op.
+        graph = "off" if forward_context.current().lora is not None else getattr(self, "text_graph", "auto")
         loop = TextLoop(self, input_ids, model_kwargs, choice, eos.to(input_ids.device),
-                        generation_config, streamer, getattr(self, "text_graph", "auto"), device)
+                        generation_config, streamer, graph, device)
         output = loop.run()
         _phase_of(self).last_decode = loop.record
         return output

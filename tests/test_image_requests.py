@@ -221,7 +221,7 @@ def test_launcher_checks_the_prompts_file_and_accepts_the_serve_config(tiny_mode
     res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         f"error: model_args.prompts: {prompts}: line 2: unknown field 'sed'; fields are prompt, seed, image_size, "
-        f"diff_infer_steps, bot_task, save, step_cache, image, guidance_scale"]
+        f"diff_infer_steps, bot_task, save, step_cache, image, guidance_scale, adapter, lora_scale"]
     prompts.write_text('{"prompt": "a fox", "seed": 1}\n')
     res = run_launcher(write_yaml(tmp_path, job), "--dry-run")
     assert res.returncode == 0 and f"--prompts {prompts}" in res.stdout and "--skip-existing" in res.stdout

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from generation import generate, generate_args, psnr, rewritten_checkpoint, run_cli_in_process, run_in_pool
+from generation import generate, generate_args, psnr, run_cli_in_process, run_in_pool
+from lora_adapters import make_adapter
 
 PSNR_MIN_DB = 40.0
 ATTENTION = ["qkv_proj", "o_proj"]
@@ -23,25 +24,6 @@ EVERY_LINEAR = ["qkv_proj", "o_proj", "gate_and_up_proj", "down_proj"]     # the
 CASES = {"attention": ATTENTION, "attention_shared": ATTENTION_SHARED, "every_linear": EVERY_LINEAR}
 
 pytestmark = pytest.mark.usefixtures("unpatched_upstream")
-
-
-def make_adapter(base: Path, out: Path, targets: list, seed: int = 0) -> tuple:
-    """(adapter folder, merged checkpoint): peft's LoRA on upstream's model (random A and B), saved
-    with save_pretrained; and a copy of `base` with merge_and_unload()'s weights."""
-    import model_adaptor
-    from peft import LoraConfig, get_peft_model
-    from utils.runtime.rank_model import load_rank_model
-    model, _ = load_rank_model(base, "cpu", shims_only=True)
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
-    adapter = out / "adapter"
-    peft_model.save_pretrained(str(adapter))
-    merged_state = peft_model.merge_and_unload().state_dict()
-    model_adaptor.remove()
-    def merged_weight(key, value):
-        return merged_state[key].to(value.dtype).contiguous() if key in merged_state else value
-    merged = rewritten_checkpoint(base, out / "merged", merged_weight)
-    return adapter, merged
 
 
 @pytest.fixture(scope="module")
@@ -127,17 +109,18 @@ def test_lora_on_two_ranks(adapters, gained_model, out_dir):
     weight's own slicing."""
     jobs, refs = [], {}
     for case, layout in (("attention", "--moe-tp"), ("attention_shared", "--moe-tp"), ("every_linear", "--moe-ep"),
-                         ("attention_shared", "--cfg-parallel")):
+                         ("attention_shared", "--cfg-parallel"), ("attention_shared", "--ulysses")):
         adapter, merged = adapters[case]
         if case not in refs:
             refs[case] = generate(merged, out_dir, f"{case}_eager2", "--adaptor", "shims")[0]
-        png, _, args = generate_args(gained_model, out_dir, f"{case}_{layout[2:]}2", "--lora", adapter, layout)
+        extra = (layout, "2") if layout == "--ulysses" else (layout,)
+        png, _, args = generate_args(gained_model, out_dir, f"{case}_{layout[2:]}2", "--lora", adapter, *extra)
         jobs.append((case, png, args))
     results = run_in_pool(2, [args for _, _, args in jobs])
     for (case, png, args), proc in zip(jobs, results):
         assert ("cfg=2" if "--cfg-parallel" in args else "tp=2") in proc.stdout and "lora: merged" in proc.stdout
         db = psnr(png, refs[case])
-        print(f"{case} {args[-1]} on 2 ranks: {db:.1f} dB vs peft-merged upstream eager")
+        print(f"{case} {' '.join(args[args.index('--lora') + 2:])} on 2 ranks: {db:.1f} dB vs peft-merged upstream eager")
         assert db >= PSNR_MIN_DB, (case, db)
 
 

@@ -187,12 +187,12 @@ def _join_without_record_stream(self, routed):
     return routed.add_(self.output)
 
 
-def _start_making_events_per_call(self, tokens, part=None):
+def _start_making_events_per_call(self, tokens, part=None, adapters=None):
     self.use_stream(self.stream)
-    return _REAL_START(self, tokens, part)
+    return _REAL_START(self, tokens, part, adapters)
 
 
-def _start_without_record_stream(self, tokens, part=None):
+def _start_without_record_stream(self, tokens, part=None, adapters=None):
     device, weights = self.device, (self.mlp.gate_and_up_proj.weight, self.mlp.down_proj.weight)
     self.input_ready.record(device.current_stream())
     with device.stream_context(self.stream):
@@ -202,7 +202,7 @@ def _start_without_record_stream(self, tokens, part=None):
     return SharedCall(self, output, on_side_stream=True)
 
 
-def _start_waiting_outside_the_side_stream(self, tokens, part=None):
+def _start_waiting_outside_the_side_stream(self, tokens, part=None, adapters=None):
     device, weights = self.device, (self.mlp.gate_and_up_proj.weight, self.mlp.down_proj.weight)
     self.input_ready.record(device.current_stream())
     self.input_ready.wait(device.current_stream())

@@ -56,8 +56,8 @@ class Pipeline:
         self.args, self.rank = rank_job.args, rank_job.rank
         self.progress: Optional[Callable] = None
         self._done, self._total = 0, 0
-        from utils.runtime.image_requests import RequestChecker
-        self.checker = RequestChecker(self.args.model_id)     # its tokenizer read once, on the first request
+        from utils.runtime.image_requests import RequestChecker, adapter_names
+        self.checker = RequestChecker(self.args.model_id, adapters=adapter_names(self.args.lora_modules))     # its tokenizer read once, on the first request
 
     @classmethod
     def load(cls, model_id, **options) -> "Pipeline":

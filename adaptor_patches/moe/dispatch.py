@@ -74,6 +74,10 @@ class Replicated:
         """The rows this rank routes."""
         return tokens
 
+    def local_span(self, tokens: int, shards=None) -> slice:
+        """Which of the forward's rows local_rows gives (`tokens`: this rank's input rows), in order."""
+        return shards.local if shards is not None else slice(0, tokens)
+
     def routed(self, experts, rows, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
         """The weighted sum of each row's experts (added into `add_to` in place when given)."""
         return experts.routed(rows, topk_weight, topk_idx, add_to=add_to)
@@ -100,6 +104,9 @@ class TensorParallel(Replicated):
         if shards is None:
             return tokens
         return self.kernels.all_gather_shares(tokens, self.rank_context.group("moe_tp"), shards.shares)
+
+    def local_span(self, tokens, shards=None):
+        return slice(0, shards.rows if shards is not None else tokens)
 
     def combine(self, output, tokens, shards=None):
         group = self.rank_context.group("moe_tp")
@@ -132,6 +139,13 @@ class ExpertParallel(Replicated):
         sizes = self._chunks(tokens)
         start = sum(sizes[:self.shard.ep_rank])
         return tokens[start:start + sizes[self.shard.ep_rank]]
+
+    def local_span(self, tokens, shards=None):
+        if shards is not None:
+            return shards.local
+        sizes = split_evenly(tokens, self.shard.ep_degree)
+        start = sum(sizes[:self.shard.ep_rank])
+        return slice(start, start + sizes[self.shard.ep_rank])
 
     def routed(self, experts, rows, topk_weight, topk_idx, add_to=None):
         kernels = self.kernels

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 
 class SharedMlp:
@@ -36,28 +37,50 @@ class SharedMlp:
         else:
             self.input_ready, self.shared_done = self.device.new_event(), self.device.new_event()
 
-    def start(self, tokens: torch.Tensor, part: Optional[tuple] = None) -> "SharedCall":
+    def start(self, tokens: torch.Tensor, part: Optional[tuple] = None, adapters: Optional[tuple] = None) -> "SharedCall":
         """Start the shared MLP on `tokens` [T, H] (on the side stream when there is one); `part`
         (index, parts): only that slice of its intermediate (kernels: shared_mlp_part), the ranks'
-        slices summed by the layer's all-reduce."""
+        slices summed by the layer's all-reduce. `adapters`: (gate_and_up's LowRank or None, down's,
+        the tokens' (slot, scale) rows) of requests' LoRA adapters (lora_rows.py)."""
         if self.mlp is None:
             return SharedCall(self, None, on_side_stream=False)
         weights = (self.mlp.gate_and_up_proj.weight, self.mlp.down_proj.weight)
         if self.stream is None:
-            return SharedCall(self, self._compute(tokens, weights, part), on_side_stream=False)
+            return SharedCall(self, self._compute(tokens, weights, part, adapters), on_side_stream=False)
         device = self.device
         self.input_ready.record(device.current_stream())
         with device.stream_context(self.stream):
             self.input_ready.wait(self.stream)
-            output = self._compute(tokens, weights, part)
+            output = self._compute(tokens, weights, part, adapters)
             self.shared_done.record(self.stream)
         device.record_stream(tokens, self.stream)
         return SharedCall(self, output, on_side_stream=True)
 
-    def _compute(self, tokens, weights, part):
+    def _compute(self, tokens, weights, part, adapters):
+        if adapters is not None:
+            return _with_adapters(tokens, *weights, part, *adapters)
         if part is None:
             return self.kernels.shared_mlp(tokens, *weights)
         return self.kernels.shared_mlp_part(tokens, *weights, *part)
+
+
+def _with_adapters(x, gate_and_up, down, part, up_low, down_low, rows):
+    """kernels.shared_mlp(_part) in torch ops, each projection plus its LoRA rows' low-rank part (the
+    fused kernels take no such term; only a batch whose requests chose adapters comes here)."""
+    if part is not None:                        # slice `index` of `parts` of the intermediate, as shared_mlp_part
+        inter = gate_and_up.shape[0] // 2
+        start, stop = part[0] * inter // part[1], (part[0] + 1) * inter // part[1]
+        pair = torch.cat([torch.arange(start, stop), torch.arange(inter + start, inter + stop)]).to(x.device)
+        gate_and_up, down = gate_and_up.index_select(0, pair), down[:, start:stop]
+        up_low = up_low.output_rows(pair) if up_low is not None else None
+        down_low = down_low.input_columns((start, stop - start)) if down_low is not None else None
+    y = F.linear(x, gate_and_up)
+    if up_low is not None:
+        y = y + up_low.delta(x, rows)
+    x1, x2 = y.chunk(2, dim=-1)
+    hidden = x1 * F.silu(x2)
+    out = F.linear(hidden, down)
+    return out if down_low is None else out + down_low.delta(hidden, rows)
 
 
 class SharedCall:

@@ -48,6 +48,7 @@ class RankContext:
     planning: bool = False                   # built on the meta device to be measured (utils/planner/plan.py), never run
     expert_format: Optional[str] = None      # routed experts in 8 bit: "int8" / "fp8" (kernels/quant.py); None: bf16
     lora: object = None                      # a LoRA adapter merged as the weights are read (weights/lora.py's Adapter)
+    adapters: tuple = ()                     # ((name, Adapter), ...) chosen per request, kept unmerged (lora_rows.py)
     _mesh: object = field(default=None, repr=False)      # made at the first collective (group())
     _shared: dict = field(default_factory=dict, init=False, repr=False)     # shared(): one per key
 

@@ -32,6 +32,13 @@ class SequenceShards:
         self.attention_shares, self.ulysses_chunks = list(split.attention_shares), list(split.ulysses_chunks)
 
     @property
+    def attention_rows(self) -> slice:
+        """The rows this rank's attention-TP group projects together (its members' shares, in order)."""
+        first = self.layout.ulysses_rank(self.tp_rank) * self.layout.attention_tp
+        start = sum(self.shares[:first])
+        return slice(start, start + sum(self.attention_shares))
+
+    @property
     def local_rows(self) -> int:
         return self.local.stop - self.local.start
 

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from .rank_slices import rank_tensor
 from .safetensors_io import CheckpointFiles, LoadingError
 
 CONFIG_FILE = "adapter_config.json"
@@ -252,3 +253,91 @@ class MergedFiles:
         if key not in self.adapter.pairs:
             return self.files.read_index(key, index, dim)
         return self._merged(key).index_select(dim, index)
+
+
+# ---------------------------------------------------------------- per request (--lora-modules)
+
+PER_REQUEST_KEY = re.compile(r"^model\.layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.shared_mlp\."
+                             r"(gate_and_up_proj|down_proj))\.weight$")
+MODULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def parse_lora_module(value: str) -> tuple:
+    """(name, PATH[:SCALE]) of one `--lora-modules NAME=PATH[:SCALE]`."""
+    name, sep, path = value.partition("=")
+    if not sep or not path:
+        raise LoraError(f"--lora-modules {value!r} is not NAME=PATH[:SCALE]", "e.g. --lora-modules ink=adapters/ink:0.8")
+    if not MODULE_NAME.match(name):
+        raise LoraError(f"--lora-modules name {name!r} is not 1-64 letters, digits, '.', '_' or '-' (starting with a "
+                        f"letter or digit)", "rename it, e.g. ink-v2")
+    return name, path
+
+
+def served_adapters(values, checkpoint, served_model: str) -> tuple:
+    """((name, Adapter), ...) of `--lora-modules`, each read and checked against `checkpoint`
+    (a checkpoint.Checkpoint) before any request runs; names unique and not the model's own."""
+    if checkpoint.per_rank:
+        raise LoraError(f"{checkpoint.directory} is converted per rank; adapters are checked against an original "
+                        f"checkpoint only for now", "pass the original checkpoint with --lora-modules")
+    out, seen = [], {served_model}
+    for value in values:
+        name, path = parse_lora_module(value)
+        if name in seen:
+            raise LoraError(f"--lora-modules names {name!r} twice (or it is the served model's name)",
+                            "give each adapter its own name")
+        seen.add(name)
+        adapter = read_adapter(path).check(checkpoint.files())
+        for key in adapter.pairs:
+            if not PER_REQUEST_KEY.match(key):
+                raise LoraError(f"{adapter.path} changes {key[:-len('.weight')]}, which adapters chosen per request "
+                                f"do not change yet (attention and the shared MLP only)",
+                                "merge it at load with --lora, or train it on attention / the shared MLP")
+        out.append((name, adapter))
+    return tuple(out)
+
+
+class _FullShapes:
+    """The adapter's targets' whole shapes, as the weight plan asks them (info(key).shape)."""
+
+    def __init__(self, adapter: Adapter):
+        self.adapter = adapter
+
+    def info(self, key: str):
+        a, b = self.adapter.pairs[key]
+        return _Shape((b.shape[0], a.shape[1]))
+
+
+class _Shape:
+    def __init__(self, shape: tuple):
+        self.shape, self.dtype = shape, "F32"
+
+
+class _HowCut:
+    """Stands where a RankTensor reads its checkpoint: records the cut (index, dim), or none (whole)."""
+
+    index = dim = None
+
+    def read_rows(self, key, start=0, stop=None):
+        if (start, stop) != (0, None):
+            self.index, self.dim = torch.arange(start, stop), 0
+
+    def read_columns(self, key, start, stop):
+        self.index, self.dim = torch.arange(start, stop), 1
+
+    def read_index(self, key, index, dim):
+        self.index, self.dim = index, dim
+
+
+def per_request_pairs(adapter: Adapter, config, layout, tp_rank: int) -> dict:
+    """{key: (A [r, in of this rank], B [out of this rank, r])}: B's rows cut as the weight's rows,
+    A's columns as its columns (rank_slices' plan for the weight, read through _HowCut)."""
+    shapes, out = _FullShapes(adapter), {}
+    for key, (a, b) in adapter.pairs.items():
+        cut = _HowCut()
+        rank_tensor(shapes, config, layout, tp_rank, key).read(cut)
+        if cut.dim == 0:
+            b = b.index_select(0, cut.index)
+        elif cut.dim == 1:
+            a = a.index_select(1, cut.index)
+        out[key] = (a, b)
+    return out

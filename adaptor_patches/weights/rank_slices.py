@@ -144,6 +144,12 @@ class _RankSplitter:
         return RankTensor(f"model.layers.{layer}.mlp.experts.{name}", shape, first.dtype, read, read_expert=read_expert)
 
 
+def rank_tensor(files, config, layout: Layout, tp_rank: int, key: str) -> RankTensor:
+    """The plan of one non-expert tensor of `tp_rank` (what rank_tensors plans for it): `files`
+    need only answer info(key) (a LoRA adapter's halves are cut by it, weights/lora.py)."""
+    return _RankSplitter(files, config, layout.weights, tp_rank).one(key)
+
+
 def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -> list:
     """Every tensor of `tp_rank`'s checkpoint under weight layout `layout`, in the order the original
     stores them. Per-expert tensors must all be present (Checkpoint.verify checks that first)."""

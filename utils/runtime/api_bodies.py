@@ -24,7 +24,8 @@ REFUSED = {
     "negative_prompt": ("is not supported: HunyuanImage-3.0 takes no negative prompt",
                         "say what you want in the prompt"),
     "true_cfg_scale": ("is not supported", "use guidance_scale"),
-    "lora": ("is not supported: this server loads no adapters", "leave it out"),
+    "lora": ("is not a field here: adapters are loaded when the server starts (--lora-modules NAME=PATH)",
+             "choose one by its name with model (or adapter)"),
 }
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 MAX_PARTIAL_IMAGES = 3
@@ -66,8 +67,9 @@ def check_refused(body: dict) -> None:
         raise BadRequest(refused, *REFUSED[refused])
 
 
-def _common_fields(body: dict, served_model: str, max_n: int) -> int:
-    """The checks of the fields outside our schema (model, n, aliases, refusals); n."""
+def _common_fields(body: dict, served_model: str, max_n: int, adapters: tuple = ()) -> int:
+    """The checks of the fields outside our schema (model, n, aliases, refusals); n. `model` names the
+    served model or one of its LoRA adapters (`adapters`: --lora-modules' names), which it then chooses."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise BadRequest(unknown[0], f"unknown field '{unknown[0]}'", f"fields: {', '.join(FIELDS[:8])}")
@@ -75,8 +77,13 @@ def _common_fields(body: dict, served_model: str, max_n: int) -> int:
     if "prompt" not in body:
         raise BadRequest("prompt", "missing", "send the image's description")
     model = body.get("model")
-    if model is not None and model != served_model:
-        raise BadRequest("model", f"{model!r} is not served here", f"use \"{served_model}\" or leave it out")
+    if model is not None and model != served_model and model not in adapters:
+        names = " or ".join(f'"{name}"' for name in (served_model, *adapters))
+        raise BadRequest("model", f"{model!r} is not served here", f"use {names} or leave it out")
+    if model in adapters:
+        if body.get("adapter", model) != model:
+            raise BadRequest("adapter", f"says {body['adapter']!r} where model says {model!r}", "send one of them")
+        body["adapter"] = model
     if body.get("background", "auto") not in ("auto", "opaque"):
         raise BadRequest("background", f"{body['background']!r} is not produced (images are opaque)",
                          "use auto or opaque, or leave it out")
@@ -106,7 +113,7 @@ def parse_body(body: dict, defaults, checker: RequestChecker, max_n: int, images
     base model takes none), as it does a prompts line's. `partial_images` reach the ranks only with
     `stream` (nothing else could show them)."""
     body = dict(body)
-    n = _common_fields(body, checker.model_id.resolve().name, max_n)
+    n = _common_fields(body, checker.model_id.resolve().name, max_n, checker.adapters)
     size = body.get("size")            # absent: the server's --image-size; OpenAI's WIDTHxHEIGHT, ours HxW
     sides = parse_image_size(size) if isinstance(size, str) and "x" in size else None
     if size is not None and size != "auto" and sides is None:

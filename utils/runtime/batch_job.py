@@ -44,6 +44,9 @@ def image_record(result) -> dict:
         record["image"] = list(request.image)
     if request.guidance_scale is not None:
         record["guidance_scale"] = request.guidance_scale
+    if request.adapter is not None:
+        record["adapter"] = request.adapter
+        record["lora_scale"] = 1.0 if request.lora_scale is None else request.lora_scale
     if result.ok:
         record["size"] = [result.image.height, result.image.width]
         record["batch_size"] = result.batch_size

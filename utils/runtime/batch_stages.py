@@ -53,6 +53,8 @@ class BatchStages:
         self.watch_for = watch_for or (lambda indices, requests: None)
         self.cache = cache or JobCache()  # the job's across its batches: captured decode steps, the last prompt
         self.pictures = pictures          # --prompt's conditioning images, decoded once for every round
+        from utils.runtime.image_requests import adapter_names
+        self.adapter_names = adapter_names(getattr(args, "lora_modules", None))   # a request's adapter: its slot
 
     def text(self, requests: list, keep_going: Callable) -> list:
         """[TextHandoff or Exception], one per request (image_batch.text_stage: the seam)."""
@@ -66,10 +68,31 @@ class BatchStages:
                 if not keep_going(exc):
                     raise
                 calls.append(exc)
-        with forward_context.request(self.cache):
-            handoffs = text_stage(self.model, [c for c in calls if not isinstance(c, Exception)], keep_going)
-        made = iter(handoffs)
-        return [c if isinstance(c, Exception) else next(made) for c in calls]
+        going = [i for i, c in enumerate(calls) if not isinstance(c, Exception)]
+        choices = [self._choice(requests[i]) for i in going]
+        # Requests whose adapters differ decode their text apart: a text call's rows share one
+        # adapter, so that the prompt KV the next call reuses is that adapter's (kv_reuse.py).
+        parts = [going] if len(set(choices)) <= 1 else [[i] for i in going]
+        handoffs = {}
+        for part in parts:
+            with forward_context.request(self.cache), forward_context.using(lora=self._lora(requests, part)):
+                for i, handoff in zip(part, text_stage(self.model, [calls[i] for i in part], keep_going)):
+                    handoffs[i] = handoff
+        return [c if isinstance(c, Exception) else handoffs[i] for i, c in enumerate(calls)]
+
+    def _choice(self, request) -> tuple:
+        """(slot, scale multiplier) of the request's LoRA adapter; slot -1: none (lora_rows.py)."""
+        if request.adapter is None:
+            return (-1, 1.0)
+        return (self.adapter_names.index(request.adapter), 1.0 if request.lora_scale is None else request.lora_scale)
+
+    def _lora(self, requests: list, indices: list):
+        """The forward context's `lora` for the requests at `indices` (None: every one runs the base)."""
+        from adaptor_patches.lora_rows import RowAdapters
+        choices = [self._choice(requests[i]) for i in indices]
+        if all(slot < 0 for slot, _ in choices):
+            return None
+        return RowAdapters.of(choices, self.model.rank_context.device.torch_device)
 
     def image(self, requests: list, handoffs: list) -> list:
         """[(image, text phase summary, step cache summary, forward batch size) or None], one per request
@@ -88,8 +111,8 @@ class BatchStages:
             if watch is not None and watch.previews:
                 watch.decode = functools.partial(decode_latents, self.model.pipeline)
             try:
-                with forward_context.request(self.cache), watching(watch), \
-                        step_cache.running(self.model, first.step_cache, first.diff_infer_steps) as run:
+                with forward_context.request(self.cache), forward_context.using(lora=self._lora(requests, group)), \
+                        watching(watch), step_cache.running(self.model, first.step_cache, first.diff_infer_steps) as run:
                     images = denoise_batch(self.model, [handoffs[i] for i in group], image_call_kwargs(first))
             except DenoiseCancelled as exc:          # every rank at the same step (denoise_watch.py)
                 for index in group:

@@ -68,12 +68,12 @@ async def models(request: Request, server) -> Response:
 
 
 async def model(request: Request, server) -> Response:
-    card = (await asyncio.to_thread(server.model_card))["data"][0]
+    cards = {card["id"]: card for card in (await asyncio.to_thread(server.model_card))["data"]}
     wanted = request.path_params["model_id"]
-    if wanted != card["id"]:
-        raise ApiError(404, f"no model {wanted!r} here; GET /v1/models lists the one served ({card['id']})",
+    if wanted not in cards:
+        raise ApiError(404, f"no model {wanted!r} here; GET /v1/models lists the ones served ({', '.join(cards)})",
                        param="model", kind="not_found")
-    return JSONResponse(card)
+    return JSONResponse(cards[wanted])
 
 
 async def generations(request: Request, server) -> Response:

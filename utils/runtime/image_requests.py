@@ -51,12 +51,19 @@ def field_problem(name: str, value) -> Optional[FieldError]:
     return None
 
 
+def adapter_names(lora_modules: Optional[str]) -> tuple:
+    """The names of `--lora-modules NAME=PATH[:SCALE],...` (checked in full by weights/lora.py)."""
+    return tuple(item.partition("=")[0] for item in (lora_modules or "").split(",") if item)
+
+
 class RequestChecker:
     """The checks that need the checkpoint's JSON files (read once, or given) and its tokenizer
     (loaded when first needed; `context=False` leaves the context check to the caller)."""
 
-    def __init__(self, model_id, generation_config: Optional[dict] = None, layers=None, context: bool = True):
+    def __init__(self, model_id, generation_config: Optional[dict] = None, layers=None, context: bool = True,
+                 adapters: tuple = ()):
         self.model_id = Path(model_id)
+        self.adapters = tuple(adapters)         # the --lora-modules names a request may choose
         if generation_config is None:
             path = self.model_id / "generation_config.json"
             generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -96,6 +103,13 @@ class RequestChecker:
             problem = field_problem(name, getattr(request, name))
             if problem:
                 return problem
+        if request.adapter is not None and request.adapter not in self.adapters:
+            served = f"one of {', '.join(self.adapters)}" if self.adapters else "none (no --lora-modules given)"
+            return FieldError("adapter", f"{request.adapter!r} is not an adapter of this job", f"use {served}, or leave "
+                              f"it out for the base")
+        if request.lora_scale is not None and request.adapter is None:
+            return FieldError("lora_scale", "given without an adapter", "choose one with adapter (or model), or leave "
+                              "it out")
         from adaptor_patches.text_phase import text_task_problem
         task = text_task_problem(request.bot_task, bool(request.save_text), self.generation_config)
         if task:
@@ -141,6 +155,10 @@ def _parse_line(text: str, number: int, jsonl: bool) -> dict:
     if not isinstance(entry, dict):
         raise RequestError(f"line {number}", f"a JSON {type(entry).__name__}, not an object",
                            'write {"prompt": "..."}')
+    if "lora" in entry:                 # a line's adapter, as the issue's users name it
+        if "adapter" in entry:
+            raise RequestError(f"line {number}: lora", "given with adapter, its other name", "give one of them")
+        entry["adapter"] = entry.pop("lora")
     unknown = sorted(set(entry) - set(LINE_FIELDS))
     if unknown:
         raise RequestError(f"line {number}", f"unknown field '{unknown[0]}'", f"fields are {', '.join(LINE_FIELDS)}")

@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", type=str, default=None)
     schema.add_arguments(p, ["bot_task", "save", "verbose"])
     schema.add_arguments(p, ["image", "guidance_scale"])             # issue 28: Instruct / Distil
+    schema.add_arguments(p, ["adapter", "lora_scale"])               # issue 50: a LoRA adapter per request
     p.add_argument("--infer-align-image-size", action="store_true",
                    help="Instruct: the output takes the size of the (first) conditioning image, as upstream")
     p.add_argument("--reproduce", action="store_true")
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg-parallel", action="store_true")
     p.add_argument("--vae-parallel", action="store_true")
     schema.add_arguments(p, ["ulysses", "sequence_shares"])
-    schema.add_arguments(p, ["dist_timeout", "quantize", "lora", "quant_compute", "step_cache", *schema.STEP_CACHE_SETTINGS])
+    schema.add_arguments(p, ["dist_timeout", "quantize", "lora", "lora_modules", "quant_compute", "step_cache", *schema.STEP_CACHE_SETTINGS])
     schema.add_arguments(p, [f.name for f in schema.UPSTREAM_TAYLOR_CACHE])       # upstream's spelling of a taylor cache
     return p
 

@@ -130,6 +130,7 @@ def check_job(args, *, world_size: int, env: Mapping, writes_outputs: bool, inpu
     images = check_model_request(args, files, read=writes_outputs)
     check_quant_compute(args.device, args.quant_compute)
     check_lora(args)
+    check_lora_modules(args)
     image_inputs = [("conditioning image", path) for path in args.image or ()]
     requests = check_outputs(args, files, [*inputs, *image_inputs]) if writes_outputs else None
     layout = job_layout(args, world_size, env, files)
@@ -239,6 +240,37 @@ def check_lora(args) -> None:
         raise field_error(str(exc)) from None
 
 
+def check_lora_modules(args) -> None:
+    """--lora-modules: NAME=PATH[:SCALE] entries, each folder and adapter_config.json (their tensors are
+    read and held against the checkpoint on every rank before the load); --adapter one of the names."""
+    from utils.runtime.image_requests import adapter_names
+    names = adapter_names(args.lora_modules)
+    if args.adapter is not None and args.adapter not in names:
+        served = f"one of {', '.join(names)}" if names else "an adapter given with --lora-modules NAME=PATH"
+        raise FieldError("adapter", f"{args.adapter!r} is not an adapter of this job", f"use {served}")
+    if args.lora_scale is not None and args.adapter is None and not args.prompts and not args.serve:
+        raise FieldError("lora-scale", "given without --adapter", "choose an adapter with --adapter, or leave it out")
+    if not names:
+        return
+    if args.adaptor != "full":
+        raise FieldError("lora-modules", "kept beside the weights by the adaptor, which --adaptor shims does not "
+                         "take", "use --adaptor full")
+    if args.lora is not None:
+        raise FieldError("lora-modules", "given with --lora (one adapter merged into the weights)",
+                         "serve the merged adapter as one of --lora-modules too, or drop --lora")
+    from adaptor_patches.weights.lora import LoraError, check_adapter_folder, parse_lora_module
+    try:
+        seen = set()
+        for item in args.lora_modules.split(","):
+            name, path = parse_lora_module(item)
+            if name in seen:
+                raise LoraError(f"--lora-modules names {name!r} twice", "give each adapter its own name")
+            seen.add(name)
+            check_adapter_folder(path)
+    except LoraError as exc:
+        raise field_error(str(exc).replace("lora:", "lora-modules:", 1)) from None
+
+
 def check_outputs(args, files: Optional[ModelFiles], inputs=()) -> Optional[list]:
     """The output rule (utils/runtime/output_rule.py) over the output flags and the prompts file's
     lines (returned, checked), then each output path writable."""
@@ -257,12 +289,13 @@ def check_outputs(args, files: Optional[ModelFiles], inputs=()) -> Optional[list
 def read_prompts(args, files: Optional[ModelFiles], rule) -> list:
     """--prompts: every line checked (the tokenizer's check waits: check_prompt_lengths)."""
     from utils.runtime.batch_job import METRICS_FILE
-    from utils.runtime.image_requests import RequestChecker, RequestError, read_prompts_file
+    from utils.runtime.image_requests import RequestChecker, RequestError, adapter_names, read_prompts_file
     from utils.runtime.job_args import default_request
     metrics = Path(args.save_dir) / METRICS_FILE
     check_output_path("save-dir", str(metrics))
     rule.add("save-dir", metrics)
-    checker = RequestChecker(files.directory, files.generation_config, files.layers, context=False) if files else None
+    checker = RequestChecker(files.directory, files.generation_config, files.layers, context=False,
+                             adapters=adapter_names(args.lora_modules)) if files else None
     try:
         return read_prompts_file(args.prompts, default_request(args), args.save_dir, checker, rule)
     except RequestError as exc:

@@ -24,10 +24,10 @@ def is_loopback(host: str) -> bool:
 
 def start_server(args, log):
     """Rank 0's HTTP server, listening (health says "loading") before the weights load."""
-    from utils.runtime.image_requests import RequestChecker
+    from utils.runtime.image_requests import RequestChecker, adapter_names
     from utils.runtime.image_server import ImageServer
     try:
-        server = ImageServer(args.host, args.port, default_request(args), RequestChecker(args.model_id),
+        server = ImageServer(args.host, args.port, default_request(args), RequestChecker(args.model_id, adapters=adapter_names(args.lora_modules)),
                              args.queue_size, args.max_n, log, args.client_timeout, api_key=args.api_key,
                              max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000,
                              allow_origin=args.allow_origin, shutdown_timeout=args.shutdown_timeout)

@@ -61,4 +61,6 @@ def model_card(checker, defaults, max_n: int) -> dict:
     card = {"id": checker.model_id.resolve().name, "object": "model",
             "created": int((checker.model_id / "config.json").stat().st_mtime), "owned_by": OWNER,
             "capabilities": capabilities}
-    return {"object": "list", "data": [card]}
+    adapters = [{"id": name, "object": "model", "created": card["created"], "owned_by": OWNER, "parent": card["id"],
+                 "capabilities": capabilities} for name in checker.adapters]    # as vLLM lists its LoRA modules
+    return {"object": "list", "data": [card, *adapters]}

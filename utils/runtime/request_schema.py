@@ -268,6 +268,13 @@ REQUEST_FIELDS += (       # issue 28: the Instruct model's conditioning images a
           "value); default: the checkpoint's diff_guidance_scale", 0, MAX_GUIDANCE, optional=True, example="5.0",
           api_name="guidance_scale"),
 )
+REQUEST_FIELDS += (       # issue 50: a LoRA adapter chosen per request (adaptor_patches/lora_rows.py)
+    _text("adapter", default=None, optional=True, api_name="adapter", example="ink",
+          help="the LoRA adapter this image uses, by its --lora-modules name (default: none, the base weights; a "
+               "prompts-file line may call it lora; the OpenAI endpoints take it as model)"),
+    Field("lora_scale", "float", None, "multiplies the chosen adapter's scale (default 1; 0 is the base)", -100.0, 100.0,
+          optional=True, example="0.8", api_name="lora_scale"),
+)
 REQUEST = {f.name: f for f in REQUEST_FIELDS}
 
 JOB_OPTIONS = (
@@ -319,6 +326,9 @@ JOB_OPTIONS = (
     Field("lora", "text", None, "a PEFT LoRA adapter folder merged into the weights as they load: PATH or "
           "PATH:SCALE (SCALE multiplies lora_alpha / r; attention and MLP targets; docs/LORA.md)", optional=True,
           example="adapters/fox:0.8"),
+    Field("lora_modules", "text", None, "LoRA adapters kept unmerged, chosen per request by name: NAME=PATH[:SCALE]"
+          "[,NAME=PATH[:SCALE]...] (a request's adapter / model field; attention and shared-MLP targets; "
+          "docs/LORA.md)", optional=True, example="ink=adapters/ink,fox=adapters/fox:0.8"),
     Field("quant_compute", "choice", None, "how quantized experts compute: "
           + "; ".join(f"{c} = {COMPUTE_MEANS[c]}" for c in QUANT_COMPUTES)
           + " (default: the experts' weight-only one, w8a16 for 8-bit, w4a16 for int4; where each runs: "

@@ -1,0 +1,121 @@
+"""LoRA adapters chosen per request (`--lora-modules`): each row of a batch through its own adapter.
+
+The base weights stay as loaded; every adapter served is kept beside them, unmerged, as one
+`LowRank` per changed Linear (attention qkv_proj / o_proj, the shared MLP's gate_and_up_proj /
+down_proj): the adapters' A halves stacked into A [R, in] and their B halves into B [out, R]
+(R: the sum of their ranks), each of the R columns knowing its adapter (`slot`) and scale. A row
+whose request chose adapter s gets
+
+    y = x W^T + ((x A^T) * m) B^T        m[col] = the request's scale x the adapter's, where slot[col] = s; else 0
+
+two small matmuls whatever the batch mixes (a grouped low-rank matmul in torch ops on every
+device; a base row's mask is all zero). A and B are cut for this rank by the weight plan itself
+(rank_slices.rank_tensor): B's rows as the weight's rows (qkv heads, the shared MLP's slice), A's
+columns as its columns (o_proj's heads, down_proj's slice), so a rank's partial sums add up as
+its weight's do.
+
+`RowAdapters` is a batch's choice (the forward context's `lora`), one (slot, scale) per request;
+a forward of `batch` rows holds request `b % requests` in row b (upstream stacks classifier-free
+guidance's branches as [conditional rows; unconditional rows], and CFG parallel gives each branch
+one half), each row's `seq` positions one after another; `rows(batch, seq, span)` answers the
+positions a rank holds (its sequence share, its attention group's, its EP chunk).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .weights.lora import per_request_pairs
+
+BANK = "lora_bank"          # RankContext.shared key: {checkpoint key: LowRank}
+
+
+@dataclass
+class RowAdapters:
+    """A batch's adapters: per request its slot (-1: the base) and scale multiplier, on the rank's device."""
+    key: tuple                  # ((slot, multiplier), ...) on the host: what a text prompt's reused KV must match
+    slots: torch.Tensor         # [requests] int64
+    scales: torch.Tensor        # [requests] float32
+
+    @classmethod
+    def of(cls, choices: list, device) -> Optional["RowAdapters"]:
+        """[(slot, multiplier)] per request -> RowAdapters, or None when every request runs the base."""
+        if all(slot < 0 for slot, _ in choices):
+            return None
+        slots = torch.tensor([slot for slot, _ in choices], dtype=torch.int64, device=device)
+        scales = torch.tensor([scale for _, scale in choices], dtype=torch.float32, device=device)
+        return cls(tuple(choices), slots, scales)
+
+    def rows(self, batch: int, seq: int, span: Optional[slice] = None) -> tuple:
+        """(slot [M], scale [M]) of the positions `span` (default all) of a forward of `batch` x `seq`."""
+        request = torch.arange(batch, device=self.slots.device) % self.slots.numel()
+        request = request.repeat_interleave(seq)
+        if span is not None:
+            request = request[span]
+        return self.slots[request], self.scales[request]
+
+
+class LowRank:
+    """Every served adapter's change to one Linear of this rank (module docstring)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, slot: torch.Tensor, scale: torch.Tensor):
+        self.a, self.b, self.slot, self.scale = a, b, slot, scale      # [R, in], [out, R], [R], [R]
+
+    def project(self, x: torch.Tensor, rows: tuple) -> torch.Tensor:
+        """(x A^T) masked per row: [M, R] (rows: RowAdapters.rows of x's M rows)."""
+        row_slot, row_scale = rows
+        mask = torch.where(self.slot == row_slot[:, None], row_scale[:, None] * self.scale, 0.0)
+        return F.linear(x, self.a) * mask.to(x.dtype)
+
+    def expand(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.b)
+
+    def delta(self, x: torch.Tensor, rows: tuple) -> torch.Tensor:
+        """What the rows' adapters add to x W^T: [M, out]."""
+        return self.expand(self.project(x, rows))
+
+    def input_columns(self, index) -> "LowRank":
+        """The change seen by input columns `index` (a (start, width) span or an index tensor)."""
+        a = self.a.narrow(1, *index) if isinstance(index, tuple) else self.a.index_select(1, index)
+        return LowRank(a, self.b, self.slot, self.scale)
+
+    def output_rows(self, index: torch.Tensor) -> "LowRank":
+        return LowRank(self.a, self.b.index_select(0, index), self.slot, self.scale)
+
+
+def build_bank(adapters: tuple, config, layout, tp_rank: int, device, dtype) -> dict:
+    """{checkpoint key: LowRank} of this rank for `adapters` ((name, Adapter), ...; slot = position)."""
+    parts: dict = {}
+    for slot, (_, adapter) in enumerate(adapters):
+        for key, (a, b) in per_request_pairs(adapter, config, layout, tp_rank).items():
+            parts.setdefault(key, []).append((slot, adapter.scale, a, b))
+    bank = {}
+    for key, pieces in parts.items():
+        a = torch.cat([p[2] for p in pieces]).to(device=device, dtype=dtype)
+        b = torch.cat([p[3] for p in pieces], dim=1).to(device=device, dtype=dtype)
+        slot = torch.cat([torch.full((p[2].shape[0],), p[0], dtype=torch.int64) for p in pieces]).to(device)
+        scale = torch.cat([torch.full((p[2].shape[0],), p[1], dtype=torch.float32) for p in pieces]).to(device)
+        bank[key] = LowRank(a, b, slot, scale)
+    return bank
+
+
+def install(model, adapters: tuple) -> None:
+    """The bank of `model`'s rank (its RankContext), built once after its weights loaded."""
+    context = model.rank_context
+    weight = model.model.layers[0].self_attn.qkv_proj.weight        # the decoder's dtype and device
+    bank = build_bank(adapters, model.config, context.layout, context.tp_rank, weight.device, weight.dtype)
+    context.shared(BANK, dict).update(bank)
+
+
+def low_rank(rank_context, key: str) -> Optional[LowRank]:
+    """The served adapters' LowRank of `key` on this rank, or None (no adapter changes it)."""
+    if rank_context is None:
+        return None
+    return rank_context.shared(BANK, dict).get(key)
+
+
+def layer_key(layer: int, module: str) -> str:
+    return f"model.layers.{layer}.{module}.weight"

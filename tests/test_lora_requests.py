@@ -1,0 +1,201 @@
+"""--lora-modules: adapters kept beside the weights, chosen per request, mixed in one batch.
+
+The reference of each request is the image its adapter gives merged at load (`--lora`, itself held
+to peft's merge_and_unload() under upstream eager by tests/test_lora.py): a prompts file whose lines
+choose adapter a, adapter b and the base, decoded as ONE forward batch (--batch-size 3), must give
+each line the image it gets alone (>= 40 dB), on one process and on layouts that cut the adapters'
+halves (attention TP with MoE TP: qkv rows / o_proj columns / the shared MLP's slices; MoE EP on
+sequence shares: rows gathered into qkv_proj, partial sums reduce-scattered; Ulysses 2: heads by
+all-to-all, every row's q / k / v projected on its own rank; CFG parallel: each branch's rows). A base line gets the base's image (a batch of three is not bit for bit a batch of one).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from generation import PROMPT, generate, psnr, run_cli_in_process, run_in_pool
+from lora_adapters import make_adapter
+
+PSNR_MIN_DB = 40.0
+TARGETS = {"a": ["qkv_proj", "o_proj"], "b": ["qkv_proj", "o_proj", "shared_mlp.gate_and_up_proj",
+                                              "shared_mlp.down_proj"]}
+
+pytestmark = pytest.mark.usefixtures("unpatched_upstream")
+
+
+@pytest.fixture(scope="module")
+def served(gained_model, tmp_path_factory) -> dict:
+    """{name: adapter folder} made by peft on the gained tiny checkpoint."""
+    root = tmp_path_factory.mktemp("lora_served")
+    made = {}
+    for seed, (name, targets) in enumerate(TARGETS.items(), start=3):
+        (root / name).mkdir()
+        made[name] = make_adapter(gained_model, root / name, targets, seed=seed)[0]
+    return made
+
+
+@pytest.fixture(scope="module")
+def alone(served, gained_model, tmp_path_factory) -> dict:
+    """Each request's image alone: the adapter merged at load (--lora), and the base."""
+    out = tmp_path_factory.mktemp("lora_alone")
+    images = {name: generate(gained_model, out, name, "--lora", folder)[0] for name, folder in served.items()}
+    images["base"] = generate(gained_model, out, "base")[0]
+    return images
+
+
+def modules_flag(served: dict) -> str:
+    return ",".join(f"{name}={folder}" for name, folder in served.items())
+
+
+def mixed_job(model, served, out: Path, *extra) -> tuple:
+    """(run_image_gen arguments, {line's choice: its png}) of one prompts file: a, b, the base."""
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [{"prompt": PROMPT, "lora": "a", "save": "a.png"}, {"prompt": PROMPT, "adapter": "b", "save": "b.png"},
+             {"prompt": PROMPT, "save": "base.png"}]
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["--prompts", prompts, "--save-dir", out, "--model-id", model, "--device", "cpu", "--seed", 7,
+            "--diff-infer-steps", 3, "--image-size", "64x64", "--batch-size", 3, "--lora-modules", modules_flag(served),
+            *extra]
+    return [str(a) for a in args], {name: out / f"{name}.png" for name in ("a", "b", "base")}
+
+
+def check_each_as_alone(pngs: dict, alone: dict, label: str) -> None:
+    for name, png in pngs.items():
+        same, base = psnr(png, alone[name]), psnr(png, alone["base"])
+        print(f"{label} {name}: {same:.1f} dB vs alone, {base:.1f} dB vs the base")
+        assert same >= PSNR_MIN_DB, (label, name, same)
+        if name != "base":
+            assert base < PSNR_MIN_DB - 10, (label, name, base)
+
+
+@pytest.mark.slow
+def test_mixed_batch_gives_each_request_its_image_alone(served, alone, gained_model, tmp_path):
+    args, pngs = mixed_job(gained_model, served, tmp_path / "mixed")
+    proc = run_cli_in_process(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "mixed" / "metrics.jsonl").read_text().splitlines()]
+    assert [line.get("batch_size") for line in lines[:3]] == [3, 3, 3], lines      # one forward batch
+    assert [line.get("adapter") for line in lines[:3]] == ["a", "b", None], lines
+    check_each_as_alone(pngs, alone, "1 process")
+
+
+@pytest.mark.slow
+def test_per_request_matches_merged_with_a_scale(served, gained_model, tmp_path):
+    """--adapter b --lora-scale 0.5 (per request) against --lora b:0.5 (merged)."""
+    merged = generate(gained_model, tmp_path, "merged", "--lora", f"{served['b']}:0.5")[0]
+    chosen = generate(gained_model, tmp_path, "chosen", "--lora-modules", modules_flag(served), "--adapter", "b",
+                      "--lora-scale", "0.5")[0]
+    db = psnr(chosen, merged)
+    print(f"per request vs merged at scale 0.5: {db:.1f} dB")
+    assert db >= PSNR_MIN_DB, db
+
+
+@pytest.mark.slow
+def test_mixed_batch_on_two_ranks(served, alone, gained_model, tmp_path):
+    jobs = {}
+    for layout in (("--moe-tp",), ("--moe-ep",), ("--cfg-parallel",), ("--ulysses", "2")):
+        label = "-".join(layout)[2:]
+        jobs[label] = mixed_job(gained_model, served, tmp_path / label, *layout)
+    results = run_in_pool(2, [args for args, _ in jobs.values()])
+    for (label, (_, pngs)), proc in zip(jobs.items(), results):
+        assert ("cfg=2" if label == "cfg-parallel" else "tp=2") in proc.stdout, proc.stdout[-2000:]
+        check_each_as_alone(pngs, alone, label)
+
+
+@pytest.mark.slow
+def test_served_adapters_by_model_name_in_one_batch(served, alone, gained_model, tmp_path):
+    """The OpenAI client (one client object): /v1/models lists the adapters; three concurrent requests
+    naming adapter a, adapter b and the base model make ONE forward batch, each its image alone."""
+    import base64
+    import concurrent.futures
+    import contextlib
+    import io
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from openai import BadRequestError, OpenAI
+    from PIL import Image
+    from generation import ROOT
+    from http_client import metric
+    from multirank import free_port
+    port, log = free_port(), tmp_path / "server.log"
+    command = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), "--model-id", str(gained_model),
+               "--device", "cpu", "--lora-modules", modules_flag(served), "--max-batch", "3", "--batch-wait-ms", "4000"]
+    with open(log, "w") as sink:
+        server = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                    break
+            time.sleep(0.5)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed", timeout=600, max_retries=0)
+        listed = {m.id: getattr(m, "parent", None) for m in client.models.list()}
+        assert listed == {gained_model.name: None, "a": gained_model.name, "b": gained_model.name}, listed
+        with pytest.raises(BadRequestError, match="'c' is not served here"):
+            client.images.generate(model="c", prompt=PROMPT)
+        names = {"a": "a", "b": "b", "base": gained_model.name}
+
+        def ask(name):
+            answer = client.images.generate(model=names[name], prompt=PROMPT, size="64x64",
+                                            extra_body={"seed": 7, "steps": 3})
+            return Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json)))
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            images = dict(zip(names, pool.map(ask, names)))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert metric(text, "hunyuan_largest_batch") == 3, text[-2000:]
+    finally:
+        server.terminate()
+        server.wait(120)
+    pngs = {}
+    for name, image in images.items():
+        pngs[name] = tmp_path / f"served_{name}.png"
+        image.save(pngs[name])
+    check_each_as_alone(pngs, alone, "served")
+
+
+@pytest.mark.slow
+def test_instruct_think_text_per_request(tiny_instruct, tmp_path):
+    """The Instruct model's think_recaption with adapters chosen per line, in one job: each line's text
+    is the one its adapter writes alone, exactly (the text phase runs each adapter's rows apart, and
+    the system prompt's KV a line leaves is reused only by a line of the same adapter), and its image
+    is the alone one's (>= 40 dB), and the merged adapter's (>= 40 dB)."""
+    (tmp_path / "a").mkdir()
+    adapter = make_adapter(tiny_instruct, tmp_path / "a", TARGETS["b"], seed=5)[0]
+    common = ["--model-id", tiny_instruct, "--device", "cpu", "--seed", 7, "--diff-infer-steps", 3, "--image-size",
+              "64x64", "--bot-task", "think_recaption", "--max-new-tokens", 24]
+    served = ["--lora-modules", f"a={adapter}"]
+    refs = {}
+    for name, extra in (("a", [*served, "--adapter", "a"]), ("base", served), ("merged", ["--lora", adapter])):
+        png = tmp_path / f"alone_{name}.png"
+        proc = run_cli_in_process([str(a) for a in ["--prompt", PROMPT, "--save", png, "--save-text",
+                                                     png.with_suffix(".txt"), *common, *extra]])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        refs[name] = png
+    out = tmp_path / "mixed"
+    out.mkdir()
+    prompts = out / "prompts.jsonl"
+    lines = [{"prompt": PROMPT, "lora": "a", "save": "a.png"}, {"prompt": PROMPT, "save": "base.png"},
+             {"prompt": PROMPT, "lora": "a", "save": "a2.png"}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = run_cli_in_process([str(a) for a in ["--prompts", prompts, "--save-dir", out, "--batch-size", 3,
+                                                *served, *common]])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for made, name in (("a", "a"), ("base", "base"), ("a2", "a")):
+        text, alone_text = (out / f"{made}.txt").read_text(), refs[name].with_suffix(".txt").read_text()
+        assert text == alone_text, (made, text, alone_text)
+        db = psnr(out / f"{made}.png", refs[name])
+        print(f"instruct {made}: {db:.1f} dB vs {name} alone, the same text ({len(text)} characters)")
+        assert db >= PSNR_MIN_DB, (made, db)
+    assert refs["a"].with_suffix(".txt").read_text() != refs["base"].with_suffix(".txt").read_text()
+    merged = psnr(refs["a"], refs["merged"])
+    print(f"instruct a per request vs merged: {merged:.1f} dB")
+    assert merged >= PSNR_MIN_DB, merged

@@ -96,7 +96,7 @@ class RequestChecker:
             problem = field_problem(name, getattr(request, name))
             if problem:
                 return problem
-        from adaptor_patches.text_phase import text_task_problem
+        from adaptor_patches.text.phase import text_task_problem
         task = text_task_problem(request.bot_task, bool(request.save_text), self.generation_config)
         if task:
             field, what, fix = task
@@ -187,7 +187,7 @@ def read_prompts_file(path, defaults, save_dir, checker: Optional[RequestChecker
     """Every request of a prompts file, checked; the first bad line raises RequestError naming it.
     `rule` (the job's output rule) also receives each line's outputs, so that two lines, or a line
     and an input file, never share one file."""
-    from adaptor_patches.text_phase import TEXT_TASKS
+    from adaptor_patches.text.phase import TEXT_TASKS
     path, save_dir = Path(path), Path(save_dir)
     lines = read_lines(path)
     rule = rule or OutputRule(None, [("prompts file", path)])

@@ -4,7 +4,7 @@ Reading PATCHES tells a newcomer the whole story: each row rebinds one upstream 
 replacement built from `adaptor_patches/`, whose files are named after the upstream files they
 patch (hunyuan.py, autoencoder_kl_3d.py) plus the shims (compat.py; compat_base.py: the base model on
 1ea1526's pipeline; compat_instruct.py: the Instruct model on transformers 5) and the text phase
-(text_phase.py) and a batch's two stages (image_batch.py). Upstream 1ea1526 has two model files, the
+(text/phase.py) and a batch's two stages (image_batch.py). Upstream 1ea1526 has two model files, the
 base model's `hunyuan.py` and the Instruct model's `modeling_hunyuan_image_3.py` (adaptor_patches/model_family.py picks one per checkpoint): the
 same replacement functions are rebound on the same classes of both (`_model_rows`).
 `apply(device)` installs them (idempotent; nothing happens at import time), `remove()` restores every original. Which split a model is built for is not decided here: the
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from adaptor_patches import (autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch, kv_reuse,
-                             model_family, previews, text_batch, text_decode, text_phase)
+from adaptor_patches import (autoencoder_kl_3d, compat, compat_base, compat_instruct, hunyuan, image_batch,
+                             model_family, previews)
+from adaptor_patches.text import batch as text_batch, decode as text_decode, kv_reuse, phase as text_phase
 from adaptor_patches.kernels import device as device_mod
 from adaptor_patches.kernels.device import Device
 
@@ -65,11 +66,11 @@ TOKENS_INSTRUCT = "hunyuan_image_3.tokenization_hunyuan_image_3"
 
 # One replacement, four jobs: the text calls seeded from the job's seed, a batch's text stage stopped
 # where upstream prepares the image (its arguments are the handoff), a batch's text calls asked for and
-# answered as rows of one call (text_batch.py), and an image call whose rows continue their text calls
-# arming the reuse of that KV in its first step (kv_reuse.py).
+# answered as rows of one call (text/batch.py), and an image call whose rows continue their text calls
+# arming the reuse of that KV in its first step (text/kv_reuse.py).
 PREPARE_MODEL_INPUTS = text_batch.prepare_in_script(
     image_batch.stops_before_image(kv_reuse.image_call_reuses_prompt_kv(text_phase.prepare_model_inputs_seeded)))
-# The text call: fitted and recorded (text_phase.py); in a batch's text stage asked for and answered.
+# The text call: fitted and recorded (text/phase.py); in a batch's text stage asked for and answered.
 TEXT_CALL = text_batch.text_call_in_script(text_phase.generate_recording_text)
 
 
@@ -95,11 +96,11 @@ def _model_rows(M: str, text_call: str) -> tuple:
         Patch(mm, text_call, TEXT_CALL,
               "text calls fitted to the context and recorded (tokens, time); in a batch's text stage each "
               "request's call is asked for and answered by one call of all the requests' rows "
-              "(adaptor_patches/text_batch.py)", shim=True),
+              "(adaptor_patches/text/batch.py)", shim=True),
         Patch(mm, "_sample", text_decode.static_sample,
               "the text phase's token loop: a prefill into a static KV, then a decode step with fixed shapes and no "
               "host sync (captured as one graph per device: --text-graph), tokens chosen on the device, stops "
-              "looked at every few tokens (adaptor_patches/text_decode.py)"),
+              "looked at every few tokens (adaptor_patches/text/decode.py)"),
         Patch(mm, "generate_image", text_phase.generate_image_in_text_phase,
               "one TextPhase per image; its text, ratio and timing left on model.last_text_phase", shim=True),
         Patch(mm, "prepare_model_inputs", PREPARE_MODEL_INPUTS,
@@ -107,8 +108,9 @@ def _model_rows(M: str, text_call: str) -> tuple:
               "the base model's text calls draw none); a batch's text stage stops where upstream prepares the "
               "image, that call's arguments its handoff (adaptor_patches/image_batch.py); an image call whose rows "
               "continue their text calls arms the reuse of that prompt KV in its first step (adaptor_patches/"
-              "kv_reuse.py; nothing to reuse in the shims-only reference: its text loop is transformers'); a batch's "
-              "text calls' inputs are prepared once for all the rows (adaptor_patches/text_batch.py)", shim=True),
+              "text/kv_reuse.py; nothing to reuse in the shims-only reference: its text loop is transformers'); "
+              "a batch's text calls' inputs are prepared once for all the rows (adaptor_patches/text/batch.py)",
+              shim=True),
         Patch(mm, "__init__", hunyuan.causal_mm_init,
               "the whole model (text model, layers, VAE) built for one RankContext, kept as model.rank_context"),
         Patch(mm, "from_pretrained", hunyuan.causal_mm_from_pretrained,
@@ -125,7 +127,7 @@ def _model_rows(M: str, text_call: str) -> tuple:
         Patch(f"{M}:HunyuanImage3Model", "forward", hunyuan.model_forward,
               "sequence shares (MoE EP, Ulysses): each rank holds its share of the rows between decoder layers, "
               "cut before the first layer, one all-gather after the last; the one-token decode keeps every row; "
-              "a known prefix (adaptor_patches/kv_reuse.py) written into the cache and not recomputed"),
+              "a known prefix (adaptor_patches/text/kv_reuse.py) written into the cache and not recomputed"),
         Patch(f"{M}:HunyuanImage3DecoderLayer", "forward", hunyuan.decoder_layer_forward,
               "adaptive step cache: on a step all ranks agreed to skip, the layers after the first `blocks` "
               "add the last full step's residual delta instead of running (otherwise upstream's layer)"),

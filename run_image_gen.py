@@ -227,7 +227,7 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
         log(note)
     phase.name = "loading weights"
     model = load_model(rank_job.checkpoint, rank_job.context, attn_impl, moe_impl, per_rank=args.adaptor == "full")
-    model.text_graph = args.text_graph          # the text phase's decode step (adaptor_patches/text_decode.py)
+    model.text_graph = args.text_graph          # the text phase's decode step (adaptor_patches/text/decode.py)
     if rank_job.dist is not None:
         phase.name = "waiting for the other ranks to finish loading"
         rank_job.dist.barrier()
@@ -247,7 +247,7 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
 @dataclass
 class Generated:
     """One request's outcome on this rank: the image (rank 0's is the one written), what its text
-    phase did (text_phase.TextPhase.summary()) and its step cache's summary (None without one)."""
+    phase did (text.phase.TextPhase.summary()) and its step cache's summary (None without one)."""
     image: object
     text_phase: dict
     step_cache: Optional[dict]
@@ -445,7 +445,7 @@ def main(argv=None) -> int:
     try:
         from adaptor_patches.kernels.device import DeviceError
         from adaptor_patches.parallel.layout import LayoutError
-        from adaptor_patches.text_phase import ContextTooLongError
+        from adaptor_patches.text.phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
         from utils.runtime.input_images import ImagesDisagree
         from utils.runtime.rank_loop import RankFailure

@@ -24,7 +24,7 @@ The minimal shims (the reference run for equivalence tests applies exactly these
      MoE gates, shared MLP) without a word. Loaded modules are skipped, the rule 5.2 and 5.13+ apply
      (huggingface/transformers#46620).
 (The text phase's seeded, rank-0-broadcast sampler is also installed in the shims-only reference:
-text_phase.py.)
+text/phase.py.)
 """
 from __future__ import annotations
 

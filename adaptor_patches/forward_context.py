@@ -11,8 +11,8 @@ time in a rank's process (its main thread: the rank loop, the CLI, the Python AP
 one module attribute, as vLLM's forward context is; the HTTP thread never reads it.
 
 What outlives a request is the JobCache the pipeline owns and hands to each request's context: the
-captured decode steps (text_decode.py) and the job's last prompt, whose system prompt the next
-text prefill reuses (kv_reuse.py).
+captured decode steps (text/decode.py) and the job's last prompt, whose system prompt the next
+text prefill reuses (text/kv_reuse.py).
 
 Inside a captured decode step (torch.compile, fullgraph) the context is read like any module
 attribute: dynamo guards on the values it reads, not on the object (verified on torch 2.14.1 and
@@ -29,9 +29,9 @@ from typing import Any, Optional
 @dataclass
 class SequenceSlot:
     """One forward's rows: its SequenceShards (parallel/sequence.py), or None (every row on every
-    rank); `fixed_shape`: the forward is the text phase's graph-ready decode step (text_decode.py):
+    rank); `fixed_shape`: the forward is the text phase's graph-ready decode step (text/decode.py):
     every row on every rank, no host sync and no data-dependent shape in it (the MoE takes its
-    fixed-shape form, moe/dispatch.py); `prefix`: a kv_reuse.PrefixPlan the next fitting forward takes."""
+    fixed-shape form, moe/dispatch.py); `prefix`: a text.kv_reuse.PrefixPlan the next fitting forward takes."""
     shards: Optional[Any] = None
     fixed_shape: bool = False
     prefix: Optional[Any] = None
@@ -41,18 +41,18 @@ class SequenceSlot:
 class JobCache:
     """A job's state across its requests (one per loaded model and job; the pipeline's)."""
     decode_steps: dict = field(default_factory=dict)    # (batch, capacity, graph mode) -> DecodeStep, oldest first
-    last_prompt: Optional[Any] = None                   # kv_reuse.PromptKV: the last text call's prompt, row 0
+    last_prompt: Optional[Any] = None                   # text.kv_reuse.PromptKV: the last text call's prompt, row 0
     last_prompt_lora: Optional[tuple] = None            # the LoRA adapters that prompt ran with (RowAdapters.key)
 
 
 @dataclass
 class ForwardContext:
     cache: JobCache = field(default_factory=JobCache)
-    text_phase: Optional[Any] = None        # the TextPhase (or a batch's BatchPhase) being run (text_phase.py)
+    text_phase: Optional[Any] = None        # the TextPhase (or a batch's BatchPhase) being run (text/phase.py)
     last_text_phase: Optional[Any] = None   # the TextPhase of the last generate_image of this context
     text_stage_only: bool = False           # a batch's text stage: stop at the image call (image_batch.py)
-    text_script: Optional[Any] = None       # a request's script of batched text calls (text_batch.py)
-    image_phases: Optional[list] = None     # the image rows' TextPhases, their prompt KV (kv_reuse.py)
+    text_script: Optional[Any] = None       # a request's script of batched text calls (text/batch.py)
+    image_phases: Optional[list] = None     # the image rows' TextPhases, their prompt KV (text/kv_reuse.py)
     denoise_watch: Optional[Any] = None     # progress, previews, an agreed cancel (denoise_watch.py)
     step_cache_run: Optional[Any] = None    # the image's step-cache run (step_cache.py)
     sequence: SequenceSlot = field(default_factory=SequenceSlot)   # the forward's shares, fixed shape, prefix

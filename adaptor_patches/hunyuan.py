@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import denoise_watch, forward_context, kv_reuse, lora_rows, step_cache
+from . import denoise_watch, forward_context, lora_rows, step_cache
 from .moe.dispatch import dispatcher_for
 from .moe.experts import GroupedExperts
 from .moe.gate import route
@@ -44,6 +44,7 @@ from .parallel.context import building, components_left_out, context_being_built
 from .parallel.layout import per_layer
 from .parallel.sequence import SequenceShards, gather_rows, shard_rows
 from .parallel.ulysses import head_exchange
+from .text import kv_reuse
 from .weights.load import from_pretrained_by_slices
 
 
@@ -152,9 +153,9 @@ def model_init(original, device):
 
 def model_forward(original, _device):
     """Two cuts of a forward's rows, each taken only where it applies (otherwise upstream's forward):
-    - a PrefixPlan armed on the call's sequence slot (forward_context, kv_reuse.py: the text phase's prompt KV in the image
-      phase's first step, the job's system prompt in a text prefill): its prefix is written into the
-      forward's cache, the layers run on the positions after it;
+    - a PrefixPlan armed on the call's sequence slot (forward_context, text/kv_reuse.py: the text
+      phase's prompt KV in the image phase's first step, the job's system prompt in a text prefill): its
+      prefix is written into the forward's cache, the layers run on the positions after it;
     - sequence shares (MoE EP, Ulysses): a forward of more than one position per row holds only this
       rank's share of the rows between its decoder layers (parallel/sequence.py): cut from the input
       embeddings here (no collective), gathered once after the last layer."""

@@ -8,13 +8,13 @@ The job as stages (docs/SERVING.md, "Batches: requests that share a forward"):
 
 `text_stage` is the text phase of a batch. Each request runs the path a single image takes:
 upstream's own `generate_image` (think / recaption / think_recaption, the ratio token of image size
-auto, through transformers' `generate`, text_decode.py's loop and text_phase.py's shared sampler),
+auto, through transformers' `generate`, text/decode.py's loop and text/phase.py's shared sampler),
 stopped where upstream would prepare its image call (`prepare_model_inputs(mode="gen_image")`, the
 `stops_before_image` row). What upstream was about to pass there IS the handoff: the prompt, the
 cot text as upstream formats it, the system prompt after its `drop_think` switch, the seed, the
 image size the ratio chose (or the request's), the conditioning images. One request: exactly that.
-Two or more: their text calls are decoded together (text_batch.py): the calls that may share one
-(text_rows.share_key: all but the rows' prompts, system prompts, cot texts, images and seeds alike)
+Two or more: their text calls are decoded together (text/batch.py): the calls that may share one
+(text.rows.share_key: all but the rows' prompts, system prompts, cot texts, images and seeds alike)
 are made as ONE call of B right-padded rows (one prefill, decode steps of B rows, a row that stopped
 emitting pad until all stopped), each row drawing from its own request's sampler, and answered back
 into each request's generate_image; the others run alone. The TextHandoffs are the ones each request
@@ -47,8 +47,8 @@ from typing import Callable
 
 from . import forward_context
 from .model_family import takes_conditioning_images
-from .text_batch import decode_together, shares_text
-from .text_phase import ImagePhaseReached
+from .text.batch import decode_together, shares_text
+from .text.phase import ImagePhaseReached
 
 
 @dataclass
@@ -59,7 +59,7 @@ class TextHandoff:
                 prompt, cot_text (base: the text or None; Instruct: [think / recaption token + text] or
                 None), system_prompt (after drop_think), seed, image_size (the ratio's (height, width)
                 or the request's), and the Instruct model's image, infer_align_image_size
-    text_phase  text_phase.TextPhase: the tokens of every call, the text, the ratio, the seconds"""
+    text_phase  text.phase.TextPhase: the tokens of every call, the text, the ratio, the seconds"""
     image_call: dict
     text_phase: object
 
@@ -73,7 +73,7 @@ class TextHandoff:
 def stops_before_image(inner: Callable = None) -> Callable:
     """A PATCHES `make` for a model's prepare_model_inputs: during a text stage its gen_image call
     raises ImagePhaseReached with the call's arguments instead of preparing the image. `inner`: the
-    make of another replacement of the same attribute, run otherwise (text_phase's seeded one)."""
+    make of another replacement of the same attribute, run otherwise (text/phase.py's seeded one)."""
 
     def make(original, device):
         replaced = inner(original, device) if inner is not None else original
@@ -98,8 +98,8 @@ def text_stage(model, calls: list, keep_going: Callable = lambda exc: False) -> 
     keyword arguments of upstream's generate_image for that request). A request whose text phase
     raises gets its exception in its place when keep_going(exc), else the exception propagates
     (a failed collective must end the job). Every rank runs it with the same calls and gets the
-    same handoffs (text_phase.py: every token chosen on global rank 0). Two or more requests: their
-    text calls decoded together, as rows of one call (text_batch.py); the handoffs are the same."""
+    same handoffs (text/phase.py: every token chosen on global rank 0). Two or more requests: their
+    text calls decoded together, as rows of one call (text/batch.py); the handoffs are the same."""
     if shares_text(model, calls):
         return decode_together(model, calls, keep_going, _text_phase_of_one)
     out = []
@@ -151,7 +151,7 @@ def denoise_batch(model, handoffs: list, image_kwargs: dict) -> list:
     prepare_model_inputs with every request's arguments as lists, then its pipeline.
     `image_kwargs`: what generate_image hands upstream's image call besides the inputs
     (diff_infer_steps, diff_guidance_scale)."""
-    try:       # their prompt KV starts the first step (kv_reuse.py)
+    try:       # their prompt KV starts the first step (text/kv_reuse.py)
         with forward_context.using(image_phases=[h.text_phase for h in handoffs]):
             return _denoise(model, handoffs, image_kwargs)
     finally:

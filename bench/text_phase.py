@@ -10,7 +10,7 @@ decode  a think text of --tokens tokens on each model (tiny: utils/make_tiny_mod
         processor builds), the same request and seed for every variant:
           upstream eager   load_rank_model(shims_only=True): transformers' loop, the compat shims only
           today's loop     the adaptor with model.text_loop = "transformers"
-          step, eager      the adaptor's own loop (text_decode.py), --text-graph off
+          step, eager      the adaptor's own loop (text/decode.py), --text-graph off
           step, captured   --text-graph on (CPU: torch.compile fullgraph, --cpu-backend; CUDA graph; npugraph)
         Decode tokens/s exclude the prefill: from the end of the prefill (its forward, or the static loop's
         _prefill) to the end of the call, (tokens - 1) decoded. Each variant runs one warm-up call (a captured
@@ -111,7 +111,7 @@ class Probe:
             self.syncs._paused = False          # the decode window opens
 
     def __enter__(self):
-        from adaptor_patches import text_decode
+        from adaptor_patches.text import decode as text_decode
         from torch.overrides import _pop_mode_temporarily
         probe, model = self, self.model
         forward, generate = model.forward, model.generate
@@ -360,7 +360,7 @@ def ttft_part(path: Path, args) -> dict:
 
 def real_part() -> dict:
     from adaptor_patches.parallel.layout import Layout
-    from adaptor_patches.text_decode import CHECK_EVERY
+    from adaptor_patches.text.decode import CHECK_EVERY
     from utils.planner.memory_plan import read_config
     from utils.planner.traffic import Sizes, text_decode_lines
     config, raw = read_config(ROOT / "config" / "real_instruct")
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     args.clock = "cpu" if args.device == "cpu" else "wall"
     if args.bound_step:
-        from adaptor_patches import text_decode
+        from adaptor_patches.text import decode as text_decode
         text_decode.BOUND_STEP = args.bound_step
     result = {"device": args.device, "clock": args.clock, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
               "cpu_backend": args.cpu_backend, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}

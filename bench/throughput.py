@@ -11,7 +11,7 @@ batches   one `--prompts FILE` launch of N compatible images per B in --batch-si
 text      B think texts (--bot-task think, --text-tokens each, on a copy of the checkpoint with the
           instruct template: tests/text_checkpoint.py) at --batch-size B vs B at --batch-size 1:
           text tokens per second of the text stage (metrics.jsonl's text_phase_s). At --batch-size B
-          the B texts are decoded together, as the rows of one call (adaptor_patches/text_batch.py):
+          the B texts are decoded together, as the rows of one call (adaptor_patches/text/batch.py):
           every row reports the call's seconds, so an image's share of them is text_phase_s / B. The B
           lines are repeated --repeat times in each launch (other seeds), the least disturbed repeat kept.
           Forwards: a text of n tokens alone is one prefill and n - 1 decode steps (n forwards); B texts

@@ -86,7 +86,7 @@ def test_the_text_decode_step_runs_and_a_host_tensor_in_it_is_reported(tiny_inst
     utils/dry_run/stand_in_text.py) runs the static decode step 7 times on every rank; a tensor made
     there without device= fails the dry run with its file:line (before the stand-in's text the first
     token ended the text and the step never ran)."""
-    from adaptor_patches import text_decode
+    from adaptor_patches.text import decode as text_decode
     from utils.planner.traffic import TEXT_DECODE
     [clean] = dry_run(tiny_instruct, "--moe-ep", "--bot-task", "think_recaption")
     assert clean.passed, (clean.error, clean.mismatches)

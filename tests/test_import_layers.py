@@ -39,10 +39,11 @@ LAYERS = (
     ("weights.load",),                      # loading: orchestration
     ("moe.experts", "moe.gate", "moe.dispatch", "moe.shared_mlp"),
     ("forward_context",),                   # a call's state, read by the features below (torch-free)
-    ("hunyuan", "lora_rows", "autoencoder_kl_3d", "step_cache", "denoise_watch", "previews", "text_phase", "text_sampling", "kv_reuse",
-     "text_decode", "text_rows", "text_batch", "image_batch", "compat", "compat_base", "compat_instruct", "metrics"),
+    ("hunyuan", "lora_rows", "autoencoder_kl_3d", "step_cache", "denoise_watch", "previews", "text.phase", "text.sampling",
+     "text.kv_reuse", "text.decode", "text.rows", "text.batch", "image_batch", "compat", "compat_base",
+     "compat_instruct", "metrics"),
 )
-EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__")
+EMPTY_PACKAGES = ("parallel.__init__", "weights.__init__", "moe.__init__", "text.__init__")
 
 
 def module_names() -> dict:

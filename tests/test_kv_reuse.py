@@ -1,4 +1,4 @@
-"""KV reused instead of recomputed (adaptor_patches/kv_reuse.py, issue 35 part 3).
+"""KV reused instead of recomputed (adaptor_patches/text/kv_reuse.py, issue 35 part 3).
 
 - the image phase's first step starts from the text call's prompt KV (system prompt, prompt,
   conditioning images: the rows' common prefix, conditional and unconditional alike) and computes
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import model_adaptor
-from adaptor_patches import kv_reuse
+from adaptor_patches.text import kv_reuse
 from generation import latent_rel_err, psnr
 from instruct_runs import demo_image, generate, load
 from multirank import run_ranks
@@ -158,7 +158,7 @@ def batch_images(model_dir, out_dir, reuse: bool) -> list:
 @pytest.mark.slow
 @pytest.mark.usefixtures("unpatched_upstream")
 def test_a_batch_starts_each_row_from_its_own_request(tiny_instruct, tmp_path):
-    """The text calls of a batch run as rows of one call (text_batch.py): each request's first step
+    """The text calls of a batch run as rows of one call (text/batch.py): each request's first step
     starts from its own row of that call's KV."""
     fresh = batch_images(tiny_instruct, tmp_path, reuse=False)
     reused = batch_images(tiny_instruct, tmp_path, reuse=True)

@@ -273,7 +273,7 @@ def test_the_designs_table_plans_the_conditioning_images_asked_for():
 
 
 def test_the_text_decode_step_moves_one_all_reduce_per_moe_layer():
-    """The text phase's decode step (adaptor_patches/text_decode.py: one token per sequence, every row on
+    """The text phase's decode step (adaptor_patches/text/decode.py: one token per sequence, every row on
     every rank, the MoE's fixed-shape form) on ep8_cfg.yaml's layout of the real Instruct model: per
     MoE layer ONE all-reduce of B x hidden bf16 over the EP group, where today's loop has the counts
     all-to-all, two row all-to-alls and an all-gather; per layer attention TP's all-reduce; the token

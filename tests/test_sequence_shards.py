@@ -151,7 +151,7 @@ def test_one_head_exchange_serves_every_attention_layer_of_a_model(tiny_model):
 
 
 def test_a_forward_too_short_for_every_rank_keeps_every_row():
-    """A prefill after a reused prefix (kv_reuse.py) can be a few positions: shares that would leave a
+    """A prefill after a reused prefix (text/kv_reuse.py) can be a few positions: shares that would leave a
     rank empty (padded: 9 rows over 4 ranks is 3, 3, 3, 0) keep every row on every rank instead (an
     empty share broke Ulysses' reshape and stalled the group)."""
     from adaptor_patches.parallel.layout import Layout

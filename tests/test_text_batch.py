@@ -1,12 +1,12 @@
-"""A batch's text phases decoded together (adaptor_patches/text_batch.py, text_rows.py): issue 36.
+"""A batch's text phases decoded together (adaptor_patches/text/batch.py, text/rows.py): issue 36.
 
 Fast (no model):
-- a batched call's rows each draw from their own request's sampler (text_sampling.RowSamplers):
+- a batched call's rows each draw from their own request's sampler (text.sampling.RowSamplers):
   the tokens of B rows equal each row's own DeviceChoice alone, sampled and greedy; swapping two
   rows' samplers changes them;
 - the processors see a right-padded row as it is alone: its last prompt token triggers upstream's
   ratio slice / stage transitions at the first token, a repetition penalty sees its own tokens;
-- which text calls share one call (text_rows.share_key).
+- which text calls share one call (text.rows.share_key).
 Slow (the tiny checkpoints, in this process and on 2 gloo ranks):
 - B = 3 / 4 requests with different prompts, seeds and bot tasks (base: think, recaption, the ratio
   of `auto`; Instruct: think_recaption with its forced transitions and ratio, edits with images,
@@ -25,10 +25,10 @@ Slow (the tiny checkpoints, in this process and on 2 gloo ranks):
   gets its exception in its place, the others their texts;
 - MoE EP2: the same on every rank, batched = alone there too.
 Broken on purpose, each fails the base tests (and reversed samplers every batched-vs-alone test above):
-the rows' samplers reversed in text_rows.BatchPhase (a row's first choice reads another request's text);
+the rows' samplers reversed in text.rows.BatchPhase (a row's first choice reads another request's text);
 every row drawn from row 0's scores in DeviceChoice (a token the row's own logits do not draw); row 0's
-tokens handed to every row (text_rows._split); the decode positions from the padded width, or a mask
-that lets a padded row see its pads (text_decode.py: logits 0.38 / 0.10 of the largest apart, the bound
+tokens handed to every row (text.rows._split); the decode positions from the padded width, or a mask
+that lets a padded row see its pads (text/decode.py: logits 0.38 / 0.10 of the largest apart, the bound
 0.016); the processors reading the padded row as it is (_rows_view).
 """
 from __future__ import annotations
@@ -42,9 +42,9 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
 
 import model_adaptor
-from adaptor_patches.text_phase import SharedTokenSampler, call_sampler
-from adaptor_patches.text_rows import TextAsk, share_key
-from adaptor_patches.text_sampling import DeviceChoice, RowSamplers
+from adaptor_patches.text.phase import SharedTokenSampler, call_sampler
+from adaptor_patches.text.rows import TextAsk, share_key
+from adaptor_patches.text.sampling import DeviceChoice, RowSamplers
 from multirank import run_ranks
 
 VOCAB = 40
@@ -61,7 +61,7 @@ def _choices(processors, samplers, lengths):
 
 
 def _decode(processors, samplers, prompts, steps=24, seed=0):
-    """Drive a batched choice as text_decode's loop does (right-padded prompts, new tokens in the
+    """Drive a batched choice as text/decode.py's loop does (right-padded prompts, new tokens in the
     columns after the longest) and each row alone over the same scores: [batched rows], [alone rows]."""
     lengths = [len(p) for p in prompts]
     width = max(lengths)
@@ -340,7 +340,7 @@ def test_instruct_edits_and_greedy_texts_decoded_together(models, tmp_path):
 
 @pytest.mark.slow
 def test_a_prompt_beyond_the_context_gets_its_error_in_its_place(models):
-    from adaptor_patches.text_phase import ContextTooLongError
+    from adaptor_patches.text.phase import ContextTooLongError
     model = models["base"]
     context = model.generation_config.max_length
     model.generation_config.max_length = 200             # the think prompts here: 158-172 tokens

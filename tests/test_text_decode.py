@@ -1,4 +1,4 @@
-"""The text phase's own token loop (adaptor_patches/text_decode.py, text_sampling.py): issue 35.
+"""The text phase's own token loop (adaptor_patches/text/decode.py, text/sampling.py): issue 35.
 
 - upstream's two per-token processors (stage transitions, ratio slice) on the device: the same scores
   as upstream's own classes, token after token, on a batch of rows in different states;
@@ -23,8 +23,8 @@ from adaptor_patches import forward_context
 import torch
 
 import model_adaptor
-from adaptor_patches.text_phase import SharedTokenSampler
-from adaptor_patches.text_sampling import DeviceChoice, RatioSlice, StageTransitions
+from adaptor_patches.text.phase import SharedTokenSampler
+from adaptor_patches.text.sampling import DeviceChoice, RatioSlice, StageTransitions
 from graph_count import CountingBackend
 from host_syncs import HostSyncs
 from multirank import run_ranks
@@ -133,7 +133,7 @@ def test_the_image_after_the_static_loop_is_todays_image(instruct_model):
 
 def counted_text(model, **request) -> dict:
     """Host syncs of one text stage: inside the decode steps, and in the whole loop but the prefill."""
-    from adaptor_patches import text_decode
+    from adaptor_patches.text import decode as text_decode
     from adaptor_patches.image_batch import text_stage
     with HostSyncs() as syncs:
         inside = []
@@ -216,7 +216,7 @@ def test_a_request_after_a_warm_up_runs_the_warm_ups_graph(instruct_model, monke
     shapes (batch 1, one KV capacity) runs that graph, with no recompile, though the image phase in
     between grew the CPU kernel set's scratch buffers (seed 2's image has another size than seed 5's).
     Counted through the backend: one compile in all, every decode step a run of the compiled code."""
-    from adaptor_patches import text_decode
+    from adaptor_patches.text import decode as text_decode
     step_call, steps = text_decode.DecodeStep.__call__, []
 
     def counted_step(self):
@@ -260,7 +260,7 @@ def test_a_captured_cuda_graph_replays_the_tokens_of_the_eager_step(instruct_mod
     replayed for every later token (the double replays the recorded aten calls on the same tensors,
     as a CUDA graph replays its kernels) writes the eager step's tokens, on a second call too."""
     import graph_double
-    from adaptor_patches import text_decode
+    from adaptor_patches.text import decode as text_decode
     from adaptor_patches.kernels import decode_graph
     from adaptor_patches.kernels.device import Device
     graphs = []
@@ -311,7 +311,7 @@ INDUCTOR_LOGIT_BOUND = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 @pytest.mark.slow
 @pytest.mark.usefixtures("unpatched_upstream")
 def test_the_inductor_compiled_step_keeps_the_greedy_text_and_the_logits_within_rounding(tmp_path):
-    from adaptor_patches import text_decode
+    from adaptor_patches.text import decode as text_decode
     from adaptor_patches.image_batch import text_stage
     from utils.runtime.rank_model import load_rank_model
     step_call = text_decode.DecodeStep.__call__

@@ -19,7 +19,7 @@ import torch
 import model_adaptor
 from adaptor_patches.parallel.context import RankContext
 from adaptor_patches.parallel.layout import Layout
-from adaptor_patches.text_phase import SharedTokenSampler, TextPhase
+from adaptor_patches.text.phase import SharedTokenSampler, TextPhase
 from generation import PROMPT, run_cli_in_process
 from multirank import run_ranks
 

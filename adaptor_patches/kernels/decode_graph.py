@@ -1,7 +1,7 @@
 """The text phase's decode step captured as one graph, per device (`--text-graph on|off|auto`).
 
 `captured(step, device, mode, inputs)` returns (a callable with the step's signature, what runs). The
-step (text_decode.DecodeStep.forward) reads only tensors it owns and refreshes in place (its token
+step (text.decode.DecodeStep.forward) reads only tensors it owns and refreshes in place (its token
 and position inputs, the static KV, the RoPE tables), so a graph captured once serves every later
 token and every later call of the same (batch, capacity).
 

@@ -289,7 +289,7 @@ class Layout:
         """Does a forward of `query_len` positions per batch row (`rows` in all) hold sequence shares
         between its layers? Every forward of more than one position under sequence_sharded (denoising
         steps, text prefill) whose padded shares leave no rank empty; the one-token text decode, and a
-        forward too short to give every rank a row (a prefill after a reused prefix: kv_reuse.py), keep
+        forward too short to give every rank a row (a prefill after a reused prefix: text/kv_reuse.py), keep
         every row on every rank."""
         if not self.sequence_sharded or query_len <= 1:
             return False

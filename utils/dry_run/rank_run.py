@@ -148,9 +148,9 @@ def run_rank(job, rank: int) -> RankResult:
 
 @contextlib.contextmanager
 def decode_phase(recorder):
-    """The text phase's decode steps (text_decode.DecodeStep: the text model called directly, not the
+    """The text phase's decode steps (text.decode.DecodeStep: the text model called directly, not the
     model's forward that the recorder follows) as the planner's phase "text decode step"."""
-    from adaptor_patches import text_decode
+    from adaptor_patches.text import decode as text_decode
     from utils.planner.traffic import TEXT_DECODE
     original = text_decode.DecodeStep.__call__
 

@@ -1,12 +1,12 @@
 """The stand-in's text in a dry run: which token a text call "draws".
 
 Fake logits name no token. If every draw were the end-of-text token, the text phase would stop at its
-first token and its decode step (text_decode.DecodeStep, the static, captured step) would never run.
+first token and its decode step (text.decode.DecodeStep, the static, captured step) would never run.
 So in a dry run, and only there, each text call's tokens are TEXT_TOKENS times an ordinary token
 (the tokenizer's "a", else its first non-special id), then the call's own stop token (its first): the loop
-runs up to its next stop check (text_decode.CHECK_EVERY tokens), i.e. 7 decode steps.
+runs up to its next stop check (text.decode.CHECK_EVERY tokens), i.e. 7 decode steps.
 
-The value is set on the tokens the static loop commits (text_decode.TextLoop._commit) on every rank
+The value is set on the tokens the static loop commits (text.decode.TextLoop._commit) on every rank
 (rank 0's draw and the other ranks' broadcast copy alike, as on the device); a draw outside it
 (transformers' own loop) is `fake_mode.DryRunMode.stand_in_token`, the end-of-text token.
 """
@@ -33,9 +33,9 @@ def ordinary_token(weights_dir: Path) -> int:
 
 @contextlib.contextmanager
 def stand_in_draws(mode, token: int, count: int = TEXT_TOKENS):
-    """While open, token n of each text call (text_decode.TextLoop._commit, every rank) is `token` for
+    """While open, token n of each text call (text.decode.TextLoop._commit, every rank) is `token` for
     n < count, then the call's first stop token."""
-    from adaptor_patches import text_decode
+    from adaptor_patches.text import decode as text_decode
     original = text_decode.TextLoop._commit
 
     def commit(self, index, tokens, step):

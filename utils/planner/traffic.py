@@ -16,7 +16,7 @@ A line's `payload` is S as named above, per call: deterministic for every kind (
 too: the rows it is handed); only the all-to-all's leaving share can depend on the data.
 
 Lines are per phase of one image:
-  text decode step one token of the think / recaption text (adaptor_patches/text_decode.py: every row on
+  text decode step one token of the think / recaption text (adaptor_patches/text/decode.py: every row on
                    every rank, the MoE in its fixed-shape form): text_decode_lines, Instruct checkpoints
   first step       the first denoising forward: every text and image token of the sequence
   denoising step   each later forward: the timestep token and the image tokens (the text is cached)
@@ -282,9 +282,9 @@ def _expert_parallel_lines(sizes: Sizes, layout, phase: str, rows: int, design: 
 
 def text_decode_lines(sizes: Sizes, layout, rows: int = 1, loop: str = "static") -> list:
     """The collectives of one decode step of the text phase: `rows` sequences (a request each: a batch's
-    text calls decode together, text_batch.py), one token each, every row on every rank of its branch.
+    text calls decode together, text/batch.py), one token each, every row on every rank of its branch.
 
-    loop "static" (text_decode.DecodeStep, the MoE's fixed-shape form, moe/dispatch.py):
+    loop "static" (text.decode.DecodeStep, the MoE's fixed-shape form, moe/dispatch.py):
       attention   o_proj's all-reduce of [rows, H] per layer over the branch: attention TP, or under
                   Ulysses its decode form (every head's partial o_proj, one all-reduce over the branch)
       MoE         ONE all-reduce of [rows, H] per MoE layer over the branch, TP and EP alike (EP: every

@@ -110,7 +110,7 @@ class RequestChecker:
         if request.lora_scale is not None and request.adapter is None:
             return FieldError("lora_scale", "given without an adapter", "choose one with adapter (or model), or leave "
                               "it out")
-        from adaptor_patches.text_phase import text_task_problem
+        from adaptor_patches.text.phase import text_task_problem
         task = text_task_problem(request.bot_task, bool(request.save_text), self.generation_config)
         if task:
             field, what, fix = task
@@ -205,7 +205,7 @@ def read_prompts_file(path, defaults, save_dir, checker: Optional[RequestChecker
     """Every request of a prompts file, checked; the first bad line raises RequestError naming it.
     `rule` (the job's output rule) also receives each line's outputs, so that two lines, or a line
     and an input file, never share one file."""
-    from adaptor_patches.text_phase import TEXT_TASKS
+    from adaptor_patches.text.phase import TEXT_TASKS
     path, save_dir = Path(path), Path(save_dir)
     lines = read_lines(path)
     rule = rule or OutputRule(None, [("prompts file", path)])

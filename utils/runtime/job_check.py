@@ -190,7 +190,7 @@ def job_step_cache(args, layers: Optional[int]):
 
 
 def check_text_task(bot_task, save_text: bool, generation_config: dict) -> None:
-    from adaptor_patches.text_phase import text_task_problem
+    from adaptor_patches.text.phase import text_task_problem
     problem = text_task_problem(bot_task, save_text, generation_config)
     if problem:
         raise FieldError(*problem)

@@ -37,7 +37,7 @@ def api_size(image_size: str) -> str:
 
 
 def model_card(checker, defaults, max_n: int) -> dict:
-    from adaptor_patches.text_phase import text_task_problem
+    from adaptor_patches.text.phase import text_task_problem
     config = json.loads((checker.model_id / "config.json").read_text(encoding="utf-8"))
     generation = checker.generation_config
     tasks = [task for task in BOT_TASKS if text_task_problem(task, False, generation) is None

@@ -13,7 +13,7 @@ the logits processors in their order, the stop criteria, the attention mask); th
             positions, [B, capacity] keys), no host sync inside (the MoE takes its fixed-shape form:
             SequenceSlot.fixed_shape); captured as one graph per device (kernels/decode_graph.py,
             `--text-graph`) and kept per (batch, capacity) on the model for the next call
-  choice    text_sampling.DeviceChoice: the call's processors (temperature / top-k / top-p, upstream's
+  choice    text.sampling.DeviceChoice: the call's processors (temperature / top-k / top-p, upstream's
             stage transitions and ratio slice) as tensor operations, rank 0's draw broadcast
   stop      each row's stop tokens and the length bound tracked on the device; the host looks after the
             first token and then every CHECK_EVERY tokens (one sync), steps run past a stop are discarded
@@ -35,12 +35,13 @@ from typing import Optional
 import torch
 from transformers.generation import stopping_criteria as sc
 
-from . import forward_context, kv_reuse
-from .kernels.decode_graph import captured
+from .. import forward_context
+from ..kernels.decode_graph import captured
+from ..model_family import takes_conditioning_images
+from . import kv_reuse
 from .kv_reuse import PromptKV, StaticKV
-from .model_family import takes_conditioning_images
-from .text_phase import _phase_of, _world
-from .text_sampling import DeviceChoice
+from .phase import _phase_of, _world
+from .sampling import DeviceChoice
 
 CHECK_EVERY = 8             # tokens between the host's looks at the stop flags (its one sync)
 BOUND_STEP = 1024           # KV capacity granularity: calls whose bounds round alike share a captured step
@@ -168,7 +169,7 @@ class TextLoop:
 
     def _prefill(self, kv: StaticKV) -> torch.Tensor:
         """float32 [B, vocab]: each row's logits after its last real token. The positions the job's last
-        prompt shares with this one (its system prompt) are not recomputed (kv_reuse.py)."""
+        prompt shares with this one (its system prompt) are not recomputed (text/kv_reuse.py)."""
         model, kwargs = self.model, dict(self.model_kwargs, past_key_values=kv)
         output = self.model_kwargs.get("tokenizer_output")
         plan = kv_reuse.job_prompt_plan(model, output, self.prompt)

@@ -7,7 +7,7 @@ for the conditional AND the unconditional rows (both start with the same system 
 conditioning images; only the user's words differ: `<cfg>` tokens in the unconditional row). And
 every request of a job prefills the same system prompt (`en_unified`: ~1.4k tokens).
 
-  StaticKV       the text phase's cache (text_decode.py): every layer's keys / values preallocated
+  StaticKV       the text phase's cache (text/decode.py): every layer's keys / values preallocated
   PromptKV       a text call's KV and token ids (its prompt and the text it wrote), kept after the call
                  (the request's TextPhase carries it to the image phase; the job keeps the last
                  system prompt in its JobCache for the next request: forward_context.py)
@@ -26,7 +26,7 @@ read); a forward cuts at the shortest prefix of the rows it holds, so under CFG 
 Distil's one branch) the conditional rows also skip the think / recaption text, which the
 unconditional rows do not share (re-tokenized, the image call's text may part from the written
 tokens early: the common prefix says how far they agree). From the text call into the image call: the same request's tokens, images and conditioning
-latents (drawn from the job's seed in both calls: text_phase.prepare_model_inputs_seeded), so the
+latents (drawn from the job's seed in both calls: text.phase.prepare_model_inputs_seeded), so the
 prefix runs through the images. From one request into the next: only up to the first position whose
 embedding is not its token's (an image, a timestep token: `tokens_only_length`), since another
 request's images have the same placeholder ids. A prefix under MIN_PREFIX tokens is not worth a plan.

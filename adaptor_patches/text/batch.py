@@ -11,14 +11,14 @@ its handoff, exactly as when it runs alone. Only its text calls are answered dif
             a stand-in holding the row's prompt tokens; the call returns the row's tokens and leaves
             the TextCall the call alone leaves); at its first call without one it stops (TextCallReached:
             its `TextAsk`), or it reaches its image call (done), or it raises (its exception)
-  answer    the asks of the round grouped by text_rows.share_key; a group of two or more becomes ONE
-            call of B rows (text_rows.decode_rows); a request alone in its group (or one that cannot
+  answer    the asks of the round grouped by text.rows.share_key; a group of two or more becomes ONE
+            call of B rows (text.rows.decode_rows); a request alone in its group (or one that cannot
             share: its prompt near the context's end, a processor without a device form) is marked
             to run its call alone: in the next round that call runs for real, exactly as today
   repeat    until no request asks (the base model's think then ratio: three rounds; Instruct: two)
 
 So the text tokens of a request are the ones it draws alone (its own seed and call index per row:
-text_sampling.RowSamplers), every handoff is the one the one-by-one path returns, and a request's
+text.sampling.RowSamplers), every handoff is the one the one-by-one path returns, and a request's
 exception lands in its place when keep_going(exc) (a batched call that raises is made again row by
 row, so each request meets its own outcome). Each round ends with every rank comparing a digest of
 what it decided and decoded (one small all-reduce): ranks never disagree silently.
@@ -37,11 +37,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import forward_context
-from .model_family import takes_conditioning_images
-from .text_phase import TextCall, _phase_of, _world
-from .text_rows import Answer, TextAsk, decode_rows, share_key
-from .text_sampling import BatchNeedsStaticLoop
+from .. import forward_context
+from ..model_family import takes_conditioning_images
+from .phase import TextCall, _phase_of, _world
+from .rows import Answer, TextAsk, decode_rows, share_key
+from .sampling import BatchNeedsStaticLoop
 
 ASKED = "_text_batch_ask"       # the stand-in's key carrying the prepare call's arguments to the text call
 ALONE = "alone"                 # an answer slot: the call runs for real, alone
@@ -105,7 +105,7 @@ def prepare_in_script(inner: Callable) -> Callable:
 
 def text_call_in_script(inner: Callable) -> Callable:
     """A PATCHES `make` for the text call (base `_generate`, Instruct `generate`) around `inner`
-    (text_phase.generate_recording_text: the fit to the context and the TextCall)."""
+    (text.phase.generate_recording_text: the fit to the context and the TextCall)."""
 
     def make(original, device):
         recorded = inner(original, device)
@@ -150,7 +150,7 @@ def _replay(model, answer: Answer) -> torch.Tensor:
 # ---------------------------------------------------------------- the rounds
 
 def shares_text(model, calls: list) -> bool:
-    """Whether a batch's text phases may be decoded together: the static token loop (text_decode.py)."""
+    """Whether a batch's text phases may be decoded together: the static token loop (text/decode.py)."""
     return len(calls) > 1 and getattr(model, "text_loop", "static") == "static"
 
 

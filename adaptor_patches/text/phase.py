@@ -97,7 +97,7 @@ class SharedTokenSampler:
         self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
 
     def generator_on(self, device: torch.device) -> torch.Generator:
-        """The generator rank 0 draws from on `device` (text_sampling.py): this CPU one on the CPU (the
+        """The generator rank 0 draws from on `device` (text/sampling.py): this CPU one on the CPU (the
         same draws as choose()), else one on the device seeded alike."""
         if torch.device(device).type == "cpu":
             return self.generator
@@ -124,7 +124,7 @@ class SharedTokenSampler:
 
 def call_sampler(seed: int, index: int, do_sample: bool) -> SharedTokenSampler:
     """The sampler of text call `index` (1: the first) of a request with `seed`: its own stream, the same
-    whether the call runs alone or as a row of a batch (text_rows.py)."""
+    whether the call runs alone or as a row of a batch (text/rows.py)."""
     return SharedTokenSampler(seed + index * _SEED_STRIDE, do_sample)
 
 
@@ -135,7 +135,7 @@ class TextCall:
     prompt_tokens: int
     new_token_ids: list
     seconds: float
-    decode: Optional[dict] = None       # the static loop's record (text_decode.py); None: transformers' loop
+    decode: Optional[dict] = None       # the static loop's record (text/decode.py); None: transformers' loop
 
     @property
     def tokens_per_s(self) -> float:
@@ -151,9 +151,9 @@ class TextPhase:
     text: Optional[str] = None
     ratio: Optional[dict] = None
     last_decode: Optional[dict] = None  # set by the static loop of the call being run, taken by its TextCall
-    prompt_kv: Optional[object] = None  # the last text call's KV (kv_reuse.PromptKV), until the image's first step
+    prompt_kv: Optional[object] = None  # the last text call's KV (text.kv_reuse.PromptKV), until the image's first step
     prompt_kv_row: int = 0              # this request's row of it (a batch's text calls share one)
-    kv_reuse: Optional[dict] = None     # what the image's first step reused of it (kv_reuse.py)
+    kv_reuse: Optional[dict] = None     # what the image's first step reused of it (text/kv_reuse.py)
     _samplers: int = 0
 
     def sampler(self, do_sample: bool) -> SharedTokenSampler:
@@ -278,7 +278,7 @@ def generate_image_in_text_phase(original, _device):
                 result, stopped = (reached.arguments.get("cot_text"), None), reached
             finally:
                 if stopped is None:
-                    phase.prompt_kv = None      # the image took it (kv_reuse.py); a batch's image stage takes it later
+                    phase.prompt_kv = None      # the image took it (text/kv_reuse.py); a batch's image stage: later
             if hasattr(self, "_tkwrapper"):
                 _describe_base(self, phase, bot_task, image_size == "auto")
             else:

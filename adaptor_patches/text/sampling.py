@@ -8,7 +8,7 @@ token only ratio tokens, greedy). `DeviceChoice.from_processors` takes the list 
 for the call (so the order and the warpers are exactly today's) and keeps each processor as it is
 when it is tensor-only already (temperature, top-k, top-p, ...), or replaces upstream's two with
 `StageTransitions` / `RatioSlice`, which do the same per row with torch.where on state tensors; the
-shared sampler (text_phase.SharedTokenSampler, last in the list) becomes `rank0_draw`. A list with
+shared sampler (text.phase.SharedTokenSampler, last in the list) becomes `rank0_draw`. A list with
 anything else returns None and the call runs transformers' loop as before.
 
 Same tokens as today: the scores are the same float32 values through the same operations; on the
@@ -16,7 +16,7 @@ CPU rank 0 draws from the sampler's own CPU generator (torch.multinomial on the 
 so a seed gives the same text; on an accelerator the draw comes from a generator on the device,
 seeded alike (a different stream of numbers than the CPU's: a text per seed still, not today's).
 
-A batched call (several requests' texts as the rows of one call: text_rows.py) ends its list with
+A batched call (several requests' texts as the rows of one call: text/rows.py) ends its list with
 `RowSamplers`, one sampler per row: rank 0 draws row r from row r's own generator (the request's
 seed and call, as alone), and the processors see each row as it is alone (`_rows_view`).
 """
@@ -119,7 +119,7 @@ class RowSamplers:
         self.do_sample = any(s.do_sample for s in self.samplers)
 
     def __call__(self, input_ids, scores):
-        raise BatchNeedsStaticLoop("a batched text call needs the static token loop (text_decode.py)")
+        raise BatchNeedsStaticLoop("a batched text call needs the static token loop (text/decode.py)")
 
 
 class DeviceChoice:
@@ -139,7 +139,7 @@ class DeviceChoice:
     @classmethod
     def from_processors(cls, processors, batch: int, vocab: int, rank: int, distributed: bool, device):
         """None when a processor has no device form here (the call keeps transformers' loop)."""
-        from .text_phase import SharedTokenSampler
+        from .phase import SharedTokenSampler
         processors = list(processors)
         if not processors or not isinstance(processors[-1], (SharedTokenSampler, RowSamplers)):
             return None

@@ -1,6 +1,6 @@
 """One text call of several requests, made as ONE generate call whose rows are the requests.
 
-A batch's text stage (text_batch.py) collects, round by round, the text call each request's own
+A batch's text stage (text/batch.py) collects, round by round, the text call each request's own
 upstream generate_image asks for next: a `TextAsk`, the arguments of its
 prepare_model_inputs(mode="gen_text") call and of its text call (base `_generate`, Instruct
 `generate`). `share_key` says which asks may be one call; `decode_rows` makes them one:
@@ -9,12 +9,12 @@ prepare_model_inputs(mode="gen_text") call and of its text call (base `_generate
             texts, conditioning images, seeds); the sequences right-padded, each row's real length in
             tokenizer_output.real_pos, its RoPE, attention mask and images its own
   fit       a row whose prompt + max new tokens overflow the context would be cut at the longest
-            prompt's room, not its own (text_phase._fit_context): it runs alone, as do all when fewer
+            prompt's room, not its own (text.phase._fit_context): it runs alone, as do all when fewer
             than two rows fit
-  generate  the text call on the B rows through the patched chain (text_phase's fit and record,
-            upstream's generate, text_decode's loop: one prefill, then decode steps of B rows, a row
+  generate  the text call on the B rows through the patched chain (text/phase.py's fit and record,
+            upstream's generate, text/decode.py's loop: one prefill, then decode steps of B rows, a row
             that stopped emits pad, the loop ends when every row stopped), each row drawing from its own
-            request's sampler (text_sampling.RowSamplers: the seed and call index it draws from alone)
+            request's sampler (text.sampling.RowSamplers: the seed and call index it draws from alone)
   split     row i as its call alone returns it: its prompt, then its new tokens up to its stop
 
 Asks share a call when everything but the per-row values (prompt, system prompt, cot text, images,
@@ -35,10 +35,10 @@ from typing import Callable, Optional
 import torch
 from transformers.generation import LogitsProcessorList
 
-from . import forward_context
-from .model_family import takes_conditioning_images
-from .text_phase import TextPhase, call_sampler
-from .text_sampling import RowSamplers, has_device_form
+from .. import forward_context
+from ..model_family import takes_conditioning_images
+from .phase import TextPhase, call_sampler
+from .sampling import RowSamplers, has_device_form
 
 PER_ROW = ("prompt", "system_prompt", "cot_text", "image", "seed")
 CONSOLE = ("streamer", "verbose")           # rank 0's console: neither compared nor passed to a batch
@@ -50,7 +50,7 @@ class TextAsk:
 
     prepare   the arguments of its prepare_model_inputs(mode="gen_text") call (by name)
     call      the keyword arguments of its text call besides the prepared inputs
-    run       the text call below the batch's layer (text_phase's fit and record, upstream's call), bound
+    run       the text call below the batch's layer (text/phase.py's fit and record, upstream's call), bound
     seed      the request's seed; index: the call's sampler index (1: the request's first text call)"""
     prepare: dict
     call: dict
@@ -69,7 +69,7 @@ class Answer:
     cond_images: Optional[list]
     seconds: float
     decode: Optional[dict]
-    context: Optional[object] = None        # the batched call's kv_reuse.PromptKV; this request is row `row`
+    context: Optional[object] = None        # the batched call's text.kv_reuse.PromptKV; this request is row `row`
     row: int = 0
 
     def prepared(self, model) -> dict:
@@ -154,7 +154,7 @@ def _fitting(model, asks: list, inputs: dict) -> list:
 @contextlib.contextmanager
 def _quiet_right_padding():
     """transformers warns that right padding gives wrong results: not here (each row's positions and
-    last token are its own: text_decode.py, text_sampling.py)."""
+    last token are its own: text/decode.py, text/sampling.py)."""
     logger = logging.getLogger("transformers.generation.utils")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -178,7 +178,7 @@ def _stops(model, ask: TextAsk, inputs: dict) -> set:
 
 def decode_rows(model, asks: list) -> list:
     """[Answer or None] per ask (None: it runs alone), the rows made as one call. Raises what the
-    batched call raises (text_sampling.BatchNeedsStaticLoop: its processors have no device form)."""
+    batched call raises (text.sampling.BatchNeedsStaticLoop: its processors have no device form)."""
     inputs = _prepare(model, asks)
     fitting = _fitting(model, asks, inputs)
     if len(fitting) < 2:

@@ -89,8 +89,11 @@ def served_adapters(args, checkpoint) -> tuple:
     """--lora-modules' adapters ((name, Adapter), ...), read and held against the checkpoint's headers."""
     if not args.lora_modules:
         return ()
-    from adaptor_patches.weights.lora import served_adapters as read_served
-    return read_served(args.lora_modules.split(","), checkpoint, Path(args.model_id).resolve().name)
+    from adaptor_patches.weights.lora import LoraError, served_adapters as read_served
+    try:
+        return read_served(args.lora_modules.split(","), checkpoint, Path(args.model_id).resolve().name)
+    except LoraError as exc:                # the flag that named it
+        raise LoraError(exc.problem, exc.fix, flag="lora-modules") from None
 
 
 def rank_log(rank: int, verbose: int) -> Callable:

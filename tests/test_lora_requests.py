@@ -199,3 +199,79 @@ def test_instruct_think_text_per_request(tiny_instruct, tmp_path):
     merged = psnr(refs["a"], refs["merged"])
     print(f"instruct a per request vs merged: {merged:.1f} dB")
     assert merged >= PSNR_MIN_DB, merged
+
+
+@pytest.mark.slow
+def test_int4_experts_with_adapters(served, alone, gained_model, tmp_path):
+    """--quantize int4: the adapter (attention and the shared MLP, bf16) beside int4 routed experts,
+    merged at load and chosen per request; each within the int4 bound of the bf16 merged image
+    (tests/test_int4.py: 40 dB) and the two within 40 dB of each other."""
+    merged = generate(gained_model, tmp_path, "merged_int4", "--quantize", "int4", "--lora", served["b"])[0]
+    chosen = generate(gained_model, tmp_path, "chosen_int4", "--quantize", "int4", "--lora-modules",
+                      modules_flag(served), "--adapter", "b")[0]
+    rows = {"per request vs merged (int4)": psnr(chosen, merged), "merged int4 vs bf16": psnr(merged, alone["b"]),
+            "per request int4 vs bf16 merged": psnr(chosen, alone["b"]), "vs the base": psnr(chosen, alone["base"])}
+    print("; ".join(f"{k}: {v:.1f} dB" for k, v in rows.items()))
+    assert min(list(rows.values())[:3]) >= PSNR_MIN_DB and rows["vs the base"] < PSNR_MIN_DB - 10, rows
+
+
+def _refusal_cases(served: dict, tmp: Path) -> dict:
+    a, b = served["a"], served["b"]
+    return {
+        "not-name-path": (["--lora-modules", str(a)], f"error: lora-modules: --lora-modules '{a}' is not "
+                          f"NAME=PATH[:SCALE]; e.g. --lora-modules ink=adapters/ink:0.8"),
+        "bad-name": (["--lora-modules", f"a b={a}"], "error: lora-modules: --lora-modules name 'a b' is not 1-64 "
+                     "letters, digits, '.', '_' or '-' (starting with a letter or digit); rename it, e.g. ink-v2"),
+        "twice": (["--lora-modules", f"a={a},a={b}"], "error: lora-modules: --lora-modules names 'a' twice; give each "
+                  "adapter its own name"),
+        "missing-folder": (["--lora-modules", f"a={tmp / 'nowhere'}"], f"error: lora-modules: {tmp / 'nowhere'} is "
+                           f"not a folder; pass a PEFT adapter folder"),
+        "with-lora": (["--lora-modules", f"a={a}", "--lora", str(b)], "error: lora-modules: given with --lora (one "
+                      "adapter merged into the weights); serve the merged adapter as one of --lora-modules too, or "
+                      "drop --lora"),
+        "unknown-adapter": (["--lora-modules", f"a={a}", "--adapter", "c"], "error: adapter: 'c' is not an adapter of "
+                            "this job; use one of a"),
+        "adapter-without-modules": (["--adapter", "a"], "error: adapter: 'a' is not an adapter of this job; use an "
+                                    "adapter given with --lora-modules NAME=PATH"),
+        "scale-without-adapter": (["--lora-modules", f"a={a}", "--lora-scale", "0.5"], "error: lora-scale: given "
+                                  "without --adapter; choose an adapter with --adapter, or leave it out"),
+        "shims": (["--lora-modules", f"a={a}", "--adaptor", "shims"], "error: lora-modules: kept beside the weights by "
+                  "the adaptor, which --adaptor shims does not take; use --adaptor full"),
+    }
+
+
+REFUSED = ["not-name-path", "bad-name", "twice", "missing-folder", "with-lora", "unknown-adapter",
+           "adapter-without-modules", "scale-without-adapter", "shims"]
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_lora_modules_refusals(name, served, tiny_model, tmp_path):
+    """One line each, exit 2, before any weight loads."""
+    extra, expected = _refusal_cases(served, tmp_path)[name]
+    proc = run_cli_in_process(["--prompt", "a fox", "--model-id", str(tiny_model), "--device", "cpu", "--image-size",
+                               "64x64", "--save", str(tmp_path / "out.png"), *extra])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), (proc.stderr[-2000:],
+                                                                                          proc.stdout[-1000:])
+    assert "loaded" not in proc.stdout and not (tmp_path / "out.png").exists()
+
+
+def test_lora_modules_refuse_routed_experts_and_unknown_lines(gained_model, served, tmp_path):
+    """An adapter of the routed experts (merged only), refused on every rank before the load; a
+    prompts-file line naming no served adapter refused before launch, naming its line."""
+    (tmp_path / "e").mkdir()
+    every = make_adapter(gained_model, tmp_path / "e", ["qkv_proj", "gate_and_up_proj"], seed=9)[0]
+    proc = run_cli_in_process(["--prompt", "a fox", "--model-id", str(gained_model), "--device", "cpu",
+                               "--save", str(tmp_path / "out.png"), "--lora-modules", f"e={every}"])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"error: lora-modules: {every} changes model.layers.0.mlp.experts.0.gate_and_up_proj, "
+                               f"which adapters chosen per request do not change yet (attention and the shared MLP "
+                               f"only); merge it at load with --lora"), lines[0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a fox", "lora": "c"}) + "\n")
+    proc = run_cli_in_process(["--prompts", str(prompts), "--save-dir", str(tmp_path / "out"), "--model-id",
+                               str(gained_model), "--device", "cpu", "--lora-modules", f"a={served['a']}"])
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        f"error: prompts: {prompts}: line 1: adapter: 'c' is not an adapter of this job; use one of a, or leave it out for the " \
+        "base", proc.stderr[-2000:]

@@ -43,8 +43,9 @@ SUPPORTED = "attention qkv_proj / o_proj, the MLPs' gate_and_up_proj / down_proj
 class LoraError(LoadingError):
     """An adapter this run cannot merge; str() is one `lora: problem; fix` line."""
 
-    def __init__(self, problem: str, fix: str):
-        super().__init__(f"lora: {problem}; {fix}")
+    def __init__(self, problem: str, fix: str, flag: str = "lora"):
+        super().__init__(f"{flag}: {problem}; {fix}")
+        self.problem, self.fix = problem, fix
 
 
 def parse_lora(value: str) -> tuple:
@@ -214,9 +215,13 @@ def adapter_for_run(value: str, checkpoint, per_rank: bool, expert_format: Optio
     if checkpoint.per_rank:
         raise LoraError(f"{checkpoint.directory} is converted per rank; adapters are merged into an original "
                         f"checkpoint only for now", "pass the original checkpoint with --lora")
-    if expert_format is not None:
-        raise LoraError(f"not merged into {expert_format} experts yet", "drop --quantize or --lora")
-    return read_adapter(value).check(checkpoint.files())
+    adapter = read_adapter(value).check(checkpoint.files())
+    routed = next((key for key in adapter.pairs if ".mlp.experts." in key), None)
+    if expert_format is not None and routed is not None:       # attention / the shared MLP stay bf16: merged
+        raise LoraError(f"{adapter.path} changes the routed experts ({routed[:-len('.weight')]}), which load as "
+                        f"{expert_format} here; an adapter is not merged into quantized experts yet",
+                        "drop --quantize, or use an adapter of attention / the shared MLP")
+    return adapter
 
 
 class MergedFiles:

@@ -268,7 +268,7 @@ def check_lora_modules(args) -> None:
             seen.add(name)
             check_adapter_folder(path)
     except LoraError as exc:
-        raise field_error(str(exc).replace("lora:", "lora-modules:", 1)) from None
+        raise FieldError("lora-modules", exc.problem, exc.fix) from None
 
 
 def check_outputs(args, files: Optional[ModelFiles], inputs=()) -> Optional[list]:

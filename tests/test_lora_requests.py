@@ -275,3 +275,28 @@ def test_lora_modules_refuse_routed_experts_and_unknown_lines(gained_model, serv
     assert proc.returncode == 2 and proc.stderr.strip() == \
         f"error: prompts: {prompts}: line 1: adapter: 'c' is not an adapter of this job; use one of a, or leave it out for the " \
         "base", proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_python_api_adapters_and_the_planned_bytes(served, alone, gained_model):
+    """Pipeline.load(..., lora_modules=...) and generate([{..., "adapter": ...}]): the Python API takes
+    the same fields; the planner's "LoRA adapters" bytes are what the loaded rank holds."""
+    from adaptor_patches.lora_rows import BANK
+    from adaptor_patches.parallel.layout import Layout
+    from utils.pipeline import Pipeline
+    from utils.planner.memory_plan import plan
+    from utils.planner.plan import planned_adapters
+    pipe = Pipeline.load(gained_model, device="cpu", image_size="64x64", diff_infer_steps=3, seed=7,
+                         lora_modules=modules_flag(served))
+    try:
+        made = pipe.generate([{"prompt": PROMPT, "adapter": "a", "seed": 7}])
+        held = sum(2 * (low.a.numel() + low.b.numel())
+                   for low in pipe.model.rank_context.shared(BANK, dict).values())
+    finally:
+        pipe.close()
+    png = alone["a"].with_name("api_a.png")
+    made[0].image.save(png)
+    assert psnr(png, alone["a"]) >= PSNR_MIN_DB
+    planned = plan(gained_model, Layout(), (64, 64), "cpu", adapters=planned_adapters(modules_flag(served),
+                                                                                       gained_model))
+    assert planned[0].params["LoRA adapters"] == held > 0, (planned[0].params, held)

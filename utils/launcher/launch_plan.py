@@ -76,7 +76,8 @@ def plan_job(job: dict, layout, options: dict) -> None:
         from adaptor_patches.kernels.quant import resolve_compute
         compute = resolve_compute(quantize, margs.get("quant-compute"))
         batch, batch_key = job_batch(margs)
-        roles = planner.plan(model_dir, layout, size, kind, quantize, compute, batch=batch)
+        adapters = planner.planned_adapters(margs.get("lora-modules"), model_dir)
+        roles = planner.plan(model_dir, layout, size, kind, quantize, compute, batch=batch, adapters=adapters)
         if options["plan"]:
             print(planner.report(roles, layout, size, memory, quantize=quantize, batch=batch), file=sys.stderr)
             print("\n".join(planner.planned_report(model_dir, layout, size, kind, quantize)), file=sys.stderr)

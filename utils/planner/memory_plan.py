@@ -299,14 +299,23 @@ def comm_per_step(config, raw: dict, layout, image_size, tp_rank: int = 0) -> di
     return traffic_by_phase(config, raw, layout, image_size, tp_rank)[DENOISING_STEP]
 
 
+def adapter_bytes(adapters: tuple, config, layout, tp_rank: int) -> int:
+    """Bytes tp rank `tp_rank` holds of `--lora-modules`' adapters ((name, Adapter), ...): their halves cut
+    as the weights are (weights/lora.py: per_request_pairs), in the decoder's bf16 (lora_rows.py)."""
+    from adaptor_patches.weights.lora import per_request_pairs
+    return sum(2 * (a.numel() + b.numel()) for _, adapter in adapters
+               for a, b in per_request_pairs(adapter, config, layout, tp_rank).values())
+
+
 def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None, quant_compute=None,
-         conditioning_images=None, batch: int = 1) -> list:
+         conditioning_images=None, batch: int = 1, adapters: tuple = ()) -> list:
     """One RolePlan per distinct "tp" rank (experts in `quantize`'s 8-bit format, None: bf16, computing
     `quant_compute`). Layout.check admits only even splits, so every tp rank
     holds tensors of the same shapes (only which slice differs): rank 0 is built, and the last one
     too as a check; ranks whose numbers are equal are grouped. An Instruct checkpoint's context
     holds `conditioning_images` images' tokens (None: the most a request brings; conditioning_tokens).
-    `batch`: requests per forward batch (activations and traffic scale with it; parameters do not)."""
+    `batch`: requests per forward batch (activations and traffic scale with it; parameters do not).
+    `adapters`: LoRA adapters kept beside the weights (--lora-modules), a component of the parameters."""
     config, raw = read_config(model_dir)
     from adaptor_patches.parallel.layout import LayoutError
     from adaptor_patches.weights.int4_format import layout_problem
@@ -319,6 +328,8 @@ def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None,
     roles = []
     for tp_rank in sorted({0, layout.tp - 1}):
         params, read_bytes = rank_weights(config, raw, layout, tp_rank, quantize)
+        if adapters:
+            params = {**params, "LoRA adapters": adapter_bytes(adapters, config, layout, tp_rank)}
         same = next((r for r in roles if r.params == params), None)
         if same is None:
             traffic = traffic_by_phase(config, raw, layout, image_size, tp_rank, device_kind, design,

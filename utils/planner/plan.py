@@ -344,6 +344,18 @@ def check_fit(roles, model_dir, layout, image_size, device_kind: str, device_mem
                     f"{instead}; or pass --no-plan to launch anyway")
 
 
+def planned_adapters(lora_modules, model_dir) -> tuple:
+    """--lora-modules' adapters, read and held against the checkpoint (its headers, or a config folder's
+    config.json alone); a bad one is a PlanError naming the flag."""
+    if not lora_modules:
+        return ()
+    from adaptor_patches.weights.lora import LoraError, parse_lora_module, read_adapter
+    try:
+        return tuple((name, read_adapter(path)) for name, path in map(parse_lora_module, lora_modules.split(",")))
+    except LoraError as exc:
+        raise PlanError(f"lora-modules: {exc.problem}; {exc.fix}") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m utils.planner", description=__doc__.splitlines()[0])
     p.add_argument("--model-id", required=True, help="a checkpoint or config directory (config.json is read)")
@@ -366,6 +378,8 @@ def main(argv=None) -> int:
                         "EP rows sent as int8)")
     p.add_argument("--conditioning-images", type=int, default=None,
                    help="Instruct checkpoints: images per request in the context (default: the most, 3)")
+    p.add_argument("--lora-modules", default=None, metavar="NAME=PATH[,NAME=PATH...]",
+                   help="LoRA adapters kept beside the weights (run_image_gen's --lora-modules): their bytes per rank")
     p.add_argument("--batch", type=int, default=1,
                    help="requests per forward batch (--max-batch / --batch-size): activations and traffic scale with it")
     args = p.parse_args(argv)
@@ -393,7 +407,7 @@ def main(argv=None) -> int:
         layout.check(raw)
         memory = parse_memory(args.device_memory) if args.device_memory else None
         roles = plan(args.model_id, layout, size, args.device, quantize, args.quant_compute, args.conditioning_images,
-                     args.batch)
+                     args.batch, planned_adapters(args.lora_modules, args.model_id))
         print(report(roles, layout, size, memory, quantize=quantize, batch=args.batch))
         print(conditioning_line(config, raw, args.conditioning_images))
         print("\n".join(planned_report(args.model_id, layout, size, args.device, quantize, args.conditioning_images)))

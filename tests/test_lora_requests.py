@@ -76,6 +76,8 @@ def test_mixed_batch_gives_each_request_its_image_alone(served, alone, gained_mo
     args, pngs = mixed_job(gained_model, served, tmp_path / "mixed")
     proc = run_cli_in_process(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "lora: 2 adapters chosen per request (a: 4 targets, scale 2, b: 8 targets, scale 2)" in proc.stdout, \
+        proc.stdout[-2000:]
     lines = [json.loads(line) for line in (tmp_path / "mixed" / "metrics.jsonl").read_text().splitlines()]
     assert [line.get("batch_size") for line in lines[:3]] == [3, 3, 3], lines      # one forward batch
     assert [line.get("adapter") for line in lines[:3]] == ["a", "b", None], lines

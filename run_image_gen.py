@@ -81,7 +81,7 @@ def check_checkpoint_files(args, layout, rank: int) -> tuple:
     adapter = None
     if args.lora is not None:         # the adapter read and held against the checkpoint's headers
         from adaptor_patches.weights.lora import adapter_for_run
-        adapter = adapter_for_run(args.lora, checkpoint, per_rank, expert_format)
+        adapter = adapter_for_run(args.lora, checkpoint, per_rank, expert_format, layout, layout.tp_rank(rank))
     return checkpoint, expert_format, adapter
 
 

@@ -125,8 +125,11 @@ def test_lora_on_two_ranks(adapters, gained_model, out_dir):
 
 
 @pytest.mark.slow
-def test_lora_on_instruct(tiny_instruct, tmp_path):
-    """HunyuanImage-3.0-Instruct's model file: the same checkpoint names, the same merge."""
+@pytest.mark.parametrize("variant", ["tiny_instruct", "tiny_distil"])
+def test_lora_on_instruct(variant, request, tmp_path):
+    """HunyuanImage-3.0-Instruct's model file (and Instruct-Distil's checkpoint): the same checkpoint
+    names, the same merge."""
+    tiny_instruct = request.getfixturevalue(variant)
     (tmp_path / "a").mkdir()
     adapter, merged = make_adapter(tiny_instruct, tmp_path / "a", ["qkv_proj", "o_proj", "shared_mlp.down_proj"])
     extra = ("--bot-task", "image")
@@ -134,7 +137,7 @@ def test_lora_on_instruct(tiny_instruct, tmp_path):
     png, _, proc = generate(tiny_instruct, tmp_path, "lora", "--lora", adapter, *extra)
     base = generate(tiny_instruct, tmp_path, "base", *extra)[0]
     same, moved = psnr(png, reference), psnr(png, base)
-    print(f"instruct: {same:.1f} dB vs peft-merged upstream eager, {moved:.1f} dB vs the base")
+    print(f"{variant}: {same:.1f} dB vs peft-merged upstream eager, {moved:.1f} dB vs the base")
     assert "lora: merged 6 targets" in proc.stdout
     assert same >= PSNR_MIN_DB and moved < PSNR_MIN_DB - 10, (same, moved)
 
@@ -222,20 +225,40 @@ def test_lora_refused_with(case, extra, expected, adapters, tiny_model, tmp_path
         proc.stderr[-2000:]
 
 
-def test_lora_refused_with_a_converted_folder(adapters, tiny_model, tmp_path):
+def _converted_tp2(model, out: Path) -> Path:
     import contextlib
     import io
     from utils import convert_model
-    out = tmp_path / "tp2"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert convert_model.main([str(a) for a in ("--model-path", tiny_model, "--output-path", out,
+        assert convert_model.main([str(a) for a in ("--model-path", model, "--output-path", out,
                                                     "--tp-attn", 2, "--tp-moe", 2)]) == 0
+    return out
+
+
+def test_lora_of_routed_experts_refused_with_a_converted_folder(adapters, tiny_model, tmp_path):
+    out = _converted_tp2(tiny_model, tmp_path / "tp2")
+    adapter = adapters["every_linear"][0]
     proc = run_cli_in_process(["--prompt", "x", "--model-id", out, "--device", "cpu", "--moe-tp", "--save",
-                               tmp_path / "never.png", "--lora", adapters["attention"][0]],
+                               tmp_path / "never.png", "--lora", adapter],
                               env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        f"error: lora: {out} is converted per rank; adapters are merged into an original checkpoint only for now; "
-        f"pass the original checkpoint with --lora"), proc.stderr[-2000:]
+        f"error: lora: {adapter} changes the routed experts (model.layers.0.mlp.experts.0.down_proj), which {out} "
+        f"holds stacked per rank; pass the original checkpoint with --lora"), proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_lora_on_a_converted_folder(adapters, gained_model, out_dir, tmp_path):
+    """A TP2 rank folder of utils/convert_model.py: each rank's slices merged with the adapter's halves
+    cut as the folder's were; the image is the original's with --lora on the same layout."""
+    adapter, merged = adapters["attention_shared"]
+    converted = _converted_tp2(gained_model, tmp_path / "tp2")
+    reference = generate(merged, out_dir, "attention_shared_eager_c", "--adaptor", "shims")[0]
+    png, _, args = generate_args(converted, tmp_path, "converted", "--lora", adapter, "--moe-tp")
+    proc = run_in_pool(2, [args])[0]
+    assert "lora: merged 8 targets" in proc.stdout, proc.stdout[-2000:]
+    db = psnr(png, reference)
+    print(f"converted TP2 folder with --lora: {db:.1f} dB vs peft-merged upstream eager")
+    assert db >= PSNR_MIN_DB, db
 
 
 def test_lora_scale_must_be_finite(adapters, tiny_model, tmp_path):

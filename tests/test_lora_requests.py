@@ -97,10 +97,20 @@ def test_per_request_matches_merged_with_a_scale(served, gained_model, tmp_path)
 
 @pytest.mark.slow
 def test_mixed_batch_on_two_ranks(served, alone, gained_model, tmp_path):
+    """Also a converted TP2 folder (utils/convert_model.py): the adapters are held against its
+    config.json's shapes and cut for the run's layout."""
+    import contextlib
+    import io
+    from utils import convert_model
+    converted = tmp_path / "tp2"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert convert_model.main([str(a) for a in ("--model-path", gained_model, "--output-path", converted,
+                                                    "--tp-attn", 2, "--tp-moe", 2)]) == 0
     jobs = {}
     for layout in (("--moe-tp",), ("--moe-ep",), ("--cfg-parallel",), ("--ulysses", "2")):
         label = "-".join(layout)[2:]
         jobs[label] = mixed_job(gained_model, served, tmp_path / label, *layout)
+    jobs["converted-tp2"] = mixed_job(converted, served, tmp_path / "converted", "--moe-tp")
     results = run_in_pool(2, [args for args, _ in jobs.values()])
     for (label, (_, pngs)), proc in zip(jobs.items(), results):
         assert ("cfg=2" if label == "cfg-parallel" else "tp=2") in proc.stdout, proc.stdout[-2000:]

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from .config_shapes import expected_shape
 from .rank_slices import rank_tensor
 from .safetensors_io import CheckpointFiles, LoadingError
 
@@ -156,11 +157,15 @@ class Adapter:
 
     def check(self, files: CheckpointFiles) -> "Adapter":
         """Every target against the checkpoint's headers: present, 2-D, shapes fitting A and B."""
+        return self.check_shapes(lambda key: tuple(files.info(key).shape) if key in files.weight_map else None)
+
+    def check_shapes(self, shape_of) -> "Adapter":
+        """Every target against `shape_of(key)`: its original weight's shape, None where there is none."""
         for key, (a, b) in self.pairs.items():
-            if key not in files.weight_map:
+            shape = shape_of(key)
+            if shape is None:
                 raise LoraError(f"{self.path} changes {key[:-len('.weight')]}, which this checkpoint does not have",
                                 "use an adapter trained on this model")
-            shape = tuple(files.info(key).shape)
             if shape != (b.shape[0], a.shape[1]):
                 raise LoraError(f"{self.path}'s {key[:-len('.weight')]} is B {list(b.shape)} @ A {list(a.shape)} "
                                 f"but the checkpoint's weight is {list(shape)}", "use an adapter trained on this model")
@@ -206,22 +211,33 @@ def read_adapter(value: str) -> Adapter:
     return Adapter(folder, scale, pairs)
 
 
-def adapter_for_run(value: str, checkpoint, per_rank: bool, expert_format: Optional[str]) -> Adapter:
+def adapter_for_run(value: str, checkpoint, per_rank: bool, expert_format: Optional[str], layout=None,
+                    tp_rank: int = 0) -> Adapter:
     """`--lora`'s adapter, read and checked for this run (the folder, the adaptor, the experts'
-    format, `checkpoint`'s headers: a checkpoint.Checkpoint) before any weight is read."""
+    format, `checkpoint`'s headers: a checkpoint.Checkpoint) before any weight is read. For a rank
+    folder of ours (converted per rank) its halves are cut for `layout`'s rank `tp_rank` as the folder's
+    slices were (per_request_pairs), so each local tensor reads as W_local + scale * B_local @ A_local."""
     if not per_rank:
         raise LoraError("merged by the adaptor's weight path, which --adaptor shims does not take",
                         "use --adaptor full, or merge the adapter into a checkpoint (peft's merge_and_unload)")
+    if checkpoint.per_rank and checkpoint.format != "converted":
+        raise LoraError(f"{checkpoint.directory} is a cann-recipes rank folder; adapters are merged into an original "
+                        f"checkpoint or a folder of utils/convert_model.py", "pass the original checkpoint with --lora")
     if checkpoint.per_rank:
-        raise LoraError(f"{checkpoint.directory} is converted per rank; adapters are merged into an original "
-                        f"checkpoint only for now", "pass the original checkpoint with --lora")
-    adapter = read_adapter(value).check(checkpoint.files())
+        adapter = read_adapter(value).check_shapes(lambda key: expected_shape(key, checkpoint.config))
+    else:
+        adapter = read_adapter(value).check(checkpoint.files())
     routed = next((key for key in adapter.pairs if ".mlp.experts." in key), None)
     if expert_format is not None and routed is not None:       # attention / the shared MLP stay bf16: merged
         raise LoraError(f"{adapter.path} changes the routed experts ({routed[:-len('.weight')]}), which load as "
                         f"{expert_format} here; an adapter is not merged into quantized experts yet",
                         "drop --quantize, or use an adapter of attention / the shared MLP")
-    return adapter
+    if not checkpoint.per_rank:
+        return adapter
+    if routed is not None:
+        raise LoraError(f"{adapter.path} changes the routed experts ({routed[:-len('.weight')]}), which "
+                        f"{checkpoint.directory} holds stacked per rank", "pass the original checkpoint with --lora")
+    return Adapter(adapter.path, adapter.scale, per_request_pairs(adapter, checkpoint.config, layout, tp_rank))
 
 
 class MergedFiles:
@@ -280,10 +296,14 @@ def parse_lora_module(value: str) -> tuple:
 
 def served_adapters(values, checkpoint, served_model: str) -> tuple:
     """((name, Adapter), ...) of `--lora-modules`, each read and checked against `checkpoint`
-    (a checkpoint.Checkpoint) before any request runs; names unique and not the model's own."""
-    if checkpoint.per_rank:
-        raise LoraError(f"{checkpoint.directory} is converted per rank; adapters are checked against an original "
-                        f"checkpoint only for now", "pass the original checkpoint with --lora-modules")
+    (a checkpoint.Checkpoint: an original's headers, a rank folder's config.json) before any request
+    runs; names unique and not the model's own. They are cut for the run's layout, not the folder's."""
+    if checkpoint.per_rank:             # a rank folder holds slices: the originals' shapes from config.json
+        def check(adapter):
+            return adapter.check_shapes(lambda key: expected_shape(key, checkpoint.config))
+    else:
+        def check(adapter):
+            return adapter.check(checkpoint.files())
     out, seen = [], {served_model}
     for value in values:
         name, path = parse_lora_module(value)
@@ -291,7 +311,7 @@ def served_adapters(values, checkpoint, served_model: str) -> tuple:
             raise LoraError(f"--lora-modules names {name!r} twice (or it is the served model's name)",
                             "give each adapter its own name")
         seen.add(name)
-        adapter = read_adapter(path).check(checkpoint.files())
+        adapter = check(read_adapter(path))
         for key in adapter.pairs:
             if not PER_REQUEST_KEY.match(key):
                 raise LoraError(f"{adapter.path} changes {key[:-len('.weight')]}, which adapters chosen per request "

@@ -41,8 +41,7 @@ def ensure_model(path: Path) -> Path:
 def launcher(nproc: int) -> list:
     if nproc == 1:
         return [sys.executable]
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multirank import free_port
+    from utils.selfcheck.checks.collectives import free_port
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
 
 

@@ -76,7 +76,7 @@ class Models(dict):
             from utils.make_tiny_model import make_tiny_model
             path = make_tiny_model(out)
         elif name == "text":
-            from text_checkpoint import make_text_checkpoint
+            from harness.checkpoints import make_text_checkpoint
             path = make_text_checkpoint(self["tiny"], out)
         elif name == "config_only":
             out.mkdir(parents=True)

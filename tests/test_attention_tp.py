@@ -29,7 +29,7 @@ from adaptor_patches.kernels import make_kernels
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import HeadShard, Layout, LayoutError
 from rank_state import rank_state_dict
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 pytestmark = pytest.mark.usefixtures("unpatched_upstream")
 

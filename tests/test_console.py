@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from multirank import free_port
+from harness.multirank import free_port
 from test_launcher import ROOT, log_from, remove_log, run_launcher, write_yaml
 from utils.runtime.rank_console import KNOWN_HARMLESS, OtherRankStream, RankZeroStream
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from generation import generate, generate_args, psnr, rewritten_checkpoint, run_cli_in_process, run_in_pool
+from generation import generate, generate_args, psnr, run_cli_in_process, run_in_pool
+from harness.checkpoints import rewritten_checkpoint
 
 PSNR_MIN_DB = 40.0
 ATTENTION = ["qkv_proj", "o_proj"]

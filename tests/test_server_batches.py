@@ -25,7 +25,7 @@ from PIL import Image
 
 from generation import ROOT, run_cli_in_process
 from http_client import health, metric, post
-from multirank import free_port
+from harness.multirank import free_port
 from test_server_ranks import stream
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 
 from generation import ROOT
 from http_client import health, post
-from multirank import free_port
+from harness.multirank import free_port
 from utils.runtime.image_requests import ImageRequest, RequestChecker
 from utils.runtime.image_server import ImageServer
 

@@ -3,8 +3,9 @@
     results = run_ranks(2, my_fn, arg1, arg2)      # my_fn(rank, world_size, *args) -> picklable
     a, b = run_apart([(fn_a, x), (fn_b, y)])       # independent one-process jobs, side by side
 
-The ranks of each world size form a pool that lives for the whole test session (RankPool), so a
-call costs the function's own time, not a fresh start of N interpreters; and every pool's ranks
+The ranks of each world size form a pool that lives for the whole process (RankPool: a test session,
+or a benchmark's run: bench/comm.py, bench/rank_decode.py), so a call costs the function's own
+time, not a fresh start of N interpreters; and every pool's ranks
 are forked from one forkserver that has imported torch, transformers and upstream once (PRELOAD),
 so a pool starts in about a second instead of ~8 s of imports per rank. `my_fn` must be
 importable (module level); after each call the pool resets the patch table and the environment

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 from harness.comm_counts import LAYOUTS, W8A8, dispatch_of, planned_for  # noqa: E402  (after the path set-up above)
 

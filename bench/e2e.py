@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 MID_SIZES = dict(layers=4, hidden=512, heads=8, kv_heads=4, experts=16, topk=4, moe_intermediate=256,
                  image_base_size=128, patch_embed_dim=128)

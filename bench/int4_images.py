@@ -22,8 +22,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 LAYOUTS = {"one process": (1, []), "MoE EP2": (2, ["--moe-ep"]), "MoE TP2": (2, ["--moe-tp"]),
            "CFG2": (2, ["--cfg-parallel"]), "Ulysses2 + MoE EP2": (2, ["--moe-ep", "--ulysses", "2"])}
@@ -32,7 +31,7 @@ LAYOUTS = {"one process": (1, []), "MoE EP2": (2, ["--moe-ep"]), "MoE TP2": (2, 
 def build_model(kind: str, root: Path) -> Path:
     from utils.make_tiny_model import make_tiny_model
     if kind == "mid":
-        from e2e import MID_SIZES
+        from bench.e2e import MID_SIZES
         return make_tiny_model(root / "mid", **MID_SIZES)
     if kind == "tiny":
         from harness.checkpoints import gain_of, scaled_checkpoint

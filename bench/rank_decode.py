@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 IMAGE = ROOT / "assets" / "demo_instruct_imgs" / "input_0_0.png"
 LAYOUTS = {"cfg2": {"cfg_parallel": True}, "tp2": {}}

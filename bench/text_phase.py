@@ -50,9 +50,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "bench"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 from adaptor_patches import forward_context  # noqa: E402  (after the path set-up above)
 
@@ -77,7 +75,7 @@ def model_dir(name: str) -> Path:
     if name == "tiny":
         return ensure_tiny_model(ROOT / "models" / "tiny_instruct", "instruct")
     if name == "mid":
-        from e2e import MID_SIZES
+        from bench.e2e import MID_SIZES
         return ensure_tiny_model(ROOT / "models" / "mid_instruct", "instruct", **{**MID_SIZES, "image_base_size": 256})
     return Path(name)
 

@@ -38,8 +38,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 PROMPTS = ["a red fox in the snow", "a lighthouse at dusk", "a bowl of ramen", "a cat on a windowsill",
            "a mountain lake", "a city street in the rain", "a field of sunflowers", "an old steam train"]
@@ -50,7 +49,7 @@ def model_dir(name: str, work: Path) -> Path:
         from utils.make_tiny_model import ensure_tiny_model
         return ensure_tiny_model(ROOT / "models" / "tiny")
     if name == "mid":
-        from e2e import ensure_model
+        from bench.e2e import ensure_model
         return ensure_model(Path(tempfile.gettempdir()) / "hunyuan_mid_bench")
     return Path(name)
 

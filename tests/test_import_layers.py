@@ -158,7 +158,7 @@ def project_modules() -> dict:
 def project_imports(name: str, source: str, modules: dict) -> set:
     """The project's modules that module `name` (its text: `source`) imports, at any depth of the file.
     Absolute names under PROJECT's packages, relative ones, and the bare names a script imports from
-    its own folder (bench/throughput.py's `from e2e import ...`: bench/ is on sys.path when it runs)."""
+    its own folder (a bench script's `from e2e import ...`: bench/ is on sys.path when it runs by path)."""
     package = name.split(".")[:-1]
     roots = {entry.removesuffix(".py") for entry in PROJECT}
 
@@ -303,4 +303,35 @@ def test_tests_import_no_benchmark_and_benchmarks_only_the_tests_doubles():
             if module not in DOUBLES or not said:
                 wrong.append(f"bench/{path.name}:{line} imports {name}" + ("" if module in DOUBLES else
                              " (not a hardware double)") + ("" if said else " (no comment)"))
+    assert not wrong, wrong
+
+
+def sys_path_edits(path: Path) -> list:
+    """The lines of `path` that change sys.path (insert, append, extend, a slice assigned), code only."""
+    def on_sys_path(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys"
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and on_sys_path(node.func.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Subscript) and on_sys_path(t.value)
+                                                  for t in node.targets):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_a_script_run_by_path_puts_the_root_on_sys_path_once_and_nothing_else_edits_it():
+    """bench/'s scripts, the tests' --write / --record scripts and utils' converters are run by path:
+    one commented line each puts the repo root on sys.path. Tests get it from pytest.ini's pythonpath."""
+    staged = staged_upstream()
+    roots = [*PROJECT, "tests"]
+    files = [path for entry in roots
+             for path in ([ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py")))
+             if path.relative_to(ROOT).as_posix() not in staged]
+    wrong = []
+    for path in files:
+        edits, text = sys_path_edits(path), path.read_text(encoding="utf-8").splitlines()
+        said = all("#" in text[line - 1] or "#" in text[line - 2] for line in edits)
+        if len(edits) > 1 or not said:
+            wrong.append(f"{path.relative_to(ROOT)}: lines {edits}" + ("" if said else " (no comment)"))
     assert not wrong, wrong

@@ -30,9 +30,9 @@ import json
 import pytest
 
 from generation import psnr, run_cli_in_process, run_in_pool
+from harness.checkpoints import make_text_checkpoint
 from harness.multirank import run_apart
 from test_instruct_jobs import write_inputs
-from harness.checkpoints import make_text_checkpoint
 
 pytestmark = pytest.mark.slow
 PSNR_MIN_DB = 40.0

@@ -36,8 +36,8 @@ from PIL import Image
 
 from generation import psnr
 from harness.checkpoints import scaled_checkpoint
-from instruct_runs import PROMPT, SEED, demo_image, run_cases
 from harness.multirank import free_port, start_apart
+from instruct_runs import PROMPT, SEED, demo_image, run_cases
 
 SCALE = 10.0                       # the checkpoint's diff_guidance_scale is 2.5
 DEFAULT_SCALE = 2.5

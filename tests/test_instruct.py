@@ -104,8 +104,8 @@ def test_each_conditioning_path_moves_the_image_beyond_kernel_noise(checkpoint, 
     """Zero one path (its tensors x0) and regenerate with the full adaptor: the image must move more
     than full-vs-eager differ by PATH_MARGIN_DB, and past the equivalence bound. (Each run is a
     one-process job, side by side: multirank.run_apart.)"""
-    from instruct_runs import run_with_timestep_r_as_t
     from harness.multirank import run_apart
+    from instruct_runs import run_with_timestep_r_as_t
     model_dir = request.getfixturevalue(f"tiny_{checkpoint}")
     runs = request.getfixturevalue(f"{checkpoint}_runs")
     case_name = "edit_fixed_size" if checkpoint == "instruct" else "distil_edit"

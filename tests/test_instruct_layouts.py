@@ -38,8 +38,8 @@ import torch
 
 from generation import latent_rel_err, psnr, run_cli_in_process
 from harness.checkpoints import scaled_checkpoint
-from instruct_runs import cases_apart, cases_on_rank, demo_image
 from harness.multirank import run_ranks
+from instruct_runs import cases_apart, cases_on_rank, demo_image
 
 PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 3e-2

@@ -1,7 +1,7 @@
 """Bytes on the wire: the recorder counts by the written definitions, counted runs equal the planner's
 traffic lines, every collective's tensors are on the rank's device, and the layout's token shares.
 
-Counted layouts (4 gloo ranks, bench/comm.py's): CFG2 x MoE EP2 on sequence shares (the recipe's
+Counted layouts (4 gloo ranks, harness/comm_counts.py's LAYOUTS): CFG2 x MoE EP2 on sequence shares (the recipe's
 design, what every EP layout runs now), CFG2 x MoE TP2 (rows replicated), Ulysses 2 x attention TP2
 with MoE TP on shares, and CFG2 x Ulysses 2 + EP2 sending int8 rows (the NPU set through its
 double, int8 experts computing W8A8). Mutation checked: the attention's reduce-scatter replaced by

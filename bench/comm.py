@@ -4,9 +4,9 @@
                                    [--real-model config/real_model] [--real-size 1024x1024] [--json PATH]
 
 1. Counted: the tiny model (built if DIR is missing) generates one image on each layout's ranks
-   (spawned gloo processes, tests/multirank.py's pool) under utils/planner/comm_recorder.py, which
-   wraps torch.distributed's collectives and counts what each rank sends per phase and kind. Each
-   count is set against the planner's traffic lines (utils/planner/traffic.py) for the same
+   (spawned gloo processes, harness/multirank.py's pool; harness/comm_counts.py) under
+   utils/planner/comm_recorder.py, which wraps torch.distributed's collectives and counts what each
+   rank sends per phase and kind. Each count is set against the planner's traffic lines (utils/planner/traffic.py) for the same
    layout, config and sequence: within 2 %, rank by rank (all-to-all: the payload over all ranks;
    its leaving share depends on the routing and is shown, not judged). Exit 1 on a miss. The
    int8-dispatch layout runs the NPU kernel set through its CPU double (tests/npu_double.py: the
@@ -26,80 +26,25 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
-PROMPT = "a red fox standing in fresh snow"
-# name -> (world size, Layout's (cfg, moe, vae_parallel[, ulysses]), experts: None | "int8-w8a8" (NPU double))
-LAYOUTS = {"tp2": (2, (1, "replicated", False), None), "ep2": (2, (1, "ep", False), None),
-           "tp2_cfg2_moe_tp": (4, (2, "tp", True), None), "ep2_cfg2_moe_ep": (4, (2, "ep", True), None),
-           "u2_cfg2_moe_ep": (4, (2, "ep", True, 2), None), "u2_tp2_moe_tp": (4, (1, "tp", False, 2), None),
-           "u2_cfg2_moe_ep_int8": (4, (2, "ep", True, 2), "int8-w8a8")}
+from harness.comm_counts import LAYOUTS, W8A8, dispatch_of, planned_for  # noqa: E402  (after the path set-up above)
+
 EP8_CFG = (16, 2, "ep", True)
 MiB = 2 ** 20
 
 
-# ---------------------------------------------------------------- counted (on each rank)
+# ---------------------------------------------------------------- counted (on each rank: harness/comm_counts.py)
 
-def expert_kernels(experts):
-    """(kernel set, expert format) of an `experts` spec: None -> the device's, bf16; "int8-w8a8" ->
-    the NPU set through its CPU double computing W8A8, int8 experts (EP rows sent as int8)."""
-    if experts is None:
-        return None, None
-    if experts != "int8-w8a8":
-        raise ValueError(f"experts: {experts!r} is not None or int8-w8a8")
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    import npu_double
-    from adaptor_patches.kernels.npu import NpuKernels
-    return NpuKernels(npu=npu_double, quant_compute="w8a8", comm_name=npu_double.hccl_comm_name), "int8"
-
-
-def dispatch_of(experts) -> str:
-    return "int8" if experts == "int8-w8a8" else "bf16"
-
-
-def load_rank_model(rank: int, world_size: int, model_dir, layout_args: tuple, device=None, experts=None):
-    """(model, context) of this rank, loaded as run_image_gen loads it (`experts`: expert_kernels)."""
-    from adaptor_patches.kernels.device import Device
-    from adaptor_patches.parallel.layout import Layout
-    from utils.runtime import rank_model
-    kernels, expert_format = expert_kernels(experts)
-    return rank_model.load_rank_model(model_dir, device or Device("cpu"), layout=Layout(world_size, *layout_args),
-                                      rank=rank, text_to_image_only=True, kernels=kernels, expert_format=expert_format)
-
-
-def generate(model, size: int, steps: int, step_cache=None):
-    """One image, as run_image_gen generates it (the step cache's run around it when given)."""
-    from adaptor_patches import step_cache as cache
-    with cache.running(model, step_cache, steps):
-        return model.generate_image(prompt=PROMPT, seed=7, image_size=f"{size}x{size}", diff_infer_steps=steps,
-                                    verbose=0)
-
-
-def count_on_rank(rank: int, world_size: int, model_dir, layout_args: tuple, size: int, steps: int,
-                  experts=None) -> dict:
-    """This rank's recorder summary of one image (multirank.run_ranks calls it on every rank)."""
-    import torch
-    from utils.planner.comm_recorder import CollectiveRecorder
-    with torch.no_grad():
-        model, context = load_rank_model(rank, world_size, model_dir, layout_args, experts=experts)
-        with CollectiveRecorder(context.device.torch_device) as recorder:
-            recorder.attach(model)
-            generate(model, size, steps)
-    return recorder.summary()
-
-
-def planned_for(model_dir, layout_args: tuple, world_size: int, size: int, counted: list, experts=None) -> list:
-    """Every rank's planned lines for the run `counted` describes (its first step's sequence length)."""
-    from adaptor_patches.parallel.layout import Layout
-    from utils.planner.memory_plan import read_config
-    from utils.planner.traffic import FIRST_STEP, image_lines
-    config, raw = read_config(model_dir)
-    layout = Layout(world_size, *layout_args)
-    first = counted[0]["forward_rows"][FIRST_STEP][0]
-    return [image_lines(config, raw, layout, (size, size), layout.tp_rank(r), layout.cfg_rank(r),
-                        first_step_rows=first, device_kind="cpu", dispatch=dispatch_of(experts))
-            for r in range(world_size)]
+def experts_of(spec):
+    """count_on_rank's `experts` for LAYOUTS' spec: None, or the NPU set computing W8A8 with int8 experts."""
+    if spec is None:
+        return None
+    if spec != W8A8:
+        raise ValueError(f"experts: {spec!r} is not None or {W8A8}")
+    # A hardware double: the int8 layout runs the NPU kernel set, which off an NPU is its CPU double (tests/).
+    from tests import npu_double
+    return npu_double.w8a8_experts
 
 
 def counted_table(results: dict) -> str:
@@ -163,25 +108,24 @@ def main(argv=None) -> int:
     p.add_argument("--real-size", default="1024x1024")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    from bench.comm import count_on_rank          # importable by the spawned ranks by this name
+    from harness.comm_counts import count_on_rank
+    from harness.multirank import close_pools, run_ranks
     from utils.planner.comm_recorder import compare
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multirank import close_pools, run_ranks
     from utils.make_tiny_model import ensure_tiny_model
     ensure_tiny_model(args.model)
     results, raw_counts = {}, {}
     try:
         for name in args.layouts:
-            world_size, layout_args, experts = LAYOUTS[name]
+            world_size, layout_args, spec = LAYOUTS[name]
             print(f"counting {name} on {world_size} gloo ranks ...", file=sys.stderr, flush=True)
             counted = run_ranks(world_size, count_on_rank, str(args.model), layout_args, args.size, args.steps,
-                                experts, timeout_s=900)
+                                experts_of(spec), timeout_s=900)
             misplaced = [m for c in counted for m in c["misplaced"]]
             if misplaced:
                 print(f"error: {name}: collectives handed tensors off the rank's device: {misplaced[:3]}",
                       file=sys.stderr)
                 return 1
-            planned = planned_for(args.model, layout_args, world_size, args.size, counted, experts)
+            planned = planned_for(args.model, layout_args, world_size, args.size, counted, dispatch_of(spec))
             results[name], raw_counts[name] = compare(counted, planned), counted
     finally:
         close_pools()

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 from utils.safetensors_stream import StreamingWriter  # noqa: E402
 

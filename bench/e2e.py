@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 MID_SIZES = dict(layers=4, hidden=512, heads=8, kv_heads=4, experts=16, topk=4, moe_intermediate=256,
                  image_base_size=128, patch_embed_dim=128)
@@ -41,8 +41,7 @@ def ensure_model(path: Path) -> Path:
 def launcher(nproc: int) -> list:
     if nproc == 1:
         return [sys.executable]
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multirank import free_port
+    from utils.selfcheck.checks.collectives import free_port
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 VARIANTS = ("default", "kept")
 FIELDS = ("wall_s", "user_s", "sys_s", "minor_faults")
 

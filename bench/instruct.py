@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
-from step_cache import SMALL_SIZES  # noqa: E402
+from bench.step_cache import SMALL_SIZES  # noqa: E402
 
 SIZES = {**SMALL_SIZES, "image_base_size": 256}
 MODELS = {"base": "instruct_bench_base", "instruct": "step_cache_small_instruct", "distil": "instruct_bench_distil"}

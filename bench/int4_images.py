@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/int4_images.py [--model tiny|mid|DIR] [--steps 3] [--size 64] [--json PATH]
 
-`tiny`: utils/make_tiny_model.py's defaults with tests/conftest.py's gains (attention and the MoE's
+`tiny`: utils/make_tiny_model.py's defaults with harness/checkpoints.py's gains (attention and the MoE's
 down projections scaled up, so the routed experts decide enough of the image that their error
 shows); `mid`: bench/e2e.py's MID_SIZES (hidden 512, 16 experts top-4). Every image is one
 run_image_gen.py run (torchrun for 2 ranks), seed 7, on the CPU, experts bf16 / int8 / int4 on each
@@ -22,9 +22,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 LAYOUTS = {"one process": (1, []), "MoE EP2": (2, ["--moe-ep"]), "MoE TP2": (2, ["--moe-tp"]),
            "CFG2": (2, ["--cfg-parallel"]), "Ulysses2 + MoE EP2": (2, ["--moe-ep", "--ulysses", "2"])}
@@ -33,11 +31,10 @@ LAYOUTS = {"one process": (1, []), "MoE EP2": (2, ["--moe-ep"]), "MoE TP2": (2, 
 def build_model(kind: str, root: Path) -> Path:
     from utils.make_tiny_model import make_tiny_model
     if kind == "mid":
-        from e2e import MID_SIZES
+        from bench.e2e import MID_SIZES
         return make_tiny_model(root / "mid", **MID_SIZES)
     if kind == "tiny":
-        from conftest import gain_of
-        from generation import scaled_checkpoint
+        from harness.checkpoints import gain_of, scaled_checkpoint
         return scaled_checkpoint(make_tiny_model(root / "tiny"), root / "tiny_gained", gain_of)
     return Path(kind)
 
@@ -68,7 +65,7 @@ def run(model: Path, nproc: int, flags: list, out: Path, name: str, args) -> Pat
 
 
 def free_port() -> int:
-    from multirank import free_port as port
+    from utils.selfcheck.checks.collectives import free_port as port
     return port()
 
 

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))       # run by path: the project's packages
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.shared_mlp.gate_and_up_proj", "mlp.shared_mlp.down_proj")
 PROMPT = "a red fox standing in fresh snow"

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 import torch  # noqa: E402
 
@@ -46,7 +46,7 @@ def real_routing(model_dir: Path) -> dict:
     """{EP degree: (distinct ranks per token, k)} over every MoE call of one tiny-model image."""
     import model_adaptor
     from adaptor_patches.moe import gate
-    from bench.comm import generate, load_rank_model
+    from harness.comm_counts import generate, load_rank_model
     calls = []
     original = gate.route
 

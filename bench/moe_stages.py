@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: the repo root, for its packages
 from bench.moe_layer import TOPK, build_layer  # noqa: E402
 
 

@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 
 def rss_kib(field: str) -> int:
@@ -39,7 +38,7 @@ def main():
     from utils.planner.plan import parse_size
     from utils.runtime.rank_model import load_rank_model
     if args.model == "mid":
-        from e2e import ensure_model
+        from bench.e2e import ensure_model
         model_dir = ensure_model(Path(tempfile.gettempdir()) / "hunyuan_mid_bench")
     elif args.model == "tiny":
         model_dir = ROOT / "models" / "tiny"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PRELUDE = "import sys; sys.path.insert(0, '.'); "
+PRELUDE = "import sys; "                 # run in ROOT: `python -c` puts the working folder on sys.path
 ROWS = {
     "rank start": "import model_adaptor; model_adaptor.apply('cpu')",
     "rank start, compiled": "import contextlib, model_adaptor; from adaptor_patches import model_family; "

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 VARIANTS = {"upstream eager (shims)": "shims", "adaptor": "full",
             "adaptor, experts stored [in, out]-major (before 2026-12-01)": "full-plain-storage"}
 
@@ -154,13 +155,11 @@ def main():
     args = p.parse_args()
     if not 1 <= args.profile_step <= args.steps:
         sys.exit(f"error: --profile-step: {args.profile_step} is not in 1..{args.steps}; pick a step of the run")
-    if args.adaptor or args.storage_ab:        # a measured process: the project importable, the threads asked
-        sys.path.insert(0, str(ROOT))
+    if args.adaptor or args.storage_ab:        # a measured process: the threads asked
         import torch
         torch.set_num_threads(args.threads)
         return child(args) if args.adaptor else storage_ab(args)
-    sys.path.insert(0, str(ROOT / "bench"))
-    from e2e import ensure_model
+    from bench.e2e import ensure_model
     ensure_model(args.model)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

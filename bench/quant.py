@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 FORMATS = (None, "int8", "fp8", "int4")
 MEMORIES = ("32GB", "64GB", "80GB", "96GB", "141GB")
 
@@ -43,7 +42,7 @@ def build_mid_model(fmt):
     from adaptor_patches.parallel.context import RankContext, building
     from hunyuan_image_3.hunyuan import HunyuanImage3ForCausalMM
     from utils.planner.memory_plan import read_config
-    from e2e import MID_SIZES, ensure_model
+    from bench.e2e import MID_SIZES, ensure_model
     config, _ = read_config(ensure_model(ROOT / "models" / "mid"))
     model_adaptor.apply(Device("cpu"))
     torch.set_default_dtype(torch.bfloat16)
@@ -72,7 +71,7 @@ def layer_times(hidden: int, token_counts, repeat: int, dtype: str = "bf16") -> 
     from adaptor_patches.kernels.device import Device
     from adaptor_patches.kernels.quant import quantize_weight
     from adaptor_patches.parallel.context import RankContext, building
-    from moe_layer import build_layer
+    from bench.moe_layer import build_layer
     model_adaptor.apply("cpu")
     layers = {}
     for fmt in FORMATS:
@@ -115,7 +114,7 @@ def image_psnr(steps: int, out_dir: Path) -> dict:
                                text=True).stdout
     if "--quantize" not in help_text:
         return {"note": "not measured: this checkout's run_image_gen.py has no --quantize (issue 22's loader)"}
-    from e2e import ensure_model
+    from bench.e2e import ensure_model
     from utils.selfcheck.checks.generation import psnr
     model = ensure_model(ROOT / "models" / "mid")
     images = {}

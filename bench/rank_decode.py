@@ -5,7 +5,7 @@ cut), side by side in one run, on 2 gloo ranks of the CPU.
 
 The tiny Instruct checkpoint (models/tiny_instruct, built if missing), upstream's generate_image:
 an edit of upstream's demo input at 256x256, 2 steps, seed 7, one thread per rank. Each variant is
-one call on tests/multirank.py's pool of 2 gloo ranks (as bench/comm.py runs); per rank: the VAE
+one call on harness/multirank.py's pool of 2 gloo ranks (as bench/comm.py runs); per rank: the VAE
 decode's CPU seconds (process time around `vae.decode`, the least over --rounds) and whether its
 image is rank 0's. Only rank 0 writes or answers (run_image_gen, the server), so the other ranks'
 images are never read; "every rank" is today's code with the other ranks' zero image replaced by
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 IMAGE = ROOT / "assets" / "demo_instruct_imgs" / "input_0_0.png"
 LAYOUTS = {"cfg2": {"cfg_parallel": True}, "tp2": {}}
@@ -27,7 +27,7 @@ VARIANTS = ("rank 0 decodes", "every rank decodes")
 
 
 def decode_on_rank(rank: int, world_size: int, model_dir: str, flags: dict, every_rank: bool, rounds: int) -> tuple:
-    """One rank of tests/multirank.py's pool: (least decode CPU s, its image equals rank 0's, its image is not
+    """One rank of harness/multirank.py's pool: (least decode CPU s, its image equals rank 0's, its image is not
     one flat colour)."""
     import numpy as np
     import torch
@@ -68,8 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     from bench.rank_decode import decode_on_rank        # importable by the pool's ranks by this name
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multirank import close_pools, run_ranks
+    from harness.multirank import close_pools, run_ranks
     from utils.make_tiny_model import ensure_tiny_model
     model_dir = str(ensure_tiny_model(args.model, "instruct"))
     print(f"tiny Instruct, 256x256 edit, 2 steps, 2 ranks ({args.layout}), least decode CPU of {args.rounds} rounds\n")

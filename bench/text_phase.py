@@ -15,7 +15,7 @@ decode  a think text of --tokens tokens on each model (tiny: utils/make_tiny_mod
         Decode tokens/s exclude the prefill: from the end of the prefill (its forward, or the static loop's
         _prefill) to the end of the call, (tokens - 1) decoded. Each variant runs one warm-up call (a captured
         step compiles there: "one-time compile" = its decode time less a timed call's), one call counting host
-        syncs (tests/host_syncs.py; the captured step itself is left out of the count: fullgraph admits no
+        syncs (harness/host_syncs.py; the captured step itself is left out of the count: fullgraph admits no
         sync, the graph is one launch), then --rounds timed calls (median). The tiny random checkpoints
         write their stop tokens within a few tokens (tiny_instruct.END_TOKEN_GAIN), so the bench drops the
         call's stop tokens (eos_token_id None in the request's model inputs): every variant decodes exactly
@@ -50,9 +50,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "bench", ROOT / "tests"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 from adaptor_patches import forward_context  # noqa: E402  (after the path set-up above)
 
@@ -77,7 +75,7 @@ def model_dir(name: str) -> Path:
     if name == "tiny":
         return ensure_tiny_model(ROOT / "models" / "tiny_instruct", "instruct")
     if name == "mid":
-        from e2e import MID_SIZES
+        from bench.e2e import MID_SIZES
         return ensure_tiny_model(ROOT / "models" / "mid_instruct", "instruct", **{**MID_SIZES, "image_base_size": 256})
     return Path(name)
 
@@ -94,7 +92,7 @@ def load(path: Path, device: str, shims: bool):
 class Probe:
     """Times a model's gen_text calls (generate's start, the prefill's start and end, generate's end, each
     synchronised on the device) and, when asked, counts host syncs between the prefill's end and the
-    call's end (tests/host_syncs.py), those inside the decode steps apart."""
+    call's end (harness/host_syncs.py), those inside the decode steps apart."""
 
     def __init__(self, model, device):
         self.model, self.device = model, device
@@ -178,7 +176,7 @@ class Probe:
     def text(self, request: dict, count_syncs: bool = False) -> dict:
         """One request's text stage: {tokens, decoded, prefill_s, ttft_s, decode_s, steps, syncs...}."""
         from adaptor_patches.image_batch import text_stage
-        from host_syncs import HostSyncs
+        from harness.host_syncs import HostSyncs
         self.saved.clear()
         if count_syncs:
             with HostSyncs() as syncs:

@@ -9,7 +9,7 @@ batches   one `--prompts FILE` launch of N compatible images per B in --batch-si
           counted) and denoising forwards per image (each forward batch makes B images; the
           requests' steps over the images)
 text      B think texts (--bot-task think, --text-tokens each, on a copy of the checkpoint with the
-          instruct template: tests/text_checkpoint.py) at --batch-size B vs B at --batch-size 1:
+          instruct template: harness/checkpoints.py) at --batch-size B vs B at --batch-size 1:
           text tokens per second of the text stage (metrics.jsonl's text_phase_s). At --batch-size B
           the B texts are decoded together, as the rows of one call (adaptor_patches/text/batch.py):
           every row reports the call's seconds, so an image's share of them is text_phase_s / B. The B
@@ -38,8 +38,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 PROMPTS = ["a red fox in the snow", "a lighthouse at dusk", "a bowl of ramen", "a cat on a windowsill",
            "a mountain lake", "a city street in the rain", "a field of sunflowers", "an old steam train"]
@@ -50,7 +49,7 @@ def model_dir(name: str, work: Path) -> Path:
         from utils.make_tiny_model import ensure_tiny_model
         return ensure_tiny_model(ROOT / "models" / "tiny")
     if name == "mid":
-        from e2e import ensure_model
+        from bench.e2e import ensure_model
         return ensure_model(Path(tempfile.gettempdir()) / "hunyuan_mid_bench")
     return Path(name)
 
@@ -113,8 +112,7 @@ def batches(model: Path, common: list, nproc: int, sizes: list, n: int, steps: i
 
 
 def think_texts(model: Path, common: list, nproc: int, sizes: list, tokens: int, work: Path, repeat: int = 3) -> list:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from text_checkpoint import make_text_checkpoint
+    from harness.checkpoints import make_text_checkpoint
     text_model = work / "text_model"
     if not (text_model / "config.json").is_file():
         make_text_checkpoint(model, text_model)

@@ -1,16 +1,8 @@
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "tests"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
 import pytest
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from multirank import close_pools
+    from harness.multirank import close_pools
     close_pools()
 
 
@@ -25,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     # The heap setting the product's CPU ranks make (Device.make_current), for the tests' own
-    # in-process runs; the rank pools make it too (tests/multirank.py).
+    # in-process runs; the rank pools make it too (harness/multirank.py).
     from adaptor_patches.kernels.device import keep_freed_host_memory
     keep_freed_host_memory()
     config.addinivalue_line("markers", "slow: spawns ranks or a fresh interpreter (seconds each); "
@@ -76,8 +68,8 @@ def tiny_distil(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def text_model(tiny_model, tmp_path_factory):
-    """The tiny checkpoint made for the text phase (tests/text_checkpoint.py)."""
-    from text_checkpoint import make_text_checkpoint
+    """The tiny checkpoint made for the text phase (harness/checkpoints.py)."""
+    from harness.checkpoints import make_text_checkpoint
     return make_text_checkpoint(tiny_model, tmp_path_factory.mktemp("ckpt_text") / "tiny_text")
 
 
@@ -89,20 +81,6 @@ def unpatched_upstream():
     model_adaptor.remove()
     yield
     model_adaptor.remove()
-
-
-ATTENTION_GAIN = 32.0
-MOE_GAIN = 12.0
-
-
-def gain_of(key: str) -> float:
-    """The gained checkpoint's factor for one tensor: every o_proj x ATTENTION_GAIN, every expert's
-    and the shared MLP's down_proj x MOE_GAIN, the rest as it is."""
-    if key.endswith("self_attn.o_proj.weight"):
-        return ATTENTION_GAIN
-    if key.endswith("down_proj.weight") and (".mlp.experts." in key or ".mlp.shared_mlp." in key):
-        return MOE_GAIN
-    return 1
 
 
 @pytest.fixture(scope="session")
@@ -118,5 +96,5 @@ def gained_model(tiny_model, tmp_path_factory):
     routed experts decide enough of the image that 8-bit errors in them show (tests/test_quant_images.py).
     MOE_GAIN 16 separated a little more (broken <= 35 dB) but on the compat stack (torch 2.7.1) put
     the MoE layouts' latent error at 2.2e-2 and let bf16 noise flip a think token on TP4 layouts."""
-    from generation import scaled_checkpoint
+    from harness.checkpoints import gain_of, scaled_checkpoint
     return scaled_checkpoint(tiny_model, tmp_path_factory.mktemp("gained") / "tiny", gain_of)

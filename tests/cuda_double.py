@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-IS_TEST_DOUBLE = True     # tests/host_syncs.py: what a double does inside is the device op's, not counted
+IS_TEST_DOUBLE = True     # harness/host_syncs.py: what a double does inside is the device op's, not counted
 calls: list = []          # (M, K, N, G) of every call, for tests to inspect
 
 

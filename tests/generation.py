@@ -1,4 +1,4 @@
-"""Shared helpers for end-to-end generation tests: a tiny checkpoint and CLI runs."""
+"""Shared helpers for end-to-end generation tests: CLI runs (the checkpoints: harness/checkpoints.py)."""
 from __future__ import annotations
 
 import os
@@ -8,34 +8,11 @@ from pathlib import Path
 
 import torch
 
-from multirank import free_port
+from harness.multirank import free_port
 from utils.selfcheck.checks.generation import latent_rel_err, psnr  # noqa: F401  (one definition, shared with the self-check)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a red fox standing in fresh snow"
-
-
-def rewritten_checkpoint(src: Path, dst: Path, rewrite) -> Path:
-    """A copy of checkpoint `src` at `dst` with each tensor replaced by rewrite(key, tensor)."""
-    import shutil
-    from safetensors.torch import load_file, save_file
-    dst.mkdir()
-    for path in src.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, dst / path.name)
-            continue
-        state = load_file(path)
-        save_file({key: rewrite(key, value) for key, value in state.items()}, dst / path.name,
-                  metadata={"format": "pt"})
-    return dst
-
-
-def scaled_checkpoint(src: Path, dst: Path, gain_of) -> Path:
-    """A copy of checkpoint `src` at `dst` with each tensor multiplied by gain_of(key) (1: unchanged)."""
-    def scaled(key, value):
-        gain = gain_of(key)
-        return (value.float() * gain).to(value.dtype) if gain != 1 else value
-    return rewritten_checkpoint(src, dst, scaled)
 
 
 def run_cli(args, nproc: int = 1, timeout: float = 300, env=None):
@@ -113,7 +90,7 @@ def cli_jobs_on_rank(_rank, _world_size, jobs):
 def run_in_pool(nproc: int, jobs: list, timeout_s: float = 900) -> list:
     """Run several CLI jobs on one pool of `nproc` gloo ranks; per job, a CompletedProcess whose
     stdout / stderr are the ranks' consoles joined in rank order. Asserts every rank exited 0."""
-    from multirank import run_ranks
+    from harness.multirank import run_ranks
     per_rank = run_ranks(nproc, cli_jobs_on_rank, [list(map(str, job)) for job in jobs], timeout_s=timeout_s)
     results = []
     for i, job in enumerate(jobs):

@@ -1,5 +1,5 @@
 """Runs of upstream's Instruct model through its own API (`generate_image`), for the Instruct tests:
-one model per adaptor mode (or per rank of a layout: `cases_on_rank`, run in a tests/multirank.py
+one model per adaptor mode (or per rank of a layout: `cases_on_rank`, run in a harness/multirank.py
 pool), every case's image (PNG) and final latents written to a folder, so the same PSNR / latent
 checks as the base model's (generation.psnr, latent_rel_err) apply."""
 from __future__ import annotations
@@ -129,9 +129,9 @@ def run_with_timestep_r_as_t(model_dir, out_dir: Path, name: str, case: dict) ->
 
 def cases_apart(jobs: dict) -> dict:
     """{key: {case: Run}} of jobs {key: (model_dir, out_dir, shims_only, cases[, quantize])}, one job
-    per case on tests/multirank.run_apart's one-process pools, side by side (each case on a fresh
+    per case on harness/multirank.run_apart's one-process pools, side by side (each case on a fresh
     load, as a single process: the images run_cases makes in this process)."""
-    from multirank import run_apart
+    from harness.multirank import run_apart
     split = [(key, name, (model_dir, out_dir, shims_only, {name: case}, *quantize))
              for key, (model_dir, out_dir, shims_only, cases, *quantize) in jobs.items() for name, case in cases.items()]
     runs = run_apart([(run_cases, *args) for _, _, args in split])
@@ -143,7 +143,7 @@ def cases_apart(jobs: dict) -> dict:
 
 def cases_on_rank(rank: int, world_size: int, model_dir, flags: dict, cases: dict, out_dir,
                   quantize: Optional[str] = None) -> dict:
-    """One rank of a pool (tests/multirank.run_ranks): the checkpoint loaded for the layout
+    """One rank of a pool (harness/multirank.run_ranks): the checkpoint loaded for the layout
     `Layout.from_flags(world_size, **flags)` and every case generated in turn. Each rank writes its
     own image and latents (OUT/rank-R/case.*), so the tests can also check that the ranks agree.
     Returns {case: Run} (paths as strings are fine to pickle: Run holds Paths)."""

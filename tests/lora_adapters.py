@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from generation import rewritten_checkpoint
+from harness.checkpoints import rewritten_checkpoint
 
 
 def make_adapter(base: Path, out: Path, targets: list, seed: int = 0) -> tuple:

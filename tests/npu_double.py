@@ -10,6 +10,8 @@ docs were ambiguous the chosen reading is stated; none of it was checked on Asce
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -416,3 +418,10 @@ def npu_mm_reduce_scatter_base(input, x2, hcom, world_size, *, reduce_op="sum", 
     out = product.new_empty(input.shape[0] // world_size, x2.shape[1])
     (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, product, group=group)
     return out
+
+
+def w8a8_experts():
+    """(kernel set, expert format): the NPU kernel set through this double computing W8A8, int8 experts
+    (harness/comm_counts.py's W8A8 layouts: the EP rows cross ranks as int8)."""
+    from adaptor_patches.kernels.npu import NpuKernels
+    return NpuKernels(npu=sys.modules[__name__], quant_compute="w8a8", comm_name=hccl_comm_name), "int8"

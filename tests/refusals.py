@@ -34,9 +34,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "refusals.json"
-for _path in (ROOT, ROOT / "tests"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
 LAUNCHER_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "moe_intermediate_size": 128}
 REAL_CONFIG = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_experts": 64,
@@ -76,7 +73,7 @@ class Models(dict):
             from utils.make_tiny_model import make_tiny_model
             path = make_tiny_model(out)
         elif name == "text":
-            from text_checkpoint import make_text_checkpoint
+            from harness.checkpoints import make_text_checkpoint
             path = make_text_checkpoint(self["tiny"], out)
         elif name == "config_only":
             out.mkdir(parents=True)
@@ -289,6 +286,7 @@ def write_cases(cases: list) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))          # run by path (--record): the repo root, for its packages
     if sys.argv[1:2] != ["--record"]:
         sys.exit("usage: python tests/refusals.py --record [ID_PREFIX...]")
     record(sys.argv[2:])

@@ -48,7 +48,7 @@ def test_no_side_effects_at_import_and_no_inductor_import_at_apply():
     """Importing model_adaptor changes nothing; applying it imports upstream with upstream's import-time
     `torch.compile`s deferred (model_family.compile_deferred): inductor is not imported, torch.compile is
     torch's again after."""
-    code = ("import sys; sys.path.insert(0, '.'); import torch; compile_fn = torch.compile; import model_adaptor; "
+    code = ("import sys, torch; compile_fn = torch.compile; import model_adaptor; "
             "from adaptor_patches.model_family import upstream_module; h = upstream_module('hunyuan_image_3.hunyuan'); "
             "assert h.torch is torch and not model_adaptor.is_applied() and torch.compile is compile_fn; "
             "model_adaptor.apply('cpu'); model_adaptor.model_family.model_class({'cfg_distilled': True}); "
@@ -112,7 +112,7 @@ def test_sha_mismatch_is_refused_unless_overridden(tmp_path):
     """One fresh interpreter on an edited upstream copy: refused, then applied with the override."""
     proj = _staged_copy_with_edit(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != model_adaptor.ALLOW_MISMATCH_ENV}
-    code = ("import os, sys; sys.path.insert(0, '.'); import model_adaptor as m\n"
+    code = ("import os; import model_adaptor as m\n"           # `-c` in proj: its folder on sys.path
             "for allow in ('', '1'):\n"
             "    os.environ[m.ALLOW_MISMATCH_ENV] = allow\n"
             "    try:\n        m.apply('cpu'); print('applied')\n"

@@ -28,8 +28,8 @@ import npu_double
 from adaptor_patches.kernels import make_kernels
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import HeadShard, Layout, LayoutError
+from harness.multirank import run_ranks
 from rank_state import rank_state_dict
-from multirank import run_ranks
 
 pytestmark = pytest.mark.usefixtures("unpatched_upstream")
 

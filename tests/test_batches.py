@@ -3,7 +3,7 @@
 A prompts file (`--prompts FILE`) runs with `--batch-size 1` on one process: every line alone, the
 reference. The same file with `--batch-size 4` then makes its compatible lines together (one
 forward batch per generated size: utils/runtime/batching.py, adaptor_patches/image_batch.py), on one
-process and on the session's rank pools (tests/multirank.py): attention TP, CFG parallel, MoE EP on
+process and on the session's rank pools (harness/multirank.py): attention TP, CFG parallel, MoE EP on
 sequence shares with VAE parallel, Ulysses with MoE TP on shares. Each line's image must stay
 within PSNR_MIN_DB of its alone image (test_layouts.py's bound: the layouts themselves sit at
 50-55 dB from one process on this checkpoint), its think text and ratio equal. Every other line's alone image must be
@@ -30,9 +30,9 @@ import json
 import pytest
 
 from generation import psnr, run_cli_in_process, run_in_pool
-from multirank import run_apart
+from harness.checkpoints import make_text_checkpoint
+from harness.multirank import run_apart
 from test_instruct_jobs import write_inputs
-from text_checkpoint import make_text_checkpoint
 
 pytestmark = pytest.mark.slow
 PSNR_MIN_DB = 40.0

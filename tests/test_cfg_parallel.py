@@ -19,7 +19,7 @@ from adaptor_patches.parallel import cfg_split
 from adaptor_patches.parallel.context import RankContext
 from adaptor_patches.parallel.layout import Layout
 from generation import PROMPT, run_cli_in_process
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 pytestmark = pytest.mark.usefixtures("unpatched_upstream")
 

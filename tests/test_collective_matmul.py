@@ -11,7 +11,7 @@ all-reduce, and the fused forms call their op (the doubles count the calls)."""
 import pytest
 import torch
 
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 K, N = 256, 48                    # k >= 256: the NPU ops' documented range, so the fused forms run
 ROWS = {2: (7, 8, 1), 4: (16, 10, 5, 3)}       # padded shares: [4,3] [4,4] [1,0]; [4]*4 [3,3,3,1] [2,2,1,0] [1,1,1,0]

@@ -1,7 +1,7 @@
 """Bytes on the wire: the recorder counts by the written definitions, counted runs equal the planner's
 traffic lines, every collective's tensors are on the rank's device, and the layout's token shares.
 
-Counted layouts (4 gloo ranks, bench/comm.py's): CFG2 x MoE EP2 on sequence shares (the recipe's
+Counted layouts (4 gloo ranks, harness/comm_counts.py's LAYOUTS): CFG2 x MoE EP2 on sequence shares (the recipe's
 design, what every EP layout runs now), CFG2 x MoE TP2 (rows replicated), Ulysses 2 x attention TP2
 with MoE TP on shares, and CFG2 x Ulysses 2 + EP2 sending int8 rows (the NPU set through its
 double, int8 experts computing W8A8). Mutation checked: the attention's reduce-scatter replaced by
@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from multirank import run_ranks
+from harness.multirank import run_ranks
 from utils.planner import traffic
 from utils.planner.traffic import DENOISING_STEP, FIRST_STEP, MiB, VAE_DECODE
 
@@ -77,9 +77,11 @@ DENOISING_KINDS = {"ep2_cfg2_moe_ep": {"all_gather", "reduce_scatter", "all_to_a
 
 @pytest.fixture(scope="module")
 def counted(tiny_model):
-    from bench.comm import LAYOUTS, count_on_rank
+    import npu_double
+    from harness.comm_counts import LAYOUTS, W8A8, count_on_rank
+    experts = {None: None, W8A8: npu_double.w8a8_experts}      # the NPU set computing W8A8: its CPU double
     return {name: run_ranks(LAYOUTS[name][0], count_on_rank, str(tiny_model), LAYOUTS[name][1], 64, 3,
-                            LAYOUTS[name][2], timeout_s=600) for name in COUNTED}
+                            experts[LAYOUTS[name][2]], timeout_s=600) for name in COUNTED}
 
 
 @pytest.mark.slow
@@ -87,13 +89,13 @@ def counted(tiny_model):
 def test_counted_bytes_equal_the_planners_lines(tiny_model, counted, name):
     """Per rank and phase, bytes sent by every kind within 2 % of the planner's lines (the
     all-to-all: its payload over all ranks; how much of it leaves a rank depends on the routing)."""
-    from bench.comm import LAYOUTS, planned_for
+    from harness.comm_counts import LAYOUTS, dispatch_of, planned_for
     from utils.planner.comm_recorder import compare
-    world_size, layout_args, experts = LAYOUTS[name]
+    world_size, layout_args, spec = LAYOUTS[name]
     runs = counted[name]
     assert all(run["misplaced"] == [] for run in runs)
     assert all(run["forward_rows"][DENOISING_STEP] == [16 + 1] * 2 for run in runs)    # 4x4 latent + timestep
-    rows = compare(runs, planned_for(tiny_model, layout_args, world_size, 64, runs, experts))
+    rows = compare(runs, planned_for(tiny_model, layout_args, world_size, 64, runs, dispatch_of(spec)))
     judged = [r for r in rows if r["ok"] is not None]
     for r in rows:
         print(f"{name} {r['phase']:14} {r['kind']:14} {r['quantity']:28} {r['counted']:10.0f} {r['planned']:10.0f}")
@@ -110,7 +112,7 @@ def _generate_under_the_placement_double(rank, world_size, model_dir, layout_arg
     from placement_double import DEVICE, PlacementDouble
     from adaptor_patches.kernels.device import Device
     from adaptor_patches.step_cache import StepCacheSettings
-    from bench.comm import generate, load_rank_model
+    from harness.comm_counts import generate, load_rank_model
     from utils.planner.comm_recorder import CollectiveRecorder
     with torch.no_grad():
         model, context = load_rank_model(rank, world_size, model_dir, layout_args, Device("cpu", 0))

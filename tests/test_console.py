@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from multirank import free_port
+from harness.multirank import free_port
 from test_launcher import ROOT, log_from, remove_log, run_launcher, write_yaml
 from utils.runtime.rank_console import KNOWN_HARMLESS, OtherRankStream, RankZeroStream
 
@@ -51,7 +51,6 @@ def test_other_ranks_show_only_their_error_lines():
 # KNOWN_HARMLESS) and a warning of our own, both through Python's warnings, as any would arrive.
 ENTRY_WITH_WARNINGS = """
 import runpy, sys, warnings
-sys.path.insert(0, sys.argv[1])
 import utils.runtime.rank_console as console
 route = console.route_console
 
@@ -62,7 +61,7 @@ def route_then_warn(*args, **kwargs):
     return routed
 
 console.route_console = route_then_warn
-target, sys.argv = sys.argv[2], sys.argv[2:]
+target, sys.argv = sys.argv[1], sys.argv[1:]
 if target.endswith(".py"):
     runpy.run_path(target, run_name="__main__")
 else:
@@ -98,7 +97,7 @@ def entry_consoles(tiny_model, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK_LOG_DIR", "RANK", "WORLD_SIZE", "PYTHONWARNINGS")}
 
     def run(argv):
-        return subprocess.run([sys.executable, "-c", ENTRY_WITH_WARNINGS, str(ROOT), *map(str, argv)], cwd=ROOT,
+        return subprocess.run([sys.executable, "-c", ENTRY_WITH_WARNINGS, *map(str, argv)], cwd=ROOT,
                               capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"},
                               stdin=subprocess.DEVNULL)
     commands = entry_points(tiny_model, tmp_path)

@@ -386,7 +386,6 @@ def assert_refused(proc, field, out, may_exist=False):
 
 SLOW_CONVERT = """
 import sys, time
-sys.path.insert(0, {root!r})
 import utils.convert_model as convert_model
 write_shard = convert_model.write_shard
 def slow_write_shard(*args):
@@ -402,7 +401,7 @@ def signal_mid_way(args, partial: Path, signum) -> tuple:
     """Start a slowed conversion, send `signum` once its first shard is written; (exit code, stderr)."""
     # A job started in the background inherits SIGINT ignored, and Python then installs no Ctrl-C
     # handler: give the child a terminal's default, as a user pressing Ctrl-C has.
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT.format(root=str(ROOT)), *map(str, args)],
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT, *map(str, args)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

@@ -10,7 +10,7 @@ from it by PATH_MARGIN_DB more than the full adaptor differs from eager (test_in
 conditioning path). Measured (torch 2.14.1, the gained checkpoint, 2 steps): served vs eager at 10.0
 53.0 dB; 10.0 vs 2.5 38.8 dB.
 
-The checkpoint is tiny_distil with attention and the MoE made decisive (conftest.gain_of, as the
+The checkpoint is tiny_distil with attention and the MoE made decisive (harness/checkpoints.py's gain_of, as the
 layout tests'): on the plain one a scale moves the image only ~12 dB past kernel noise. The server
 is run_image_gen.main itself, in this process, on the argv the launcher prints for the YAML
 (`run.sh --dry-run`); SIGTERM ends it as it ends a real one. A prompts-file line's value: the line
@@ -34,9 +34,10 @@ import urllib.request
 import pytest
 from PIL import Image
 
-from generation import psnr, scaled_checkpoint
+from generation import psnr
+from harness.checkpoints import scaled_checkpoint
+from harness.multirank import free_port, start_apart
 from instruct_runs import PROMPT, SEED, demo_image, run_cases
-from multirank import free_port, start_apart
 
 SCALE = 10.0                       # the checkpoint's diff_guidance_scale is 2.5
 DEFAULT_SCALE = 2.5
@@ -48,7 +49,7 @@ INPUT = demo_image("input_0_0.png")
 
 @pytest.fixture(scope="module")
 def gained_distil(tiny_distil, tmp_path_factory):
-    from conftest import gain_of
+    from harness.checkpoints import gain_of
     return scaled_checkpoint(tiny_distil, tmp_path_factory.mktemp("gained_distil") / "distil", gain_of)
 
 

@@ -24,7 +24,7 @@ def job_flags(model, *extra, steps=2):
 @pytest.mark.parametrize("kind", ["cuda", "npu"])
 def test_every_rank_of_each_layout_passes(kind, tiny_model):
     """One interpreter per device (the fake NPU renames torch's PrivateUse1 backend for good)."""
-    script = ("import sys; sys.path.insert(0, '.'); from utils.dry_run.__main__ import main; codes = ["
+    script = ("import sys; from utils.dry_run.__main__ import main; codes = ["
               + ", ".join(f"main({['--dry-run-device', kind, '--world-size', str(n), '--', *job_flags(tiny_model, *flags)]!r})"
                           for n, flags in LAYOUTS) + "]; print('codes', codes); sys.exit(max(codes))")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,

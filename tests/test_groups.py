@@ -13,7 +13,7 @@ from adaptor_patches.kernels.device import Device
 from adaptor_patches.parallel import layout as layout_module
 from adaptor_patches.parallel.context import RankContext
 from adaptor_patches.parallel.layout import Layout
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 
 def test_cfg2_x_branch4_groups():

@@ -7,17 +7,22 @@ a lower layer, or of its own layer where that layer is a group (several files, n
 them); the graph may hold no cycle at all. A module that is in no layer fails the test: a new file
 is placed in the order when it is added.
 
-The cycle check covers the whole project's own Python (PROJECT: adaptor_patches/, utils/, bench/,
-model_adaptor.py, run_image_gen.py; not the upstream files staged beside them, .upstream_staged,
+The cycle check covers the whole project's own Python (PROJECT: adaptor_patches/, utils/, harness/,
+bench/, model_adaptor.py, run_image_gen.py; not the upstream files staged beside them, .upstream_staged,
 nor tests/): a circle between two tools (utils/runtime/request_schema.py and upstream_taylor.py
 had one) fails as one inside the adaptor does.
+
+Between the roots, imports point down too: the product (adaptor_patches/, utils/, model_adaptor.py,
+run_image_gen.py) imports neither harness/ nor bench/ nor tests/; harness/ (what the tests and the
+benchmarks share) imports neither of them; tests/ imports no benchmark; a benchmark imports from tests/
+only a hardware double (DOUBLES), with a comment saying why.
 """
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "adaptor_patches"
-PROJECT = ("adaptor_patches", "utils", "bench", "model_adaptor.py", "run_image_gen.py")
+PROJECT = ("adaptor_patches", "utils", "harness", "bench", "model_adaptor.py", "run_image_gen.py")
 
 # Bottom first. A tuple is one layer; its members may import each other (but not in a circle).
 LAYERS = (
@@ -153,7 +158,7 @@ def project_modules() -> dict:
 def project_imports(name: str, source: str, modules: dict) -> set:
     """The project's modules that module `name` (its text: `source`) imports, at any depth of the file.
     Absolute names under PROJECT's packages, relative ones, and the bare names a script imports from
-    its own folder (bench/throughput.py's `from e2e import ...`: bench/ is on sys.path when it runs)."""
+    its own folder (a bench script's `from e2e import ...`: bench/ is on sys.path when it runs by path)."""
     package = name.split(".")[:-1]
     roots = {entry.removesuffix(".py") for entry in PROJECT}
 
@@ -253,3 +258,80 @@ def test_the_project_imports_are_read_as_python_resolves_them():
         "bench.e2e", "model_adaptor", "utils.runtime.errors", "adaptor_patches.kernels.cpu", "utils.__init__"}
     assert project_imports("adaptor_patches.kernels.cpu", "from . import __init__\nfrom .. import kernels\n",
                            modules) == {"adaptor_patches.kernels.__init__"}
+
+
+# ---------------------------------------------------------------- between the roots
+
+DOUBLES = ("npu_double", "cuda_double", "stream_double", "graph_double", "placement_double")   # tests/' stand-ins
+TEST_MODULES = {path.stem for path in (ROOT / "tests").glob("*.py")}
+
+
+def top_imports(path: Path) -> list:
+    """(line, dotted name) of every import in the file, at any depth; `from a import b` gives a.b."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_the_product_and_the_harness_import_no_tests_and_no_benchmark():
+    staged = staged_upstream()
+    files = [path for entry in ("adaptor_patches", "utils", "harness", "model_adaptor.py", "run_image_gen.py")
+             for path in ([ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py")))
+             if path.relative_to(ROOT).as_posix() not in staged]
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in files for line, name in top_imports(path)
+             if name.split(".")[0] in ("tests", "bench") or (path.parts[-2] != "harness" and
+                                                              name.split(".")[0] == "harness")]
+    assert not wrong, wrong
+
+
+def test_tests_import_no_benchmark_and_benchmarks_only_the_tests_doubles():
+    wrong = [f"tests/{path.name}:{line} imports {name}" for path in sorted((ROOT / "tests").glob("*.py"))
+             for line, name in top_imports(path) if name.split(".")[0] == "bench"]
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for line, name in top_imports(path):
+            parts = name.split(".")
+            module = (parts[1] if parts[0] == "tests" and len(parts) > 1
+                      else parts[0] if parts[0] in TEST_MODULES else None)
+            if module is None:
+                continue
+            said = "#" in lines[line - 1] or "#" in lines[line - 2]
+            if module not in DOUBLES or not said:
+                wrong.append(f"bench/{path.name}:{line} imports {name}" + ("" if module in DOUBLES else
+                             " (not a hardware double)") + ("" if said else " (no comment)"))
+    assert not wrong, wrong
+
+
+def sys_path_edits(path: Path) -> list:
+    """The lines of `path` that change sys.path (insert, append, extend, a slice assigned), code only."""
+    def on_sys_path(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys"
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and on_sys_path(node.func.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Subscript) and on_sys_path(t.value)
+                                                  for t in node.targets):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_a_script_run_by_path_puts_the_root_on_sys_path_once_and_nothing_else_edits_it():
+    """bench/'s scripts, the tests' --write / --record scripts and utils' converters are run by path:
+    one commented line each puts the repo root on sys.path. Tests get it from pytest.ini's pythonpath."""
+    staged = staged_upstream()
+    roots = [*PROJECT, "tests"]
+    files = [path for entry in roots
+             for path in ([ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py")))
+             if path.relative_to(ROOT).as_posix() not in staged]
+    wrong = []
+    for path in files:
+        edits, text = sys_path_edits(path), path.read_text(encoding="utf-8").splitlines()
+        said = all("#" in text[line - 1] or "#" in text[line - 2] for line in edits)
+        if len(edits) > 1 or not said:
+            wrong.append(f"{path.relative_to(ROOT)}: lines {edits}" + ("" if said else " (no comment)"))
+    assert not wrong, wrong

@@ -81,8 +81,8 @@ def test_an_on_off_environment_switch_with_another_value_is_refused(tiny_model, 
 def test_a_nul_byte_is_refused_as_a_field_before_torchrun(tiny_model, tmp_path, where, line):
     """A real launch (not --dry-run): the value would reach torchrun's environment or command line,
     where Popen refuses it (`launcher: unexpected ValueError: embedded null byte`). No log, no job."""
+    from harness.multirank import free_port
     from test_launcher import ROOT, run_launcher_in_process
-    from multirank import free_port
     name = f"nul-test-{tmp_path.name}"
     spec = {**job(tiny_model), "master_port": free_port(), "model_name": name}
     if where == "env_vars":

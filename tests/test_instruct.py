@@ -11,7 +11,8 @@ conditioning path moves the image more than 10 dB beyond that, and past one of t
 import pytest
 import torch
 
-from generation import latent_rel_err, psnr, scaled_checkpoint
+from generation import latent_rel_err, psnr
+from harness.checkpoints import scaled_checkpoint
 from instruct_runs import cases_apart, demo_image, run_cases
 
 PSNR_MIN_DB = 40.0
@@ -103,8 +104,8 @@ def test_each_conditioning_path_moves_the_image_beyond_kernel_noise(checkpoint, 
     """Zero one path (its tensors x0) and regenerate with the full adaptor: the image must move more
     than full-vs-eager differ by PATH_MARGIN_DB, and past the equivalence bound. (Each run is a
     one-process job, side by side: multirank.run_apart.)"""
+    from harness.multirank import run_apart
     from instruct_runs import run_with_timestep_r_as_t
-    from multirank import run_apart
     model_dir = request.getfixturevalue(f"tiny_{checkpoint}")
     runs = request.getfixturevalue(f"{checkpoint}_runs")
     case_name = "edit_fixed_size" if checkpoint == "instruct" else "distil_edit"

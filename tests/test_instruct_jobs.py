@@ -30,7 +30,7 @@ from PIL import Image
 
 from browser import chromium, wait_for
 from generation import ROOT, psnr, run_cli_in_process
-from multirank import free_port, run_ranks, start_apart
+from harness.multirank import free_port, run_ranks, start_apart
 
 pytestmark = pytest.mark.slow
 PROMPT = "make the fox blue"

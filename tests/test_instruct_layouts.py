@@ -1,6 +1,6 @@
 """HunyuanImage-3.0-Instruct and Instruct-Distil on every layout vs the single process, through
 upstream's own `generate_image(...)` with upstream's editing inputs (assets/demo_instruct_imgs), on
-the session's rank pools (tests/multirank.py), and Distil refused under CFG parallel.
+the session's rank pools (harness/multirank.py), and Distil refused under CFG parallel.
 
 Bounds are test_layouts.py's: PSNR >= 40 dB, final-latent relative error <= 3e-2, against the
 single-process image of the same checkpoint, case and seed; every rank of a layout ends with the
@@ -36,9 +36,10 @@ import json
 import pytest
 import torch
 
-from generation import latent_rel_err, psnr, run_cli_in_process, scaled_checkpoint
+from generation import latent_rel_err, psnr, run_cli_in_process
+from harness.checkpoints import scaled_checkpoint
+from harness.multirank import run_ranks
 from instruct_runs import cases_apart, cases_on_rank, demo_image
-from multirank import run_ranks
 
 PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 3e-2
@@ -74,7 +75,7 @@ RUNS = [(layout, case) for layout, (_, _, _, cases) in LAYOUTS.items() for case 
 
 
 def moe_gain_of(key: str) -> float:
-    """conftest.gain_of less o_proj (the tiny Instruct checkpoints carry ATTENTION_GAIN already)."""
+    """harness/checkpoints.py's gain_of less o_proj (the tiny Instruct checkpoints carry ATTENTION_GAIN already)."""
     if key.endswith("down_proj.weight") and (".mlp.experts." in key or ".mlp.shared_mlp." in key):
         return MOE_GAIN
     return 1

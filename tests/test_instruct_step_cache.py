@@ -118,7 +118,7 @@ def ours(tiny_instruct, tmp_path_factory):
     """The full adaptor: no cache, taylor, adaptive; the code without the feature ("bypassed"); and
     upstream eager with its own Taylor cache ("upstream_taylor"). Each its own load, side by side
     (multirank.run_apart: one process per job, one torch thread, as in this process)."""
-    from multirank import run_apart
+    from harness.multirank import run_apart
     out = tmp_path_factory.mktemp("instruct_cache")
     jobs = {"none": (None,), "taylor": (TAYLOR,), "adaptive": (ADAPTIVE,), "bypassed": (None, False, True),
             "upstream_taylor": (None, True, False, UPSTREAM_KWARGS)}

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from multirank import run_ranks
+from harness.multirank import run_ranks
 from test_layouts import PSNR_MIN_DB
 
 LAYOUT = (2, "ep", True, 2)              # cfg, moe, vae_parallel, ulysses: on 4 ranks
@@ -39,7 +39,8 @@ def images_on_rank(rank, world_size, model_dir):
     of the rows each dispatch all-to-all sent}})."""
     import model_adaptor
     from adaptor_patches.moe import dispatch
-    from bench.comm import generate, load_rank_model
+    import npu_double
+    from harness.comm_counts import generate, load_rank_model
     from utils.planner.comm_recorder import CollectiveRecorder
     widths, out, run = {}, {}, [None]
     original = dispatch.ExpertParallel._experts_across_ranks
@@ -53,7 +54,7 @@ def images_on_rank(rank, world_size, model_dir):
         with torch.no_grad():
             for name in ("int8", "bf16"):
                 run[0] = name
-                model, context = load_rank_model(rank, world_size, model_dir, LAYOUT, experts="int8-w8a8")
+                model, context = load_rank_model(rank, world_size, model_dir, LAYOUT, None, *npu_double.w8a8_experts())
                 if name == "bf16":                  # the same layout, its rows sent as bf16
                     for layer in model.model.layers:
                         if isinstance(getattr(layer.mlp, "dispatcher", None), dispatch.ExpertParallel):
@@ -63,7 +64,7 @@ def images_on_rank(rank, world_size, model_dir):
                 del model
                 model_adaptor.remove()
             if rank == 0:                           # the single process, same kernels and experts
-                model, _ = load_rank_model(0, 1, model_dir, (1, "replicated", False), experts="int8-w8a8")
+                model, _ = load_rank_model(0, 1, model_dir, (1, "replicated", False), None, *npu_double.w8a8_experts())
                 out["single"] = _image_array(generate(model, SIZE, STEPS))
     finally:
         dispatch.ExpertParallel._experts_across_ranks = original

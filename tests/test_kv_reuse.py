@@ -19,8 +19,8 @@ import torch
 import model_adaptor
 from adaptor_patches.text import kv_reuse
 from generation import latent_rel_err, psnr
+from harness.multirank import run_ranks
 from instruct_runs import demo_image, generate, load
-from multirank import run_ranks
 
 EDIT = dict(image=demo_image("input_0_0.png"), bot_task="think_recaption", image_size="auto", max_new_tokens=40)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from multirank import free_port
+from harness.multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_SH = ROOT / "run.sh"

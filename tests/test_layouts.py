@@ -51,8 +51,8 @@ import pytest
 import yaml
 
 from generation import generate, generate_args, latent_rel_err, psnr, run_cli_in_process, run_in_pool
+from harness.checkpoints import make_text_checkpoint
 from test_launcher import assert_one_error, run_launcher, write_yaml
-from text_checkpoint import make_text_checkpoint
 
 PSNR_MIN_DB = 40.0
 LATENT_REL_ERR_MAX = 3e-2

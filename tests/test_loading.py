@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from generation import generate, generate_args, latent_rel_err, psnr, run_cli, run_cli_in_process, run_in_pool
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 # test_generation's bounds, on the same gained checkpoint (where a broken attention split fails them)
 PSNR_MIN_DB = 40.0

@@ -134,7 +134,7 @@ def test_served_adapters_by_model_name_in_one_batch(served, alone, gained_model,
     from PIL import Image
     from generation import ROOT
     from http_client import metric
-    from multirank import free_port
+    from harness.multirank import free_port
     port, log = free_port(), tmp_path / "server.log"
     command = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), "--model-id", str(gained_model),
                "--device", "cpu", "--lora-modules", modules_flag(served), "--max-batch", "3", "--batch-wait-ms", "4000"]

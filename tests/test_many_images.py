@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from generation import ROOT, run_in_pool
+from harness.multirank import free_port
 from http_client import metric
-from multirank import free_port
 from utils.launcher.launch import child_processes, kill_leftovers
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,8 @@ def test_a_line_that_fails_on_every_rank_is_reported_and_the_batch_goes_on(text_
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a fox", "bot_task": "think", "seed": 1}) + "\n"
                        + json.dumps({"prompt": "a cat", "bot_task": "image", "seed": 2}) + "\n")
-    from multirank import run_ranks
     from generation import cli_jobs_on_rank
+    from harness.multirank import run_ranks
     job = ["--prompts", prompts, "--model-id", short, *COMMON, "--save-dir", tmp_path / "out", "--cfg-parallel"]
     per_rank = run_ranks(2, cli_jobs_on_rank, [list(map(str, job))], timeout_s=600)
     codes = [rank[0][0] for rank in per_rank]

@@ -5,12 +5,12 @@ Every case builds upstream's HunyuanMoE (compat shims only) with seeded random w
 rank's share through the one weight path (tests/rank_state.py, quantized there for 8-bit / int4
 experts), stores it as the kernel set stores it (adopt_kernel_storage), and runs the same rows
 through the patched layer twice: today's path (SequenceSlot.fixed_shape False) and the fixed form
-(True), each inside tests/host_syncs.py's counter. Kernel sets: cpu, grouped_mm, loop, the NPU set
+(True), each inside harness/host_syncs.py's counter. Kernel sets: cpu, grouped_mm, loop, the NPU set
 on tests/npu_double.py and the CUDA set on tests/cuda_double.py (neither run on its hardware here);
 experts float32, bf16, int8, int4 (groups of 32), plus W8A8 (NPU int8, CUDA fp8); T in {1, 2, 3, 8}
 rows, 8 experts top-2, so both of kernels/fixed_shape.py's forms without a grouped matmul run (per
 pair for T = 1 replicated, every expert otherwise) beside the sorted one. Layouts: replicated here,
-MoE TP2, EP2 and EP4 on real gloo ranks (tests/multirank.py).
+MoE TP2, EP2 and EP4 on real gloo ranks (harness/multirank.py).
 
 Tolerances (max |fixed - today| / max |today|):
   float32  1e-6: the same products; only the order of a few sums differs (the combine over K or over
@@ -32,8 +32,8 @@ from adaptor_patches.kernels import make_kernels
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import Layout
 from adaptor_patches import forward_context
-from host_syncs import HostSyncs
-from multirank import run_ranks
+from harness.host_syncs import HostSyncs
+from harness.multirank import run_ranks
 from rank_state import rank_state_dict
 
 pytestmark = pytest.mark.usefixtures("unpatched_upstream")

@@ -23,8 +23,8 @@ import itertools
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+if __name__ == "__main__":      # run by path (--write): the repo root, for its packages (tests/ is there already)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest
 import torch
@@ -32,7 +32,7 @@ import torch
 import model_adaptor
 from adaptor_patches.parallel.context import RankContext
 from adaptor_patches.parallel.layout import Layout
-from multirank import run_ranks
+from harness.multirank import run_ranks
 from test_moe_layer import _kernels, patched_output, upstream_case
 
 GOLDEN = Path(__file__).parent / "data" / "moe_outputs_5136610.safetensors"
@@ -170,7 +170,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from multirank import close_pools
+    from harness.multirank import close_pools
     try:
         main(sys.argv[1:])
     finally:

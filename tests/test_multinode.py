@@ -1,6 +1,6 @@
 """A real two-node launch: two run.sh processes on this machine as node 0 and node 1 (nnodes: 2,
 master_addr 127.0.0.1, one rank each, MoE EP) against the same job on one node with two ranks (the
-ranks' argv of run.sh --dry-run, on a tests/multirank.py pool);
+ranks' argv of run.sh --dry-run, on a harness/multirank.py pool);
 and the nodes that never meet (utils/launcher/node_rendezvous.py). How to run it on two real
 hosts: config/README.md."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from generation import run_in_pool
-from multirank import free_port
+from harness.multirank import free_port
 from test_launcher import RUN_SH, ROOT, launcher_env, run_launcher_in_process
 
 RENDEZVOUS_TIMEOUT_S = 5
@@ -70,7 +70,7 @@ def test_two_nodes_give_the_single_node_image_byte_for_byte(tmp_path, tiny_model
     assert "world_size=2 adaptor=full cfg=1 tp=2 moe=ep" in out0, out0[-2000:]
     assert "[rank" not in out1 + err1, out1 + err1           # node 1 holds rank 1: its console shows no rank output
     # The single-node reference: the ranks' argv of the same job on one node (run.sh --dry-run), run by
-    # two ranks of the session's pool (tests/multirank.py) as torchrun would start them on one node.
+    # two ranks of the session's pool (harness/multirank.py) as torchrun would start them on one node.
     single = job_yaml(tmp_path / "single.yaml", tiny_model, tmp_path / "one_node.png", free_port(), 2)
     dry = run_launcher_in_process(single, "--dry-run", "--no-plan")
     assert dry.returncode == 0 and "--nproc_per_node=2" in dry.stdout, dry.stderr

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multirank import RankFailed, run_ranks
+from harness.multirank import RankFailed, run_ranks
 
 
 def _collectives(rank, world_size):
@@ -53,7 +53,7 @@ def _fails_on(value):
 @pytest.mark.slow
 def test_run_apart_keeps_the_jobs_order_runs_them_in_their_own_processes_and_reports_a_failure():
     import os
-    from multirank import run_apart
+    from harness.multirank import run_apart
     results = run_apart([(_pid_and_world, i) for i in range(4)])
     assert [value for value, _, _ in results] == [0, 1, 2, 3]
     assert {world for _, _, world in results} == {1}
@@ -69,7 +69,7 @@ def test_free_port_is_bindable_and_outside_the_ports_the_kernel_hands_out(monkey
     binds it (a device_day step failed so under the suite's load): free_port picks below that range,
     and passes over a port someone listens on."""
     import socket
-    from multirank import free_port
+    from harness.multirank import free_port
     from utils.selfcheck.checks import collectives
     ports = [free_port() for _ in range(20)]
     assert not any(p in collectives.ephemeral_ports() or 29000 <= p < 30000 for p in ports), ports

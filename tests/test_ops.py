@@ -362,9 +362,8 @@ def test_npu_double_rejects_empty_tensors_and_a_length_one_group_list():
 HEAP_PROBE = """
 import resource, sys
 import torch
-sys.path.insert(0, sys.argv[1])
 from adaptor_patches.kernels.device import resolve
-if sys.argv[2] == "cpu rank":
+if sys.argv[1] == "cpu rank":
     resolve("cpu").make_current()
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -383,7 +382,7 @@ def test_a_cpu_rank_reuses_freed_host_memory_instead_of_faulting_it_in_again():
     CPU rank (the fewest of three rounds after a warm-up)."""
     root = str(Path(__file__).resolve().parents[1])
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    procs = {name: subprocess.Popen([sys.executable, "-c", HEAP_PROBE, root, name], env=env, stdout=subprocess.PIPE,
+    procs = {name: subprocess.Popen([sys.executable, "-c", HEAP_PROBE, name], cwd=root, env=env, stdout=subprocess.PIPE,
                                     text=True) for name in ("plain process", "cpu rank")}
     faults = {name: int(proc.communicate(timeout=120)[0].split()[-1]) for name, proc in procs.items()}
     pages = 4 * (64 << 20) // 4096

@@ -90,7 +90,6 @@ FULL_DISK_WRITE = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from PIL import Image
-    sys.path.insert(0, sys.argv[2])
     from utils.runtime.outputs import OutputWriteError, save_png
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # write() then fails with EFBIG instead of a kill
@@ -104,7 +103,7 @@ FULL_DISK_WRITE = textwrap.dedent("""
 
 def test_a_write_that_fails_midway_leaves_no_file_and_one_line(tmp_path):
     target = tmp_path / "image.png"
-    proc = subprocess.run([sys.executable, "-c", FULL_DISK_WRITE, str(target), str(ROOT)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK_WRITE, str(target)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.strip().splitlines() == [

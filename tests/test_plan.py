@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 LAYOUTS = {"single": (1, 1, "replicated", False), "tp2": (2, 1, "replicated", False), "cfg2": (2, 2, "replicated", False),
            "ep2": (2, 1, "ep", False), "tp2_cfg2_moe_tp": (4, 2, "tp", True), "ep2_cfg2_moe_ep": (4, 2, "ep", True),

@@ -27,8 +27,8 @@ import sys
 import zlib
 from pathlib import Path
 
-if __name__ == "__main__":
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+if __name__ == "__main__":      # run by path (--write): the repo root, for its packages (tests/ is there already)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest
 import torch

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from generation import ROOT, run_cli, run_cli_in_process
-from multirank import free_port
+from harness.multirank import free_port
 from test_signals import alive, torchrun_ranks
 from utils.launcher.launch import child_processes, kill_leftovers
 

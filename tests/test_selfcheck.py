@@ -20,7 +20,7 @@ from utils.selfcheck.checks.generation import layout_flags, ulysses_flags
 from utils.selfcheck.checks.kernels import kernel_checks
 from utils.selfcheck.checks.moe_stream import moe_stream_checks, overlap_share
 from background import Job, Lane
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 ROOT = selfcheck.ROOT
 
@@ -234,7 +234,7 @@ def _all_to_all_verdicts(rank, n):
 @pytest.mark.slow
 def test_collectives_section_catches_a_wrong_all_to_all():
     """The exact-value check of the uneven all_to_all fails when the received rows are wrong (two
-    spawned gloo ranks of tests/multirank.py: a process group inside the pytest process hung on one
+    spawned gloo ranks of harness/multirank.py: a process group inside the pytest process hung on one
     CI machine under torch 2.7.1, the pool's ranks have a 60 s collective timeout)."""
     for good, bad in run_ranks(2, _all_to_all_verdicts):
         assert all(good.values()), good

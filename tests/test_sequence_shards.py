@@ -30,7 +30,7 @@ import torch
 import model_adaptor
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import Layout
-from multirank import run_ranks
+from harness.multirank import run_ranks
 from rank_state import rank_state_dict
 from test_attention_tp import BATCH, FP32_TOL, HEAD_DIM, SEQ, _upstream, attention_config, image_path_inputs, rel_err
 

@@ -24,8 +24,8 @@ import pytest
 from PIL import Image
 
 from generation import ROOT, run_cli_in_process
+from harness.multirank import free_port
 from http_client import health, metric, post
-from multirank import free_port
 from test_server_ranks import stream
 
 pytestmark = pytest.mark.slow

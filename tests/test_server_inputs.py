@@ -16,8 +16,8 @@ import time
 import pytest
 
 from generation import ROOT
+from harness.multirank import free_port
 from http_client import health, post
-from multirank import free_port
 from utils.runtime.image_requests import ImageRequest, RequestChecker
 from utils.runtime.image_server import ImageServer
 

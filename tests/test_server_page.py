@@ -25,8 +25,8 @@ from PIL import Image
 
 from browser import chromium, wait_for
 from generation import ROOT
+from harness.multirank import free_port
 from http_client import health, steps_before_cancel
-from multirank import free_port
 
 pytestmark = pytest.mark.slow
 KEY = "page-test-key-" + uuid.uuid4().hex[:12]

@@ -24,8 +24,8 @@ import pytest
 from PIL import Image
 
 from generation import ROOT
+from harness.multirank import free_port
 from http_client import health, post, steps_before_cancel
-from multirank import free_port
 from utils.launcher.launch import child_processes, kill_leftovers
 
 pytestmark = pytest.mark.slow

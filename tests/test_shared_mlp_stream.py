@@ -28,7 +28,7 @@ from adaptor_patches.moe.gate import route
 from adaptor_patches.moe.shared_mlp import SharedCall, SharedMlp
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import Layout
-from multirank import run_ranks
+from harness.multirank import run_ranks
 from stream_double import OrderError, RecordingDevice, check_shared_mlp_order
 from test_moe_layer import HIDDEN, _tiny_model_config, _upstream
 

@@ -18,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from multirank import free_port
+from harness.multirank import free_port
 from test_launcher import RUN_SH, ROOT, launcher_env, log_from, remove_log
 from utils.launcher.launch import child_processes
 

@@ -291,7 +291,7 @@ def test_a_rank_whose_measure_differs_does_not_split_the_job(checkpoint, out_dir
     """Rank 1's measure x1000 (its branch under cfg2 would compute every step): the agreement (the
     sums all-reduced, the largest row's measure) makes rank 0 compute them too; without it rank 0
     would skip (as the unperturbed run does)."""
-    from multirank import run_ranks
+    from harness.multirank import run_ranks
     assert singles["adaptive"][2]["cached_steps"]
     metrics = out_dir / "perturbed.json"
     _, _, args = generate_args(checkpoint, out_dir, "perturbed", "--cfg-parallel", *ADAPTIVE, "--metrics-json",

@@ -45,7 +45,7 @@ import model_adaptor
 from adaptor_patches.text.phase import SharedTokenSampler, call_sampler
 from adaptor_patches.text.rows import TextAsk, share_key
 from adaptor_patches.text.sampling import DeviceChoice, RowSamplers
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 VOCAB = 40
 SIZE, PAD = 35, 0

@@ -5,7 +5,7 @@
 - the static loop writes the tokens transformers' loop writes (same seed; sampled and greedy; think,
   recaption, think_recaption with the forced transitions and the ratio token; both model files), and
   the image after it is today's image bit for bit on one process;
-- host syncs (tests/host_syncs.py): none inside the decode step, at most one per decoded token in the
+- host syncs (harness/host_syncs.py): none inside the decode step, at most one per decoded token in the
   loop around it, on one process and on 2 gloo ranks under MoE EP, Ulysses and CFG parallel;
 - `--text-graph on`: the step traced as ONE graph (torch.compile fullgraph: a graph break fails), the
   same tokens as `off`; counted through the backend (tests/graph_count.py): compiled once, every step
@@ -26,8 +26,8 @@ import model_adaptor
 from adaptor_patches.text.phase import SharedTokenSampler
 from adaptor_patches.text.sampling import DeviceChoice, RatioSlice, StageTransitions
 from graph_count import CountingBackend
-from host_syncs import HostSyncs
-from multirank import run_ranks
+from harness.host_syncs import HostSyncs
+from harness.multirank import run_ranks
 
 PROMPT = "a red fox standing in fresh snow"
 VOCAB = 40

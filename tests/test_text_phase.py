@@ -21,7 +21,7 @@ from adaptor_patches.parallel.context import RankContext
 from adaptor_patches.parallel.layout import Layout
 from adaptor_patches.text.phase import SharedTokenSampler, TextPhase
 from generation import PROMPT, run_cli_in_process
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 VOCAB = 50
 STEPS = 12

@@ -16,7 +16,7 @@ import model_adaptor
 from adaptor_patches.parallel import vae_bands
 from adaptor_patches.parallel.context import RankContext, building
 from adaptor_patches.parallel.layout import Layout
-from multirank import run_ranks
+from harness.multirank import run_ranks
 
 REL_TOL = 1e-4
 # name -> (batch, latent rows, latent cols)

@@ -71,7 +71,7 @@ MARKER_SHARPNESS = 4.0
 MARKERS = {"guidance_emb": (0, (15, 31)), "timestep_r_emb": (1, (7, 23))}
 
 
-# The text phase: a decisive LM head (as tests/text_checkpoint.py gives the base tiny model), and the
+# The text phase: a decisive LM head (as harness/checkpoints.py gives the base tiny model), and the
 # rows of the tokens that end a think / recaption section scaled further, so that a tiny model's
 # think_recaption reaches its ratio token in a few tokens (upstream raises when the call ends anywhere else).
 LM_HEAD_GAIN = 4.0

@@ -9,10 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)

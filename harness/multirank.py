@@ -3,8 +3,9 @@
     results = run_ranks(2, my_fn, arg1, arg2)      # my_fn(rank, world_size, *args) -> picklable
     a, b = run_apart([(fn_a, x), (fn_b, y)])       # independent one-process jobs, side by side
 
-The ranks of each world size form a pool that lives for the whole test session (RankPool), so a
-call costs the function's own time, not a fresh start of N interpreters; and every pool's ranks
+The ranks of each world size form a pool that lives for the whole process (RankPool: a test session,
+or a benchmark's run: bench/comm.py, bench/rank_decode.py), so a call costs the function's own
+time, not a fresh start of N interpreters; and every pool's ranks
 are forked from one forkserver that has imported torch, transformers and upstream once (PRELOAD),
 so a pool starts in about a second instead of ~8 s of imports per rank. `my_fn` must be
 importable (module level); after each call the pool resets the patch table and the environment
@@ -20,13 +21,10 @@ import queue
 import sys
 import threading
 import traceback
-from pathlib import Path
 
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from utils.selfcheck.checks.collectives import free_port  # noqa: F401  (one definition of the free port)
 COLLECTIVE_TIMEOUT_S = 60
 FAILURE_GRACE_S = 30        # how long the other ranks of a call get to report after one rank failed
 APART_WORKERS = 4           # run_apart's pools at most (one per core below that)
@@ -35,7 +33,6 @@ APART_WORKERS = 4           # run_apart's pools at most (one per core below that
 PRELOAD = ("torch", "torch.distributed", "transformers", "hunyuan_image_3.modeling_hunyuan_image_3",
            "hunyuan_image_3.hunyuan_image_3_pipeline", "model_adaptor", "run_image_gen")
 
-from utils.selfcheck.checks.collectives import free_port  # noqa: E402,F401  (the tests' free port, one definition)
 
 
 class RankFailed(RuntimeError):
@@ -50,7 +47,6 @@ def _serve(rank, world_size, port, tasks, results, environ):
     os.environ.update(environ)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)

@@ -128,17 +128,22 @@ def test_lora_on_two_ranks(adapters, gained_model, out_dir):
 @pytest.mark.parametrize("variant", ["tiny_instruct", "tiny_distil"])
 def test_lora_on_instruct(variant, request, tmp_path):
     """HunyuanImage-3.0-Instruct's model file (and Instruct-Distil's checkpoint): the same checkpoint
-    names, the same merge."""
+    names, the same merge; think_recaption writes upstream eager's text on peft's merged weights."""
     tiny_instruct = request.getfixturevalue(variant)
     (tmp_path / "a").mkdir()
     adapter, merged = make_adapter(tiny_instruct, tmp_path / "a", ["qkv_proj", "o_proj", "shared_mlp.down_proj"])
-    extra = ("--bot-task", "image")
-    reference = generate(merged, tmp_path, "eager", "--adaptor", "shims", *extra)[0]
-    png, _, proc = generate(tiny_instruct, tmp_path, "lora", "--lora", adapter, *extra)
-    base = generate(tiny_instruct, tmp_path, "base", *extra)[0]
+
+    def think(name):
+        return ("--bot-task", "think_recaption", "--max-new-tokens", "24", "--save-text", tmp_path / f"{name}.txt")
+    reference = generate(merged, tmp_path, "eager", "--adaptor", "shims", *think("eager"))[0]
+    png, _, proc = generate(tiny_instruct, tmp_path, "lora", "--lora", adapter, *think("lora"))
+    base = generate(tiny_instruct, tmp_path, "base", *think("base"))[0]
     same, moved = psnr(png, reference), psnr(png, base)
-    print(f"{variant}: {same:.1f} dB vs peft-merged upstream eager, {moved:.1f} dB vs the base")
+    text = {name: (tmp_path / f"{name}.txt").read_text() for name in ("eager", "lora", "base")}
+    print(f"{variant}: {same:.1f} dB vs peft-merged upstream eager, {moved:.1f} dB vs the base; think text "
+          f"{'the same' if text['lora'] == text['eager'] else 'DIFFERENT'}")
     assert "lora: merged 6 targets" in proc.stdout
+    assert text["lora"] == text["eager"] != text["base"], text
     assert same >= PSNR_MIN_DB and moved < PSNR_MIN_DB - 10, (same, moved)
 
 

@@ -339,3 +339,40 @@ def test_the_inductor_compiled_step_keeps_the_greedy_text_and_the_logits_within_
         assert backend.counts() == {"compiles": 1, "runs": len(compiled)}, backend.counts()    # inductor ran them
         worst = max(float((a - b).abs().max()) for a, b in zip(eager, compiled))
         assert worst <= INDUCTOR_LOGIT_BOUND[dtype], (dtype, worst)
+
+
+def test_more_decode_step_shapes_than_dynamos_recompile_limit_each_compile_and_old_ones_are_freed():
+    """A long job meets many (batch, capacity) pairs: each shape compiles its own code copy
+    (kernels/decode_graph.own_code), so the 9th is no recompile-limit error under fullgraph; a step
+    made again for a shape seen before runs the graph compiled for it; past CODE_COPIES shapes the
+    oldest copy, and the graphs cached on it, are freed."""
+    import gc
+    import weakref
+    from adaptor_patches.kernels import decode_graph
+    from adaptor_patches.kernels.device import Device
+    from graph_count import CountingBackend
+
+    class Step:
+        def __init__(self, size):
+            self.kv = torch.zeros(size)
+
+        def forward(self, token):
+            self.kv.add_(token)
+            return self.kv * 2
+
+    backend = CountingBackend("eager")
+
+    def run_once(size):
+        step = Step(size)
+        run, graph = decode_graph.captured(step.forward, Device("cpu"), "on", (), cpu_backend=backend,
+                                           shape_key=(1, size))
+        assert graph.startswith("torch.compile") and torch.equal(run(torch.ones(size)), torch.full((size,), 2.0))
+        return weakref.ref(step)
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    sizes = range(4, 4 + max(2 * limit, decode_graph.CODE_COPIES) + 1)
+    gone = [run_once(size) for size in sizes]
+    assert backend.counts()["compiles"] == len(sizes)
+    run_once(sizes[-1])                                  # a shape still kept: its graph, no compile
+    assert backend.counts()["compiles"] == len(sizes)
+    gc.collect()
+    assert gone[0]() is None

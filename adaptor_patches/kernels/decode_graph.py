@@ -23,6 +23,7 @@ text stage reaches 68.7 tokens/s on 2 x H200 only with CUDA graphs).
 """
 from __future__ import annotations
 
+import types
 from typing import Callable
 
 import torch
@@ -40,8 +41,10 @@ def captures(device: Device, mode: str) -> bool:
     return mode == "on" or (mode == "auto" and AUTO_CAPTURES.get(device.kind, False))
 
 
-def captured(step: Callable, device: Device, mode: str, inputs: tuple, cpu_backend: str = "inductor") -> tuple:
-    """(callable, name of what runs) for `step(*inputs)`."""
+def captured(step: Callable, device: Device, mode: str, inputs: tuple, cpu_backend: str = "inductor",
+             shape_key=None) -> tuple:
+    """(callable, name of what runs) for `step(*inputs)`; `shape_key`: what the step's shapes are
+    ((batch, capacity)): steps of one key share their compiled code (own_code)."""
     if not captures(device, mode):
         return step, "eager"
     if device.fake is not None:             # a dry run: no graph is captured on a fake device
@@ -49,8 +52,33 @@ def captured(step: Callable, device: Device, mode: str, inputs: tuple, cpu_backe
     if device.kind == "cuda":
         return CudaGraphStep(step, inputs), "cuda graph"
     if device.kind == "npu":
-        return _npu_graph(step), "torchair npugraph"
-    return torch.compile(step, fullgraph=True, dynamic=False, backend=cpu_backend), f"torch.compile ({cpu_backend})"
+        return _npu_graph(own_code(step, (shape_key, "npu"))), "torchair npugraph"
+    return torch.compile(own_code(step, (shape_key, cpu_backend)), fullgraph=True, dynamic=False,
+                         backend=cpu_backend), f"torch.compile ({cpu_backend})"
+
+
+CODE_COPIES = 16            # step shapes whose compiled code is kept (the oldest dropped, its graphs with it)
+_code_copies: dict = {}     # (the step's code, shape key) -> its copy, oldest first
+
+
+def own_code(step: Callable, shape_key) -> Callable:
+    """`step` (a function or bound method) on the copy of its code object kept for `shape_key`.
+    Dynamo keeps compiled graphs on the code object, and every decode step runs the same
+    DecodeStep.forward: with one code object the 9th step shape a long job meets hits the recompile
+    limit (8), a hard error under fullgraph, and no graph is ever freed. A copy per shape key gives
+    each shape its own cache (a step made again for a shape seen before finds its graph), and the
+    copies kept are bounded (CODE_COPIES): a dropped copy's graphs (an NPU graph's pool) go with it."""
+    function = getattr(step, "__func__", step)
+    key = (function.__code__, shape_key)
+    code = _code_copies.pop(key, None) or function.__code__.replace()
+    _code_copies[key] = code
+    while len(_code_copies) > CODE_COPIES:
+        _code_copies.pop(next(iter(_code_copies)))
+    copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = function.__kwdefaults__, function.__qualname__
+    owner = getattr(step, "__self__", None)
+    return copy if owner is None else types.MethodType(copy, owner)
 
 
 class CudaGraphStep:

@@ -209,7 +209,8 @@ class TextLoop:
             step.positions.copy_(self.real_lengths.view(-1, 1))
             if step.graph == "eager":
                 step.run, step.graph = captured(step.forward, self.device, self.graph_mode, (step.tokens, step.positions),
-                                                getattr(model, "text_graph_cpu_backend", "inductor"))
+                                                getattr(model, "text_graph_cpu_backend", "inductor"),
+                                                shape_key=(self.batch, capacity))
         while steps < self.max_new:
             if steps % CHECK_EVERY == 0 or steps == 1:       # 1: a text that stops at once runs no step
                 if self.streamer is not None:

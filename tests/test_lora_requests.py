@@ -164,6 +164,8 @@ def test_served_adapters_by_model_name_in_one_batch(served, alone, gained_model,
             images = dict(zip(names, pool.map(ask, names)))
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert metric(text, "hunyuan_largest_batch") == 3, text[-2000:]
+        page_png, choices = adapter_on_the_page(f"http://127.0.0.1:{port}", "b", tmp_path)
+        assert choices == ["", "a", "b"], choices
     finally:
         server.terminate()
         server.wait(120)
@@ -172,6 +174,31 @@ def test_served_adapters_by_model_name_in_one_batch(served, alone, gained_model,
         pngs[name] = tmp_path / f"served_{name}.png"
         image.save(pngs[name])
     check_each_as_alone(pngs, alone, "served")
+    (tmp_path / "page_b.png").write_bytes(page_png)
+    check_each_as_alone({"b": tmp_path / "page_b.png"}, alone, "the page")
+
+
+def adapter_on_the_page(url, adapter, out) -> tuple:
+    """The page in a headless chromium: adapter chosen in its select, the alone images' settings,
+    Generate; (the PNG it shows, the select's option values)."""
+    import base64
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    from browser import chromium, wait_for
+    with chromium(out / "chromium-profile") as browser:
+        find = lambda element_id: browser.find_element(By.ID, element_id)    # noqa: E731
+        browser.get(url + "/")
+        wait_for(browser, lambda: find("app").is_displayed() and find("adapter-field").is_displayed(), what="the form")
+        choices = [o.get_attribute("value") for o in Select(find("adapter")).options]
+        Select(find("adapter")).select_by_value(adapter)
+        find("prompt").send_keys(PROMPT)
+        Select(find("size")).select_by_value("64x64")
+        for field, value in (("steps", "3"), ("seed", "7")):
+            find(field).clear()
+            find(field).send_keys(value)
+        find("generate").click()
+        wait_for(browser, lambda: find("status-text").text.startswith("Done"), 300, "the image")
+        return base64.b64decode(find("result-image").get_attribute("src").split(",", 1)[1]), choices
 
 
 @pytest.mark.slow

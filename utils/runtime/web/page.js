@@ -7,9 +7,9 @@
 const KEY_STORE = "hunyuan-api-key";
 const $ = (id) => document.getElementById(id);
 const FIELD_ERRORS = {prompt: "prompt", size: "size", steps: "steps", seed: "seed", bot_task: "bot_task",
-                      step_cache: "step_cache", image: "image"};
+                      step_cache: "step_cache", image: "image", model: "model", adapter: "model"};
 const FIELD_INPUTS = {prompt: "prompt", size: "size", steps: "steps", seed: "seed", bot_task: "bot-task",
-                      step_cache: "step-cache", image: "images"};
+                      step_cache: "step-cache", image: "images", model: "adapter", adapter: "adapter"};
 let capabilities = null;
 let running = null;            // {controller, started} while a request is on its way
 
@@ -77,9 +77,14 @@ async function load() {
     return;
   }
   if (!response.ok) { $("err-load").textContent = (await errorOf(response)).message; return; }
-  const card = (await response.json()).data[0];
+  const cards = (await response.json()).data;
+  const card = cards[0];
   capabilities = card.capabilities;
   $("model-name").textContent = card.id;
+  const adapters = cards.filter(c => c.parent === card.id).map(c => c.id);      // --lora-modules
+  $("adapter-field").hidden = adapters.length === 0;
+  fillSelect($("adapter"), ["", ...adapters], "");
+  if ($("adapter").options.length) $("adapter").options[0].textContent = "none (the base weights)";
   fillSelect($("size"), capabilities.sizes, capabilities.default_size);
   fillSelect($("bot-task"), capabilities.bot_tasks, capabilities.default_bot_task);
   fillSelect($("step-cache"), capabilities.step_cache, capabilities.default_step_cache);
@@ -123,6 +128,7 @@ function typed(text) {          // a number when it reads as one; else as typed,
 function settings() {
   const body = {prompt: $("prompt").value, size: $("size").value, bot_task: $("bot-task").value,
                 step_cache: $("step-cache").value};
+  if ($("adapter").value) body.model = $("adapter").value;
   if ($("steps").value.trim() !== "") body.steps = typed($("steps").value);
   const seed = $("seed").value.trim();
   if (seed !== "" && seed.toLowerCase() !== "random") body.seed = typed(seed);

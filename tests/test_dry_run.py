@@ -196,15 +196,17 @@ def test_attention_on_fake_cuda_runs_a_fused_kernel_not_the_math_path():
     assert "_scaled_dot_product_efficient_attention" in ops and "bmm" not in ops, ops
 
 
-def test_npu_attention_in_a_dry_run_keeps_no_scores():
-    """The double's npu_fused_infer_attention_score makes the [B, N, Sq, Skv] scores in fp32 (the device's
-    fused kernel none); a dry run's gives the same output from one query row, and keeps the checks."""
+def test_npu_attention_in_a_dry_run_keeps_no_whole_scores():
+    """The double's npu_fused_infer_attention_score makes the [B, N, Sq, Skv] scores in fp32 at once (the
+    device's fused kernel none); a dry run's runs it on 64 query rows at a time: the same output, FLOPs
+    and checks."""
+    from torch.utils.flop_counter import FlopCounterMode
     from adaptor_patches.kernels.fake_device import FakeAccelerator
     from utils.dry_run.fake_mode import DryRunMode
     from utils.dry_run.fake_torch import fake_backend
     from utils.dry_run.job import DryRunNpuOps, test_double
-    ops = DryRunNpuOps(test_double("npu_double"))
-    shapes = []
+    double = test_double("npu_double")
+    shapes, flops = [], []
 
     class Recording(DryRunMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -212,14 +214,18 @@ def test_npu_attention_in_a_dry_run_keeps_no_scores():
             shapes.extend(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
                           if isinstance(t, torch.Tensor))
             return out
+    kwargs = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", scale=0.25)
     with fake_backend("cuda", FakeAccelerator("cuda")), Recording("cuda:0"):
-        query = torch.empty(1, 8, 64, 16, dtype=torch.bfloat16, device="cuda:0")
-        key = torch.empty(1, 2, 64, 16, dtype=torch.bfloat16, device="cuda:0")
-        mask = torch.zeros(1, 1, 64, 64, dtype=torch.bool, device="cuda:0")
-        out, _ = ops.npu_fused_infer_attention_score(query, key, key, atten_mask=mask, num_heads=8,
-                                                     num_key_value_heads=2, input_layout="BNSD", scale=0.25)
+        query = torch.empty(1, 8, 200, 16, dtype=torch.bfloat16, device="cuda:0")
+        key = torch.empty(1, 2, 200, 16, dtype=torch.bfloat16, device="cuda:0")
+        mask = torch.zeros(1, 1, 200, 200, dtype=torch.bool, device="cuda:0")
+        for ops in (double, DryRunNpuOps(double)):
+            shapes.clear()
+            with FlopCounterMode(display=False) as counter:
+                out, _ = ops.npu_fused_infer_attention_score(query, key, key, atten_mask=mask, **kwargs)
+            flops.append(counter.get_total_flops())
         with pytest.raises(ValueError, match="fp16/bf16"):
-            ops.npu_fused_infer_attention_score(query.float(), key, key, num_heads=8, num_key_value_heads=2,
-                                                input_layout="BNSD")
-    assert (tuple(out.shape), out.dtype) == ((1, 8, 64, 16), torch.bfloat16)
-    assert (1, 8, 64, 64) not in shapes, shapes
+            DryRunNpuOps(double).npu_fused_infer_attention_score(query.float(), key, key, **kwargs)
+    assert (tuple(out.shape), out.dtype) == ((1, 8, 200, 16), torch.bfloat16)
+    assert (1, 8, 200, 200) not in shapes and (1, 8, 64, 200) in shapes, shapes
+    assert flops[0] == flops[1] > 0

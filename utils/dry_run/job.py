@@ -39,9 +39,11 @@ class DryRunNpuOps:
     - npu_convert_weight_to_int4pack checks every weight value is in [-8, 7]: a dry run has no weights
       (the stand-in reads the check False), so the pack is checked on a zero row of the weight's width
       and dtype and gives the packed shape;
-    - npu_fused_infer_attention_score: the double makes the [B, N, Sq, Skv] scores in fp32, the device's
-      fused kernel none; the double runs on the first query row (its argument checks), the output has
-      every row."""
+    - npu_fused_infer_attention_score: the double makes the [B, N, Sq, Skv] scores in fp32 at once, the
+      device's fused kernel none; the double runs on ATTENTION_ROWS query rows at a time (the same
+      checks and FLOPs, scores of [B, N, ATTENTION_ROWS, Skv])."""
+
+    ATTENTION_ROWS = 64
 
     def __init__(self, double):
         self._double = double
@@ -57,13 +59,19 @@ class DryRunNpuOps:
                                                                       device=weight.device), inner_k_tiles)
         return row.new_empty(weight.shape[0], row.shape[1])
 
-    def npu_fused_infer_attention_score(self, query, key, value, **kwargs):
-        if kwargs.get("softmax_lse_flag") or query.dim() != 4 or not query.is_contiguous():
-            return self._double.npu_fused_infer_attention_score(query, key, value, **kwargs)
-        if kwargs.get("atten_mask") is not None:
-            kwargs["atten_mask"] = kwargs["atten_mask"][..., :1, :]
-        row, lse = self._double.npu_fused_infer_attention_score(query[:, :, :1].contiguous(), key, value, **kwargs)
-        return row.new_empty(*query.shape[:-1], row.shape[-1]), lse
+    def npu_fused_infer_attention_score(self, query, key, value, atten_mask=None, **kwargs):
+        if kwargs.get("softmax_lse_flag") or query.dim() != 4 or not query.is_contiguous() \
+                or query.shape[2] <= self.ATTENTION_ROWS:
+            return self._double.npu_fused_infer_attention_score(query, key, value, atten_mask=atten_mask, **kwargs)
+        out = None
+        for start in range(0, query.shape[2], self.ATTENTION_ROWS):
+            rows = slice(start, start + self.ATTENTION_ROWS)
+            part, lse = self._double.npu_fused_infer_attention_score(
+                query[:, :, rows].contiguous(), key, value,
+                atten_mask=None if atten_mask is None else atten_mask[..., rows, :], **kwargs)
+            out = part.new_empty(*query.shape[:-1], part.shape[-1]) if out is None else out
+            out[:, :, rows] = part
+        return out, lse
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The real model's shapes in a dry run (issue 48): config/ep8_cfg.yaml's layout (16 ranks: CFG2 x EP8,
-sequence shares, VAE parallel) and one card with int4 experts, base and Instruct (think_recaption, one
-conditioning image), 1024x1024, 2 denoising steps, on fake CUDA and fake NPU; from the config-only
+sequence shares, VAE parallel) and one card with int4 experts, each for base and Instruct (think_recaption,
+one conditioning image), 1024x1024, 2 denoising steps, on fake CUDA and fake NPU; from the config-only
 folders config/real_model and config/real_instruct (no weights, a stand-in tokenizer).
 
     .venv/bin/python bench/dry_run.py [--cases ep8-cuda,ep8-npu,int4-base-cuda,...] [--rank R] [--out DIR]
@@ -36,6 +36,8 @@ def cases(image: str) -> dict:
         "int4-base-npu": ("npu", 1, base + ["--quantize", "int4", "--vae-parallel"]),
         "int4-instruct-cuda": ("cuda", 1, instruct + ["--quantize", "int4", "--vae-parallel"]),
         "int4-instruct-npu": ("npu", 1, instruct + ["--quantize", "int4", "--vae-parallel"]),
+        "ep8-instruct-cuda": ("cuda", 16, instruct + EP8),
+        "ep8-instruct-npu": ("npu", 16, instruct + EP8),
     }
 
 

@@ -126,11 +126,106 @@ def test_bytes_per_denoising_step_equal_the_planners_lines(tiny_model):
 def test_an_edit_with_a_conditioning_image_runs_on_the_device(tiny_instruct):
     """Instruct with one conditioning image (SigLIP2 and the VAE encoder run): upstream's ViT kwargs
     (spatial shapes, the padding mask) stay on the host through its to_device (a dict it passes as is);
-    the mask then met device scores in SigLIP2's attention (siglip2.py:210). Fails without
-    compat_instruct.vit_kwargs_on_device. (The run then stops at SigLIP2's pooling head: a float32 mask
-    beside bf16 activations in baddbmm, which CUDA's autocast casts and the fake run does not: not asserted.)"""
+    the mask then met device scores in SigLIP2's attention (siglip2.py:210) and its pooling head's
+    baddbmm (:469, the 4-D mask made on the host from it). Fails without
+    compat_instruct.vit_kwargs_on_device, and with its first form (a staticmethod wrapped as a method)."""
     from instruct_runs import demo_image
     [result] = dry_run(tiny_instruct, "--moe-ep", "--image", demo_image("input_0_0.png"), "--bot-task", "image",
                        "--image-size", "256x256")
-    assert result.traffic["forwards"] or result.error, result
-    assert not [m for m in result.mismatches if "siglip2" in m[3]], result.mismatches[:3]
+    assert result.passed, (result.error, result.mismatches[:3])
+    assert result.traffic["forwards"]
+
+
+def test_a_host_tensor_into_an_autocast_op_is_reported_and_the_op_runs_on():
+    """CUDA's autocast casts only the tensors on CUDA: an fp32 host mask reaches baddbmm uncast beside
+    bf16 device tensors (SigLIP2's pooling head with its mask on the host), and the fake op's dtype check
+    fired before its device check, stopping the run. It is the device mismatch the device reports,
+    listed with the line that made the mask, and the op runs on with the mask cast as autocast would."""
+    from adaptor_patches.kernels.fake_device import FakeAccelerator
+    from utils.dry_run.fake_mode import DryRunMode
+    from utils.dry_run.fake_torch import fake_backend
+    mode = DryRunMode("cuda:0")
+    with fake_backend("cuda", FakeAccelerator("cuda")), mode, torch.autocast("cuda", dtype=torch.bfloat16):
+        query = torch.empty(2, 1, 8, dtype=torch.bfloat16, device="cuda:0")
+        keys = torch.empty(2, 8, 5, dtype=torch.bfloat16, device="cuda:0")
+        mask = torch.zeros(2, 1, 5)        # PLANTED: no device=
+        scores = torch.baddbmm(mask, query, keys)
+    assert (scores.dtype, scores.device) == (torch.bfloat16, torch.device("cuda:0"))
+    [(op, _devices, made, _where)] = mode.mismatches
+    planted = planted_line(test_a_host_tensor_into_an_autocast_op_is_reported_and_the_op_runs_on)
+    assert (op, made) == ("baddbmm", [("cpu", planted)])
+
+
+def test_the_npu_int4_pack_gives_its_shape_without_weight_values():
+    """The double's npu_convert_weight_to_int4pack checks every value is in [-8, 7]; a dry run has no
+    weights (the stand-in reads the check False), so int4 experts on fake NPU stopped at load."""
+    from adaptor_patches.kernels.fake_device import FakeAccelerator
+    from utils.dry_run.fake_mode import DryRunMode
+    from utils.dry_run.fake_torch import fake_backend
+    from utils.dry_run.job import DryRunNpuOps, test_double
+    double = test_double("npu_double")
+    with fake_backend("cuda", FakeAccelerator("cuda")), DryRunMode("cuda:0"):
+        weight = torch.empty(4, 16, dtype=torch.int32, device="cuda:0")
+        packed = DryRunNpuOps(double).npu_convert_weight_to_int4pack(weight)
+        with pytest.raises(ValueError, match="int4 range"):
+            double.npu_convert_weight_to_int4pack(weight)
+        with pytest.raises(ValueError, match="8-aligned"):
+            DryRunNpuOps(double).npu_convert_weight_to_int4pack(torch.empty(4, 12, dtype=torch.int32, device="cuda:0"))
+    assert (tuple(packed.shape), packed.dtype, packed.device) == ((4, 2), torch.int32, torch.device("cuda:0"))
+
+
+def test_attention_on_fake_cuda_runs_a_fused_kernel_not_the_math_path():
+    """torch's SDPA backend choice sees no device properties on fake tensors and took the math path: the
+    [B, H, Lq, Lk] scores in fp32 (the real Instruct case's activations 12x the plan's). A CUDA device of
+    capability 9.0 runs a fused kernel; the dry run runs the memory-efficient one (any mask)."""
+    import torch.nn.functional as F
+    from adaptor_patches.kernels.fake_device import FakeAccelerator
+    from utils.dry_run.fake_mode import DryRunMode
+    from utils.dry_run.fake_torch import fake_backend
+    ops = []
+
+    class Recording(DryRunMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+    with fake_backend("cuda", FakeAccelerator("cuda")), Recording("cuda:0"), torch.autocast("cuda", dtype=torch.bfloat16):
+        query = torch.empty(2, 4, 64, 16, device="cuda:0")
+        mask = torch.ones(2, 1, 64, 64, dtype=torch.bool, device="cuda:0")
+        out = F.scaled_dot_product_attention(query, query, query, attn_mask=mask)
+    assert (out.shape, out.dtype) == (query.shape, torch.bfloat16)
+    assert "_scaled_dot_product_efficient_attention" in ops and "bmm" not in ops, ops
+
+
+def test_npu_attention_in_a_dry_run_keeps_no_whole_scores():
+    """The double's npu_fused_infer_attention_score makes the [B, N, Sq, Skv] scores in fp32 at once (the
+    device's fused kernel none); a dry run's runs it on 64 query rows at a time: the same output, FLOPs
+    and checks."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from adaptor_patches.kernels.fake_device import FakeAccelerator
+    from utils.dry_run.fake_mode import DryRunMode
+    from utils.dry_run.fake_torch import fake_backend
+    from utils.dry_run.job import DryRunNpuOps, test_double
+    double = test_double("npu_double")
+    shapes, flops = [], []
+
+    class Recording(DryRunMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            shapes.extend(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(t, torch.Tensor))
+            return out
+    kwargs = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", scale=0.25)
+    with fake_backend("cuda", FakeAccelerator("cuda")), Recording("cuda:0"):
+        query = torch.empty(1, 8, 200, 16, dtype=torch.bfloat16, device="cuda:0")
+        key = torch.empty(1, 2, 200, 16, dtype=torch.bfloat16, device="cuda:0")
+        mask = torch.zeros(1, 1, 200, 200, dtype=torch.bool, device="cuda:0")
+        for ops in (double, DryRunNpuOps(double)):
+            shapes.clear()
+            with FlopCounterMode(display=False) as counter:
+                out, _ = ops.npu_fused_infer_attention_score(query, key, key, atten_mask=mask, **kwargs)
+            flops.append(counter.get_total_flops())
+        with pytest.raises(ValueError, match="fp16/bf16"):
+            DryRunNpuOps(double).npu_fused_infer_attention_score(query.float(), key, key, **kwargs)
+    assert (tuple(out.shape), out.dtype) == ((1, 8, 200, 16), torch.bfloat16)
+    assert (1, 8, 200, 200) not in shapes and (1, 8, 64, 200) in shapes, shapes
+    assert flops[0] == flops[1] > 0

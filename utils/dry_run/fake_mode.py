@@ -4,8 +4,8 @@
    another device index) remembers the source line that made it (the innermost frame of the project
    or of upstream). An op handed tensors on two devices -- on CUDA and NPU "Expected all tensors to
    be on the same device" -- is recorded with the op, the devices and that line; the offending inputs
-   are then moved to the rank's device and the op runs, so one dry run lists every such place
-   (`mismatches`), not only the first.
+   are then moved to the rank's device (in the autocast dtype where the device's autocast casts the
+   op's inputs) and the op runs, so one dry run lists every such place (`mismatches`), not only the first.
 2. **Small values known.** A fake tensor has no values, but the code reads some on the host
    (`.item()`, `.tolist()`, `if tensor:`, `nonzero`). Tensors made from Python data and what small ops
    compute from them carry their real values beside the fake (`shadow`, at most SHADOW_LIMIT elements,
@@ -34,6 +34,8 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode)
 from torch.utils._pytree import tree_flatten, tree_map
+
+from utils.dry_run.fake_torch import AUTOCAST_TO_LOW, autocast_enabled
 
 SHADOW_LIMIT = 1 << 18           # elements: larger tensors carry no values (they are never read on the host)
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,22 +101,33 @@ class DryRunMode(FakeTensorMode):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except RuntimeError as exc:
-            if "FakeTensorDeviceMismatch" not in type(exc).__name__ and "same device" not in str(exc) \
-                    and "Unhandled FakeTensor Device Propagation" not in str(exc):
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            off = [t for t in tensors if self._off_device(t)]
+            cast = self._autocast_dtype(func)
+            if not (_device_error(exc) or (off and cast is not None)):
                 raise
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        off = [t for t in tensors if self._off_device(t)]
         self.mismatches.append((str(func.overloadpacket.__name__), sorted({str(t.device) for t in tensors}),
                                 [(str(t.device), self.made_at.get(t, "?")) for t in off], source_line()))
-        moved = {id(t): self._to_rank_device(t) for t in off}
+        moved = {id(t): self._to_rank_device(t, cast) for t in off}
         args, kwargs = tree_map(lambda a: moved.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def _to_rank_device(self, tensor):
-        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    def _autocast_dtype(self, func):
+        """The dtype the device's autocast gives `func`'s floating inputs, or None. CUDA's autocast casts
+        only the tensors already on CUDA: a host input reaches the op uncast, and the fake op's dtype check
+        (baddbmm: "Input dtypes must be the same") fires before its device check. On the device the op
+        stops at the mismatch; here the moved input takes the cast it would have had."""
+        kind = self.rank_device.type
+        if func.overloadpacket.__name__ not in AUTOCAST_TO_LOW or not autocast_enabled(kind):
+            return None
+        return torch.get_autocast_dtype(kind)
+
+    def _to_rank_device(self, tensor, cast=None):
+        dtype = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device="meta")
         moved = FakeTensor(self, meta, self.rank_device)
         if tensor in self.shadow:
-            self.shadow[moved] = self.shadow[tensor]
+            self.shadow[moved] = self.shadow[tensor].to(dtype)
         return moved
 
     def _without_constant(self, tensor):
@@ -248,6 +261,11 @@ class DryRunMode(FakeTensorMode):
         out = tree_map(fake, real)
         self.ops["device" if device == self.rank_device else "host"] += 1
         return out
+
+
+def _device_error(exc: RuntimeError) -> bool:
+    return ("FakeTensorDeviceMismatch" in type(exc).__name__ or "same device" in str(exc)
+            or "Unhandled FakeTensor Device Propagation" in str(exc))
 
 
 class _no_mode:

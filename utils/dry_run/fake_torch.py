@@ -3,13 +3,15 @@
 - fake CUDA: torch.autocast("cuda") switches itself off when no CUDA is present; on the device it is
   on (upstream's denoising forward runs under bf16 autocast), so the dry run tells autocast CUDA is
   there; and a device named without an index (`"cuda"`) is the current one, which the rank set
-  (Device.make_current), as on the device; its compute capability is 9.0 (an H100). Nothing else of torch.cuda is touched: the device layer
-  asks the FakeAccelerator.
+  (Device.make_current), as on the device; its compute capability is 9.0 (an H100), and SDPA runs the
+  fused kernel such a device picks (_fused_attention). Nothing else of torch.cuda is touched: the device
+  layer asks the FakeAccelerator.
 - fake NPU: torch has no `npu` device without torch_npu; `torch.utils.rename_privateuse1_backend("npu")`
   names the PrivateUse1 backend so (once per process: torch cannot undo it) and the FakeAccelerator
   serves as its device module (`torch.npu`) for the dry run. Refused when torch_npu is importable
   (that is a real NPU stack: run the real job).
 - the world: torch's fake process-group backend, one rank of any world size in this process.
+- what torch.autocast switched on is mirrored (autocast_enabled): inside an op's dispatch torch reads it off.
 - `Tensor.new_tensor` keeps its tensor's device index, as on the device (see _new_tensor_keeps_index).
 - `torch.Generator(device=cuda|npu)` is a host generator (torch would start the real device's runtime;
   a fake draw reads no numbers from it).
@@ -27,8 +29,34 @@ import torch
 
 @contextlib.contextmanager
 def fake_backend(kind: str, accelerator):
-    with _new_tensor_keeps_index(), _host_generators(), _backend(kind, accelerator):
+    with _new_tensor_keeps_index(), _host_generators(), _autocast_mirrored(), _backend(kind, accelerator):
         yield
+
+
+_AUTOCAST_ON: dict = {}          # device type -> enabled, as torch.autocast last set it in this dry run
+
+
+def autocast_enabled(kind: str) -> bool:
+    """Whether autocast is on for `kind`, also where torch.is_autocast_enabled reads False: inside an
+    op's dispatch after its autocast kernel ran (that kernel excludes its key, which is what the flag
+    reads), where the dry run's mode asks."""
+    return _AUTOCAST_ON.get(kind, False)
+
+
+@contextlib.contextmanager
+def _autocast_mirrored():
+    original = torch.set_autocast_enabled
+
+    def set_autocast_enabled(*args):
+        kind, enabled = args if len(args) == 2 else ("cuda", args[0])      # (device_type, enabled) or (enabled)
+        _AUTOCAST_ON[kind] = enabled
+        original(*args)
+    torch.set_autocast_enabled = set_autocast_enabled
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled = original
+        _AUTOCAST_ON.clear()
 
 
 @contextlib.contextmanager
@@ -78,11 +106,14 @@ def _backend(kind: str, accelerator):
         # `cuda` without an index is the current device (set_device(local rank)), as on the device
         torch.cuda.is_initialized = lambda: True
         torch.cuda.current_device = lambda: accelerator.index
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = _fused_attention(sdpa)
         try:
             yield
         finally:
             (amp_common.amp_definitely_not_available, torch.cuda.is_bf16_supported, torch.cuda.is_initialized,
              torch.cuda.current_device, torch.cuda.get_device_capability) = saved
+            torch.nn.functional.scaled_dot_product_attention = sdpa
         return
     register_fake_npu(accelerator)
     original = torch.tensor
@@ -99,6 +130,33 @@ def _backend(kind: str, accelerator):
     finally:
         _NPU_MODULE.target = None
         torch.tensor = original
+
+
+def _fused_attention(original):
+    """F.scaled_dot_product_attention as a CUDA device of capability 9.0 runs it: a fused kernel (here
+    the memory-efficient one, which takes any mask: its output and no [B, H, Lq, Lk] scores). On fake
+    tensors torch's backend choice sees no device properties and takes the math path, which makes the
+    scores in fp32 (the real Instruct case's first step, 12,114 rows: 12x the plan's activations)."""
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, enable_gqa=False):
+        if enable_gqa or dropout_p or query.device.type != "cuda" or query.dim() != 4:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        # autocast casts the op's floating inputs (a float mask too) before the kernel choice
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        if attn_mask is not None:
+            attn_mask = _additive_mask(attn_mask, dtype)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, False, 0.0,
+                                                                     is_causal, scale=scale)[0]
+    return scaled_dot_product_attention
+
+
+def _additive_mask(mask, dtype):
+    """SDPA's bias from a mask as torch makes it for the fused kernels: a bool mask's False is -inf."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask.logical_not(), float("-inf"))
+    return mask.to(dtype)
 
 
 class _NpuModule(types.ModuleType):

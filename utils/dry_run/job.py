@@ -34,6 +34,46 @@ def test_double(name: str):
     return module
 
 
+class DryRunNpuOps:
+    """The torch_npu double's ops for a dry run, two of them shaped as the device runs them:
+    - npu_convert_weight_to_int4pack checks every weight value is in [-8, 7]: a dry run has no weights
+      (the stand-in reads the check False), so the pack is checked on a zero row of the weight's width
+      and dtype and gives the packed shape;
+    - npu_fused_infer_attention_score: the double makes the [B, N, Sq, Skv] scores in fp32 at once, the
+      device's fused kernel none; the double runs on ATTENTION_ROWS query rows at a time (the same
+      checks and FLOPs, scores of [B, N, ATTENTION_ROWS, Skv])."""
+
+    ATTENTION_ROWS = 64
+
+    def __init__(self, double):
+        self._double = double
+
+    def __getattr__(self, name):
+        return getattr(self._double, name)
+
+    def npu_convert_weight_to_int4pack(self, weight, inner_k_tiles=0):
+        import torch
+        if weight.dim() != 2 or not weight.is_contiguous():
+            return self._double.npu_convert_weight_to_int4pack(weight, inner_k_tiles)      # its refusal
+        row = self._double.npu_convert_weight_to_int4pack(torch.zeros(1, weight.shape[1], dtype=weight.dtype,
+                                                                      device=weight.device), inner_k_tiles)
+        return row.new_empty(weight.shape[0], row.shape[1])
+
+    def npu_fused_infer_attention_score(self, query, key, value, atten_mask=None, **kwargs):
+        if kwargs.get("softmax_lse_flag") or query.dim() != 4 or not query.is_contiguous() \
+                or query.shape[2] <= self.ATTENTION_ROWS:
+            return self._double.npu_fused_infer_attention_score(query, key, value, atten_mask=atten_mask, **kwargs)
+        out = None
+        for start in range(0, query.shape[2], self.ATTENTION_ROWS):
+            rows = slice(start, start + self.ATTENTION_ROWS)
+            part, lse = self._double.npu_fused_infer_attention_score(
+                query[:, :, rows].contiguous(), key, value,
+                atten_mask=None if atten_mask is None else atten_mask[..., rows, :], **kwargs)
+            out = part.new_empty(*query.shape[:-1], part.shape[-1]) if out is None else out
+            out[:, :, rows] = part
+        return out, lse
+
+
 @dataclass
 class DryRunJob:
     kind: str
@@ -63,8 +103,9 @@ class DryRunJob:
         if self.kind == "npu":
             from utils.dry_run.fake_torch import register_fake_npu
             register_fake_npu(device.fake)
-            kernels = make_kernels("npu", npu=test_double("npu_double"), quant_compute=compute)
-            kernels.comm_name = test_double("npu_double").hccl_comm_name    # the names its fused ops resolve
+            double = DryRunNpuOps(test_double("npu_double"))
+            kernels = make_kernels("npu", npu=double, quant_compute=compute)
+            kernels.comm_name = double.hccl_comm_name    # the names its fused ops resolve
         else:
             kernels = kernels_for(self.kind, quant_compute=compute)
         context = RankContext(self.layout, rank, device, multi_stream(self.args), text_to_image_only=True,

@@ -73,7 +73,8 @@ def build_fake_model(model_dir, context, mode, weights_dir=None):
     weights_dir = weights_dir or model_dir
     model.generation_config = GenerationConfig.from_pretrained(str(weights_dir))
     model.load_tokenizer(str(weights_dir) if takes_conditioning_images(cls) else load_tokenizer(weights_dir))
-    adopt_kernel_storage(model)
+    with mode:              # the kernel set's storage is made on the device (NPU int4: packed anew)
+        adopt_kernel_storage(model)
     model.pipeline.set_progress_bar_config(disable=True)
     return model.eval()
 

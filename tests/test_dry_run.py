@@ -229,3 +229,27 @@ def test_npu_attention_in_a_dry_run_keeps_no_whole_scores():
     assert (tuple(out.shape), out.dtype) == ((1, 8, 200, 16), torch.bfloat16)
     assert (1, 8, 200, 200) not in shapes and (1, 8, 64, 200) in shapes, shapes
     assert flops[0] == flops[1] > 0
+
+
+def test_lora_adapters_chosen_per_request_run_on_the_device_and_a_host_tensor_is_reported(tiny_model, tmp_path,
+                                                                                         monkeypatch):
+    """--lora-modules on 2 ranks of MoE EP on sequence shares (the low-rank halves gathered into
+    qkv_proj and reduce-scattered after o_proj, the shared MLP in torch ops): every op on the rank's
+    device; a mask made without device= in LowRank.project is reported with its line."""
+    from lora_adapters import random_adapter
+    a = random_adapter(tiny_model, tmp_path / "a", seed=1)
+    b = random_adapter(tiny_model, tmp_path / "b", seed=2, targets=("self_attn.qkv_proj",))
+    flags = ("--moe-ep", "--lora-modules", f"a={a},b={b}", "--adapter", "a")
+    [result] = dry_run(tiny_model, *flags)
+    assert result.passed and not result.mismatches, (result.error, result.mismatches)
+    from adaptor_patches import lora_rows
+
+    def project(self, x, rows):
+        row_slot, row_scale = rows
+        none = torch.zeros(self.slot.numel())                        # PLANTED: no device=
+        mask = torch.where(self.slot == row_slot[:, None], row_scale[:, None] * self.scale, none)
+        return torch.nn.functional.linear(x, self.a) * mask.to(x.dtype)
+    monkeypatch.setattr(lora_rows.LowRank, "project", project)
+    [result] = dry_run(tiny_model, *flags)
+    made = [line for _op, _devices, tensors, _where in result.mismatches for _device, line in tensors]
+    assert planted_line(project) in made, result.mismatches

@@ -70,7 +70,8 @@ def _with_adapters(x, gate_and_up, down, part, up_low, down_low, rows):
     if part is not None:                        # slice `index` of `parts` of the intermediate, as shared_mlp_part
         inter = gate_and_up.shape[0] // 2
         start, stop = part[0] * inter // part[1], (part[0] + 1) * inter // part[1]
-        pair = torch.cat([torch.arange(start, stop), torch.arange(inter + start, inter + stop)]).to(x.device)
+        pair = torch.cat([torch.arange(start, stop, device=x.device), torch.arange(inter + start, inter + stop,
+                                                                             device=x.device)])
         gate_and_up, down = gate_and_up.index_select(0, pair), down[:, start:stop]
         up_low = up_low.output_rows(pair) if up_low is not None else None
         down_low = down_low.input_columns((start, stop - start)) if down_low is not None else None

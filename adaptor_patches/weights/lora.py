@@ -294,11 +294,12 @@ def parse_lora_module(value: str) -> tuple:
     return name, path
 
 
-def served_adapters(values, checkpoint, served_model: str) -> tuple:
+def served_adapters(values, checkpoint, served_model: str, config_only: bool = False) -> tuple:
     """((name, Adapter), ...) of `--lora-modules`, each read and checked against `checkpoint`
     (a checkpoint.Checkpoint: an original's headers, a rank folder's config.json) before any request
-    runs; names unique and not the model's own. They are cut for the run's layout, not the folder's."""
-    if checkpoint.per_rank:             # a rank folder holds slices: the originals' shapes from config.json
+    runs; names unique and not the model's own. They are cut for the run's layout, not the folder's.
+    `config_only`: held against config.json's shapes alone (a dry run reads no weights)."""
+    if checkpoint.per_rank or config_only:      # slices, or no weights (a dry run): the shapes config.json implies
         def check(adapter):
             return adapter.check_shapes(lambda key: expected_shape(key, checkpoint.config))
     else:

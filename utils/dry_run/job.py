@@ -85,6 +85,7 @@ class DryRunJob:
     pictures: tuple = ()
     stand_in_token: int = 0           # end-of-text: a draw over unknown scores
     text_token: int = 0               # a text call's first tokens (utils/dry_run/stand_in_text.py)
+    adapters: tuple = ()              # --lora-modules' adapters (real files, small), kept on each rank's device
 
     @property
     def world_size(self) -> int:
@@ -109,7 +110,7 @@ class DryRunJob:
         else:
             kernels = kernels_for(self.kind, quant_compute=compute)
         context = RankContext(self.layout, rank, device, multi_stream(self.args), text_to_image_only=True,
-                              kernels=kernels, expert_format=expert_format)
+                              kernels=kernels, expert_format=expert_format, adapters=self.adapters)
         return device, context
 
     def world(self, rank: int):
@@ -144,8 +145,14 @@ def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:
         pictures = tuple(decoded_images(images, None))
     from utils.dry_run.stand_in_text import ordinary_token
     token = stand_in_token(weights_dir)
+    adapters = ()
+    if args.lora_modules:
+        from adaptor_patches.weights.checkpoint import open_checkpoint
+        from adaptor_patches.weights.lora import served_adapters
+        adapters = served_adapters(args.lora_modules.split(","), open_checkpoint(model_dir), model_dir.name,
+                                   config_only=True)
     return DryRunJob(kind, args, checked.layout, model_dir, weights_dir, default_request(args), pictures, token,
-                     ordinary_token(weights_dir))
+                     ordinary_token(weights_dir), adapters)
 
 
 def stand_in_token(weights_dir: Path) -> int:

@@ -75,6 +75,9 @@ def build_fake_model(model_dir, context, mode, weights_dir=None):
     model.load_tokenizer(str(weights_dir) if takes_conditioning_images(cls) else load_tokenizer(weights_dir))
     with mode:              # the kernel set's storage is made on the device (NPU int4: packed anew)
         adopt_kernel_storage(model)
+        if context.adapters:                # --lora-modules: the rank's adapter halves, as loading keeps them
+            from adaptor_patches import lora_rows
+            lora_rows.install(model, context.adapters)
     model.pipeline.set_progress_bar_config(disable=True)
     return model.eval()
 

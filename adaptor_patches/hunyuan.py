@@ -30,7 +30,6 @@ import sys
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -100,8 +99,9 @@ def causal_mm_forward(original, _device):
         group = context.group("cfg")
         output = original(**cfg_split.split_arguments(arguments, rows, context.cfg_rank, type(self).__module__))
         if isinstance(output, tuple):
-            return output[:-1] + (cfg_split.gather_branches(output[-1], group),)
-        output["diffusion_prediction"] = cfg_split.gather_branches(output["diffusion_prediction"], group)
+            return output[:-1] + (cfg_split.gather_branches(output[-1], group, context.kernels),)
+        output["diffusion_prediction"] = cfg_split.gather_branches(output["diffusion_prediction"], group,
+                                                                   context.kernels)
         return output
 
     def cached_forward(self, *args, **kwargs):
@@ -320,7 +320,7 @@ def _o_proj(self, attn_output, shards, bsz, q_len, adapters=None):
         partial = F.linear(attn_output, mine)
         if low is not None:
             partial = partial + low.input_columns(span).delta(attn_output, lora.rows(bsz, q_len))
-        dist.all_reduce(partial, group=self.rank_context.group("attention_decode"))
+        self.kernels.all_reduce(partial, self.rank_context.group("attention_decode"))
         return _with_bias(partial, self.o_proj).view(bsz, q_len, -1)
     if shards is None:
         if self.head_shard.degree == 1 and low is None:
@@ -329,7 +329,7 @@ def _o_proj(self, attn_output, shards, bsz, q_len, adapters=None):
         if low is not None:
             partial = partial + low.delta(attn_output, lora.rows(bsz, q_len))
         if self.head_shard.degree > 1:
-            dist.all_reduce(partial, group=self.rank_context.group("attention_tp"))
+            self.kernels.all_reduce(partial, self.rank_context.group("attention_tp"))
         return _with_bias(partial, self.o_proj).view(bsz, q_len, -1)
     if exchange is not None:
         attn_output = exchange.back(attn_output, shards.ulysses_chunks, self.rank_context.group("ulysses"))

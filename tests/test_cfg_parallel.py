@@ -73,7 +73,7 @@ class _Model:
 @pytest.fixture
 def one_branch(monkeypatch):
     """The patched forward as cfg index 1 sees it, with a stand-in gather: [rows of index 0 ; ours]."""
-    monkeypatch.setattr(cfg_split, "gather_branches", lambda local, group: torch.cat([local - 2, local]))
+    monkeypatch.setattr(cfg_split, "gather_branches", lambda local, group, kernels: torch.cat([local - 2, local]))
     calls = []
     return functools.partial(hunyuan.causal_mm_forward(fake_forward(calls), None), _Model()), calls
 

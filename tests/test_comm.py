@@ -27,7 +27,7 @@ def _hand_made_collectives(rank, world_size):
     """Every kind once over 3 ranks, on tensors whose bytes the test states; then a host tensor."""
     import torch.distributed as dist
     from placement_double import DEVICE, PlacementDouble
-    from adaptor_patches.parallel.collectives import all_gather_dim0
+    from adaptor_patches.kernels.collectives import all_gather_dim0
     from utils.planner.comm_recorder import CollectiveRecorder
     with PlacementDouble() as placement, CollectiveRecorder(DEVICE, placement=placement.device_of) as recorder:
         recorder.phase = "hand made"

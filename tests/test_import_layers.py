@@ -28,10 +28,10 @@ PROJECT = ("adaptor_patches", "utils", "harness", "bench", "model_adaptor.py", "
 LAYERS = (
     ("kernel_names",),                      # the kernel layer's names, torch-free (the launcher's schema reads them)
     ("kernels.device", "kernels.fake_device", "model_family"),    # fake_device: a dry run's streams and events     # model_family: which upstream model file runs a checkpoint (a leaf)
-    ("kernels.int4", "kernels.quant", "kernels.collective_matmul", "kernels.fixed_shape", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
+    ("kernels.int4", "kernels.quant", "kernels.collectives", "kernels.collective_matmul", "kernels.fixed_shape", "kernels.torch_kernels", "kernels.cpu", "kernels.cuda", "kernels.npu",
      "kernels.__init__", "kernels.decode_graph"),
     ("parallel.shards", "parallel.layout"),  # what one rank holds of a layer; the one Layout
-    ("parallel.collectives", "parallel.context", "parallel.cfg_split", "parallel.vae_bands", "parallel.sequence",
+    ("parallel.context", "parallel.cfg_split", "parallel.vae_bands", "parallel.sequence",
      "parallel.ulysses"),
     ("weights.regular_files",),             # every file read before the weights: a regular one
     ("weights.safetensors_io",),            # bytes and headers

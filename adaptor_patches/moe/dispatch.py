@@ -59,10 +59,8 @@ set (kernels/fixed_shape.py); the layer runs (hunyuan.py):
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..kernels.quant import unpack_rows
-from ..parallel.collectives import all_gather_rows
 from ..parallel.layout import split_evenly
 
 
@@ -112,12 +110,10 @@ class TensorParallel(Replicated):
         group = self.rank_context.group("moe_tp")
         if shards is not None:
             return self.kernels.reduce_scatter_shares(output, group, shards.shares)
-        dist.all_reduce(output, group=group)
-        return output
+        return self.kernels.all_reduce(output, group)
 
     def combine_fixed(self, output):
-        dist.all_reduce(output, group=self.rank_context.group("moe_tp"))
-        return output
+        return self.kernels.all_reduce(output, self.rank_context.group("moe_tp"))
 
 
 class ExpertParallel(Replicated):
@@ -127,8 +123,7 @@ class ExpertParallel(Replicated):
         self.shared_part = (shard.ep_rank, shard.ep_degree)
 
     def combine_fixed(self, output):
-        dist.all_reduce(output, group=self.rank_context.group("moe_ep"))
-        return output
+        return self.kernels.all_reduce(output, self.rank_context.group("moe_ep"))
 
     def _chunks(self, tokens) -> list:
         return split_evenly(tokens.shape[0], self.shard.ep_degree)
@@ -158,21 +153,21 @@ class ExpertParallel(Replicated):
     def combine(self, output, tokens, shards=None):
         if shards is not None:
             return output
-        return all_gather_rows(output, self._chunks(tokens), self.rank_context.group("moe_ep"))
+        return self.kernels.all_gather_rows(output, self._chunks(tokens), self.rank_context.group("moe_ep"))
 
     def _experts_across_ranks(self, experts, sorted_x, counts, dtype):
         """Double routing: rows sorted by global expert go to the expert's owner and come back computed
         (in `dtype`, the layer's activations)."""
         group, kernels = self.rank_context.group("moe_ep"), self.kernels
-        ep_size, local_experts = dist.get_world_size(group), self.shard.local_experts
+        ep_size, local_experts = self.shard.ep_degree, self.shard.local_experts
         received_counts = torch.empty_like(counts)
-        dist.all_to_all_single(received_counts, counts, group=group)
+        kernels.all_to_all(received_counts, counts, None, None, group)
         received_counts = received_counts.view(ep_size, local_experts)        # [source rank, local expert]
         # The one host sync of the layer: split sizes must be Python ints.
         send_splits, recv_splits = torch.stack([counts.view(ep_size, local_experts).sum(1),
                                                 received_counts.sum(1)]).tolist()
         received = sorted_x.new_empty(sum(recv_splits), sorted_x.shape[1])
-        dist.all_to_all_single(received, sorted_x.contiguous(), recv_splits, send_splits, group=group)
+        kernels.all_to_all(received, sorted_x.contiguous(), recv_splits, send_splits, group)
         if self.dispatch == "int8":                 # int8 rows and their scales, straight into the experts
             rows, scale = unpack_rows(received)
             grouped, grouped_scale, order, local_counts = kernels.regroup_quantized(rows, scale, received_counts)
@@ -181,7 +176,7 @@ class ExpertParallel(Replicated):
             grouped, order, local_counts = kernels.regroup(received, received_counts)
             computed = kernels.ungroup(experts(grouped, local_counts), order)
         returned = computed.new_empty(sorted_x.shape[0], computed.shape[1])
-        dist.all_to_all_single(returned, computed.contiguous(), send_splits, recv_splits, group=group)
+        kernels.all_to_all(returned, computed.contiguous(), send_splits, recv_splits, group)
         return returned
 
 

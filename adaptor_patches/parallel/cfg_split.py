@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from ..model_family import BASE_MODULE, INSTRUCT_MODULE
-from .collectives import all_gather_dim0
 
 # Each model file's forward arguments whose leading axis (tensor) or length (list) is the batch:
 # plain, inside a tuple, inside a dict. The one model-specific piece of CFG parallel.
@@ -90,6 +89,6 @@ def split_arguments(arguments: dict, rows: int, part: int, module: str = BASE_MO
     return out
 
 
-def gather_branches(local: torch.Tensor, group) -> torch.Tensor:
+def gather_branches(local: torch.Tensor, group, kernels) -> torch.Tensor:
     """[cond ; uncond] from each rank's half, concatenated on the batch axis in cfg-index order."""
-    return all_gather_dim0(local, group)
+    return kernels.all_gather(local, group)

@@ -17,12 +17,12 @@ layer, over a forward's sequence shares (parallel/sequence.py):
 
 Split sizes are the chunks (Python ints from the layout: no host sync); the all-to-alls take
 uneven and empty splits (gloo, NCCL and HCCL's all_to_all_single). What each all-to-all moves is
-the planner's Ulysses lines (utils/planner/traffic.py), counted on gloo runs (bench/comm.py).
+the planner's Ulysses lines (utils/planner/traffic.py), counted on gloo runs (bench/comm.py); both
+go through the kernel set's all_to_all (kernels/collectives.py, the communication seam).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .layout import attention_sizes
 
@@ -34,14 +34,17 @@ def head_exchange(context, config) -> "HeadExchange | None":
     if context.layout.ulysses == 1:
         return None
     return context.shared(("head_exchange", attention_sizes(config)),
-                          lambda: HeadExchange(context.layout, config, context.tp_rank, context.device.torch_device))
+                          lambda: HeadExchange(context.layout, config, context.tp_rank, context.kernels,
+                                               context.device.torch_device))
 
 
 class HeadExchange:
     """Which of shard t's heads go to each rank of the Ulysses group (the same for every attention layer)."""
 
-    def __init__(self, layout, config, tp_rank: int, device=None):
-        """`config`: the model's sizes; `device`: where the index tensors live (the rank's device)."""
+    def __init__(self, layout, config, tp_rank: int, kernels, device=None):
+        """`config`: the model's sizes; `kernels`: the rank's kernel set (its all_to_all); `device`:
+        where the index tensors live (the rank's device)."""
+        self.kernels = kernels
         self.degree = layout.ulysses
         self.rank = layout.ulysses_rank(tp_rank)
         self.shard = layout.heads(config, tp_rank)
@@ -88,7 +91,7 @@ class HeadExchange:
         v_out = v.index_select(1, self.kv_index).view(rows, n, kv_width)
         outgoing = torch.cat([q_out, k_out, v_out], dim=2).transpose(0, 1).reshape(n * rows, -1)
         received = outgoing.new_empty(sum(chunks), outgoing.shape[1])
-        dist.all_to_all_single(received, outgoing, chunks, [rows] * n, group=group)
+        self.kernels.all_to_all(received, outgoing, chunks, [rows] * n, group)
         q_in, k_in, v_in = received.split([q_width, kv_width, kv_width], dim=1)
         return (q_in.reshape(-1, self.heads.heads, dim), k_in.reshape(-1, self.heads.kv_heads, dim),
                 v_in.reshape(-1, self.heads.kv_heads, dim))
@@ -98,7 +101,7 @@ class HeadExchange:
         shard t's heads [C_u, shard heads * D], in o_proj's column order."""
         n, mine = self.degree, chunks[self.rank]
         received = out.new_empty(n * mine, out.shape[1])
-        dist.all_to_all_single(received, out.contiguous(), [mine] * n, chunks, group=group)
+        self.kernels.all_to_all(received, out.contiguous(), [mine] * n, chunks, group)
         heads = received.view(n, mine, self.heads.heads, self.shard.head_dim).transpose(0, 1)
         heads = heads.reshape(mine, n * self.heads.heads, self.shard.head_dim)
         if not self.identity_back:

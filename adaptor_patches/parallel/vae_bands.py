@@ -9,7 +9,7 @@ Split: the latent's rows are dealt out in contiguous bands over every rank of th
 With fewer rows than ranks the last ranks hold empty bands: they compute nothing but still join
 every collective. Each spatial upsample doubles every band.
 Every step gives the single-device result:
-  - convolutions: a band is extended by its neighbours' edge rows (isend/irecv with the rank above
+  - convolutions: a band is extended by its neighbours' edge rows (kernels.exchange with the rank above
     and the rank below; zero rows at the image border, as the conv's own zero padding would give),
     then convolved with no height padding;
   - GroupNorm: per-band mean and variance per group in fp32, all-gathered and merged by band size
@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..kernels.device import conv3d
-from .collectives import all_gather_dim0
 from .layout import split_evenly
 
 log = logging.getLogger(__name__)
@@ -42,13 +41,15 @@ def swish(x):
 
 class Bands:
     """This rank's band of a map split by rows over `group` (None: the default group), and the exact
-    ops across bands. `rank` is this rank's index in the group."""
+    ops across bands. `rank` is this rank's index in the group; `kernels` the rank's kernel set, whose
+    collectives (kernels/collectives.py) move the rows."""
 
-    def __init__(self, rows: list, rank: int, group=None):
+    def __init__(self, rows: list, rank: int, group, kernels):
         self.rows = list(rows)
         self.rank = rank
         self.world = len(rows)
         self.group = group
+        self.kernels = kernels
 
     def _peer(self, group_rank: int) -> int:
         """A band's owner as point-to-point ops name it (a global rank)."""
@@ -72,7 +73,7 @@ class Bands:
         """The whole map from every rank's band (each padded to the tallest band for the collective)."""
         tallest = max(self.rows)
         padded = F.pad(band, (0, 0, 0, tallest - band.shape[-2]))
-        parts = all_gather_dim0(padded.unsqueeze(0), self.group)
+        parts = self.kernels.all_gather(padded.unsqueeze(0), self.group)
         return torch.cat([part[..., :rows, :] for part, rows in zip(parts, self.rows)], dim=-2)
 
     def conv(self, conv, band):
@@ -90,17 +91,12 @@ class Bands:
         """`band` with `rows` rows above and below: the neighbouring bands' edge rows, zeros at the border."""
         edge_shape = (*band.shape[:3], rows, band.shape[-1])
         above, below = band.new_zeros(edge_shape), band.new_zeros(edge_shape)
-        ops = []
+        transfers = []
         if self.rank > 0:  # bands are filled from rank 0, so a non-empty band's upper neighbour is too
-            up = self._peer(self.rank - 1)
-            ops += [dist.P2POp(dist.isend, band[..., :rows, :].contiguous(), up), dist.P2POp(dist.irecv, above, up)]
+            transfers.append((band[..., :rows, :].contiguous(), above, self._peer(self.rank - 1)))
         if self.rank + 1 < self.world and self.rows[self.rank + 1]:
-            down = self._peer(self.rank + 1)
-            ops += [dist.P2POp(dist.isend, band[..., -rows:, :].contiguous(), down),
-                    dist.P2POp(dist.irecv, below, down)]
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+            transfers.append((band[..., -rows:, :].contiguous(), below, self._peer(self.rank + 1)))
+        self.kernels.exchange(transfers)
         return torch.cat([above, band, below], dim=-2)
 
     def group_norm(self, norm, band):
@@ -111,7 +107,8 @@ class Bands:
             stats = groups.new_zeros(2, batch, norm.num_groups)
         else:
             stats = torch.stack([groups.mean(-1), groups.var(-1, unbiased=False)])
-        band_means, band_vars = all_gather_dim0(stats.unsqueeze(0), self.group).unbind(1)  # [world, batch, groups] each
+        # [world, batch, groups] each
+        band_means, band_vars = self.kernels.all_gather(stats.unsqueeze(0), self.group).unbind(1)
         # Every element count is rows x (channels per group x frames x width): weight bands by rows.
         weights = stats.new_tensor([rows / sum(self.rows) for rows in self.rows]).view(-1, 1, 1)
         mean = (weights * band_means).sum(0)
@@ -194,10 +191,10 @@ def unsupported(decoder):
     return None
 
 
-def check_same_latent_shape(z, group) -> None:
+def check_same_latent_shape(z, group, kernels) -> None:
     """Every rank must hold a latent of one shape, or the band exchanges would mismatch."""
     shape = torch.tensor(z.shape, device=z.device)
-    shapes = all_gather_dim0(shape.unsqueeze(0), group)
+    shapes = kernels.all_gather(shape.unsqueeze(0), group)
     if not bool((shapes == shape).all()):
         raise ValueError(f"vae-parallel: ranks hold latents of different shapes {shapes.tolist()}")
 
@@ -205,9 +202,10 @@ def check_same_latent_shape(z, group) -> None:
 def parallel_decode(decoder, z, group):
     """The whole image on every rank of `group`, each rank having decoded one band of `z`'s rows."""
     # A collective first: it checks the shapes and means no rank's first call is point-to-point.
-    check_same_latent_shape(z, group)
+    kernels = decoder.rank_context.kernels
+    check_same_latent_shape(z, group, kernels)
     world = dist.get_world_size(group)
-    bands = Bands(split_evenly(z.shape[-2], world), dist.get_rank(group), group)
+    bands = Bands(split_evenly(z.shape[-2], world), dist.get_rank(group), group, kernels)
     if z.shape[-2] < world:
         log.info(f"vae-parallel: {z.shape[-2]} latent rows over {world} ranks; ranks {z.shape[-2]}..{world - 1} "
                  f"hold empty bands")

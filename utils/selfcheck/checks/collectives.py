@@ -60,7 +60,7 @@ def _rows_sent(src: int, dst: int) -> int:
 
 
 def correctness(dist, device: torch.device, rank: int, n: int) -> dict:
-    from adaptor_patches.parallel.collectives import all_gather_dim0
+    from adaptor_patches.kernels.collectives import all_gather_dim0
     ok = {}
     t = torch.arange(1000, dtype=torch.float32, device=device) * (rank + 1)
     dist.all_reduce(t)
@@ -82,7 +82,7 @@ def correctness(dist, device: torch.device, rank: int, n: int) -> dict:
 
 
 def bandwidth(dist, device_obj, rank: int, n: int, size: int, iterations: int) -> dict:
-    from adaptor_patches.parallel.collectives import all_gather_dim0
+    from adaptor_patches.kernels.collectives import all_gather_dim0
     dev = device_obj.torch_device
     elems = max(size // 2 // n * n, n)
     buf = torch.ones(elems, dtype=torch.bfloat16, device=dev)

@@ -5,15 +5,16 @@ Flags are upstream's (`--prompt --model-id --attn-impl --moe-impl --seed --diff-
 HunyuanImage-3.0-Instruct also `--image a.png[,b.png,c.png] --infer-align-image-size`), the
 cann-recipes script's (also `--attn-impl npu`, `--moe-impl npu_grouped_matmul`, `--rewrite`,
 `--sys-deepseek-prompt`), plus ours (`--device --warmup --rounds --metrics-json --guidance-scale`,
-parallel switches, `--adaptor`): utils/runtime/job_args.py. Works as one process or under torchrun. Rank 0
+parallel switches, `--adaptor`): utils/runtime/requests/job_args.py. Works as one process or under torchrun. Rank 0
 writes the PNG (atomically) and the metrics JSON.
 
 Three modes, one model load each: `--prompt TEXT` (one image), `--prompts FILE` (every line of a
-prompts file: utils/runtime/batch_job.py) and `--serve` (an HTTP images API on rank 0: utils/runtime/image_server.py).
+prompts file: utils/runtime/engine/batch_job.py) and `--serve` (an HTTP images API on rank 0:
+utils/runtime/http/image_server.py).
 
-Each rank: the job check (utils/runtime/job_check.py), then `run`: prepare (the checkpoint's files,
+Each rank: the job check (utils/runtime/requests/job_check.py), then `run`: prepare (the checkpoint's files,
 the prompts' lengths, device, patches, process group, seed), load, the one job (rounds of one
-image, or many images: utils/runtime/many_images.py), write (rank 0).
+image, or many images: utils/runtime/engine/many_images.py), write (rank 0).
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from utils.runtime import many_images
-from utils.runtime.job_args import default_request, parse_args  # noqa: F401  (parse_args: tools import it here)
-from utils.runtime.job_check import CheckedJob, check_job, check_prompt_lengths
-from utils.runtime.outputs import OutputWriteError, UsageError, write_atomically
+from utils.runtime.engine import many_images
+from utils.runtime.requests.job_args import default_request, parse_args  # noqa: F401  (tools import parse_args here)
+from utils.runtime.requests.job_check import CheckedJob, check_job, check_prompt_lengths
+from utils.runtime.engine.outputs import OutputWriteError, UsageError, write_atomically
 
 # The cann-recipes names of the fused NPU forms -> the upstream choice our patched modules build; the
 # kernels then come from the device's kernel set (adaptor_patches/kernels: torch_npu ops on an NPU).
@@ -148,7 +149,7 @@ def prepare(job: CheckedJob, rank: int, phase: JobPhase) -> RankJob:
     phase.name = "agreeing on the seed"
     seed = shared_seed(dist, args.seed)
     phase.name = "receiving the conditioning images from rank 0"
-    from utils.runtime.input_images import decoded_images, share_images
+    from utils.runtime.requests.input_images import decoded_images, share_images
     images = share_images(dist, job.images) if args.image else ()
     pictures = tuple(decoded_images(images, dist)) if images else ()
     if args.reproduce:
@@ -179,7 +180,7 @@ def implementations(args, device_kind: str, kernel_set: str) -> tuple:
         notes.append(f"note: rewrite {args.rewrite}: prompt rewriting is not part of this project (the recipe's "
                      f"script does not rewrite either); the prompt is used as given")
     if getattr(args, "use_taylor_cache", False):            # upstream's flag, run as our step cache
-        from utils.runtime.upstream_taylor import note
+        from utils.runtime.requests.upstream_taylor import note
         notes.append(note(args.step_cache))
     return chosen["attn_impl"], chosen["moe_impl"], notes
 
@@ -263,11 +264,11 @@ class Generated:
 
 
 def generate(model, args, request, rank, images=None, cache=None) -> Generated:
-    """One image: a batch of one through the stages every mode runs (utils/runtime/batch_stages.py:
+    """One image: a batch of one through the stages every mode runs (utils/runtime/engine/batch_stages.py:
     the text stage, the handoff, the denoising batch, the decode), in its forward context with the
     job's `cache` (captured decode steps, the last prompt's KV; None: one of its own). `images`: the
     Instruct model's conditioning images, already decoded (--prompt decodes them once per job)."""
-    from utils.runtime.batch_stages import BatchStages
+    from utils.runtime.engine.batch_stages import BatchStages
     stages = BatchStages(model, args, rank, cache=cache, pictures=images)
     handoff, = stages.text([request], keep_going=lambda exc: False)
     made, = stages.image([request], [handoff])
@@ -332,7 +333,7 @@ def one_image(rank_job: RankJob, model, load_s: float, phase: JobPhase) -> Round
 
 
 def many_images_job(rank_job: RankJob, model, phase: JobPhase) -> int:
-    """--prompts / --serve: many images on this load (utils/runtime/many_images.py); the exit code."""
+    """--prompts / --serve: many images on this load (utils/runtime/engine/many_images.py); the exit code."""
     args = rank_job.args
     phase.name = "serving requests" if args.serve else "generating the prompts file's images"
     return many_images.run_many(args, rank_job.job.requests, model, rank_job.dist, rank_job.rank, rank_job.server,
@@ -369,14 +370,14 @@ def metrics_record(rank_job: RankJob, rounds: Rounds, peaks: list) -> dict:
 
 def write(rank_job: RankJob, rounds: Rounds, phase: JobPhase) -> None:
     """Every rank's peak memory to rank 0, which writes the image, its text, the latents and the
-    metrics JSON (each atomically: utils/runtime/outputs.py)."""
+    metrics JSON (each atomically: utils/runtime/engine/outputs.py)."""
     phase.name = "gathering metrics and writing outputs"
     peaks = peak_memory_per_rank(rank_job)
     if rank_job.rank != 0:
         return
     import torch
-    from utils.runtime.batch_job import write_result
-    from utils.runtime.rank_loop import ImageResult
+    from utils.runtime.engine.batch_job import write_result
+    from utils.runtime.engine.rank_loop import ImageResult
     args, log, image = rank_job.args, rank_job.log, rounds.image
     last = rounds.records[-1]
     write_result(ImageResult(rounds.request, image, last["total_s"], None, last["text_phase"]))
@@ -456,8 +457,8 @@ def main(argv=None) -> int:
         from adaptor_patches.parallel.layout import LayoutError
         from adaptor_patches.text.phase import ContextTooLongError
         from model_adaptor import UpstreamMismatchError
-        from utils.runtime.input_images import ImagesDisagree
-        from utils.runtime.rank_loop import RankFailure
+        from utils.runtime.requests.input_images import ImagesDisagree
+        from utils.runtime.engine.rank_loop import RankFailure
         phase = JobPhase()
         try:
             job = check_job(args, world_size=int(os.environ.get("WORLD_SIZE", 1)), env=os.environ,
@@ -485,6 +486,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from utils.runtime.rank_console import route_console
+    from utils.runtime.engine.rank_console import route_console
     route_console(int(os.environ.get("RANK", "0")))      # one console (before transformers is imported)
     sys.exit(main())

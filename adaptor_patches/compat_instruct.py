@@ -22,7 +22,7 @@ shims-only reference installs them too). The shims it shares with the base model
         0 where attended and the dtype's minimum where not.
   decomposition_FFT, reconstruction (cache_utils.py)
         Upstream's own Taylor cache (generate_image(use_taylor_cache=True); the CLI's --use-taylor-cache
-        runs ours instead, utils/runtime/upstream_taylor.py) splits each hidden state by an FFT in two
+        runs ours instead, utils/runtime/requests/upstream_taylor.py) splits each hidden state by an FFT in two
         `torch.compile`d functions. Inductor needs a C++ toolchain on the CPU and took ~35 s at the
         first cached image here; on an NPU it is not the backend this project runs. The same functions
         run eagerly (the same ops: an fp32 FFT and its inverse), so the reference runs anywhere.

@@ -4,7 +4,7 @@ keep_freed_host_memory: freed blocks stay with the process instead of being unma
     .venv/bin/python bench/host_heap.py [--model DIR] [--images 3] [--repeat 3]
 
 Each variant is a fresh process that loads the tiny Instruct checkpoint (built at DIR, default
-models/tiny_instruct, when missing) through utils/runtime/rank_model.py as one CPU rank, draws one
+models/tiny_instruct, when missing) through utils/runtime/engine/rank_model.py as one CPU rank, draws one
 image to warm up, then `--images` more (upstream's generate_image, text to image, 2 steps, one
 torch thread, as the tests draw them) and reports that stretch's wall, user and system seconds and
 minor page faults. The variants alternate `--repeat` times; the table shows each one's median and
@@ -30,7 +30,7 @@ FIELDS = ("wall_s", "user_s", "sys_s", "minor_faults")
 def child(model: Path, images: int, variant: str) -> None:
     import torch
     from adaptor_patches.kernels import device
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     if variant == "default":
         device.keep_freed_host_memory = lambda: False
     torch.set_num_threads(1)

@@ -59,7 +59,7 @@ class Run:
 
 def load(variant: str):
     from adaptor_patches.metrics import PhaseTimer
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model, rank_context = load_rank_model(ensure_model(variant), "cpu")
     timer = PhaseTimer(rank_context.device).attach(model)
     context = []

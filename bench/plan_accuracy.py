@@ -36,7 +36,7 @@ def main():
     from adaptor_patches.parallel.layout import Layout
     from utils.planner.memory_plan import plan, read_config
     from utils.planner.plan import parse_size
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     if args.model == "mid":
         from bench.e2e import ensure_model
         model_dir = ensure_model(Path(tempfile.gettempdir()) / "hunyuan_mid_bench")

@@ -46,7 +46,7 @@ def gemm_rates(threads: int) -> dict:
 def child(args) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
 
     if args.adaptor == "full-plain-storage":        # the CPU kernel set as it stored experts before
         from adaptor_patches.kernels.cpu import CpuKernels
@@ -104,7 +104,7 @@ def storage_ab(args) -> None:
     """One adaptor process, the experts' storage switched between generations: kernel set's vs plain."""
     import torch
     from adaptor_patches.moe.experts import GroupedExperts
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
 
     with torch.no_grad():
         model, _ = load_rank_model(args.model, "cpu", text_to_image_only=True)

@@ -34,7 +34,7 @@ def decode_on_rank(rank: int, world_size: int, model_dir: str, flags: dict, ever
     import torch.distributed as dist
     from adaptor_patches import autoencoder_kl_3d
     from adaptor_patches.parallel.layout import Layout
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     unread_image = autoencoder_kl_3d.unread_image
     if every_rank:          # the pool's next call must find today's code: restored below
         autoencoder_kl_3d.unread_image = lambda decoder, z: type(decoder).forward.__wrapped__(decoder, z)

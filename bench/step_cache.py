@@ -19,7 +19,7 @@ must be judged on that model's images (its predictions change more smoothly than
 HunyuanImage-3.0-Instruct (the same small sizes, base size 256, utils/make_tiny_model.py --instruct),
 a 256x256 edit of upstream's demo input: upstream's own Taylor cache (its code, compat shims only, as
 generate_image(use_taylor_cache=True) runs it) against ours: taylor with the settings its flags map to
-(utils/runtime/upstream_taylor.py: the same full forwards) and adaptive. Full forwards are counted
+(utils/runtime/requests/upstream_taylor.py: the same full forwards) and adaptive. Full forwards are counted
 as the steps whose forward ran the transformer (PhaseTimer.transformer_steps; adaptive runs it on
 every step, its computed steps are those that ran every layer). Each cached run is compared with an
 uncached run of the same code just before it (time) and with that code's first uncached image (PSNR).
@@ -77,8 +77,8 @@ def ensure_model(path: Path, variant: str = "base") -> Path:
 
 def upstream_settings(flags: list) -> tuple:
     """(generate_image's keyword arguments for upstream's cache, our StepCacheSettings for the same flags)."""
-    from utils.runtime.job_args import parse_args
-    from utils.runtime.upstream_taylor import UPSTREAM_DEFAULTS, upstream_step_cache
+    from utils.runtime.requests.job_args import parse_args
+    from utils.runtime.requests.upstream_taylor import UPSTREAM_DEFAULTS, upstream_step_cache
     args = parse_args(["--use-taylor-cache", *UPSTREAM_ENHANCE, *flags])
     kwargs = {"use_taylor_cache": True, "taylor_cache_enable_first_enhance": True,
               "taylor_cache_enable_tailing_enhance": True}
@@ -93,7 +93,7 @@ def instruct_main(args) -> None:
     import model_adaptor
     from adaptor_patches import step_cache
     from adaptor_patches.metrics import PhaseTimer
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
 
     model_dir = ensure_model(args.model, "instruct")
     image = str(ROOT / INSTRUCT_INPUT)
@@ -180,8 +180,8 @@ def main():
     import run_image_gen
     from adaptor_patches.kernels.device import resolve
     from adaptor_patches.metrics import PhaseTimer
-    from utils.runtime.image_requests import ImageRequest
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.requests.image_requests import ImageRequest
+    from utils.runtime.engine.rank_model import load_rank_model
 
     model_dir = ensure_model(args.model)
     cli = SimpleNamespace(use_system_prompt=None, system_prompt=None, verbose=0, max_new_tokens=None)

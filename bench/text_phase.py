@@ -82,7 +82,7 @@ def model_dir(name: str) -> Path:
 
 def load(path: Path, device: str, shims: bool):
     import model_adaptor
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model_adaptor.remove()
     return load_rank_model(path, device, shims_only=shims)
 

@@ -31,7 +31,7 @@ def load_rank_model(rank: int, world_size: int, model_dir, layout_args: tuple, d
     """(model, context) of this rank, loaded as run_image_gen loads it (text to image only)."""
     from adaptor_patches.kernels.device import Device
     from adaptor_patches.parallel.layout import Layout
-    from utils.runtime import rank_model
+    from utils.runtime.engine import rank_model
     return rank_model.load_rank_model(model_dir, device or Device("cpu"), layout=Layout(world_size, *layout_args),
                                       rank=rank, text_to_image_only=True, kernels=kernels, expert_format=expert_format)
 

@@ -71,7 +71,7 @@ def load(model_dir, shims_only: bool, layout=None, rank: int = 0, quantize: Opti
     `layout` (default: one process), upstream eager its own from_pretrained. `quantize`: the
     experts' 8-bit format, as --quantize."""
     from adaptor_patches.metrics import PhaseTimer
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model, context = load_rank_model(model_dir, "cpu", shims_only=shims_only, layout=layout, rank=rank,
                                      expert_format=quantize)
     model.phase_timer = PhaseTimer(context.device).attach(model)        # final latents and step count of each image

@@ -13,7 +13,7 @@ def make_adapter(base: Path, out: Path, targets: list, seed: int = 0) -> tuple:
     with save_pretrained; and a copy of `base` with merge_and_unload()'s weights."""
     import model_adaptor
     from peft import LoraConfig, get_peft_model
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model, _ = load_rank_model(base, "cpu", shims_only=True)
     torch.manual_seed(seed)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))

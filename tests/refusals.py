@@ -189,8 +189,8 @@ def server_answer(model_dir: str, request: str) -> tuple:
     """(HTTP status, "", "error: <its JSON error's message>") of one raw request to a server on
     `model_dir` started in this process (no model: a refused request never reaches the rank loop)."""
     import http.client
-    from utils.runtime.image_requests import ImageRequest, RequestChecker
-    from utils.runtime.image_server import ImageServer
+    from utils.runtime.requests.image_requests import ImageRequest, RequestChecker
+    from utils.runtime.http.image_server import ImageServer
     defaults = ImageRequest(prompt="", seed=None, image_size="64x64", diff_infer_steps=2)
     server = ImageServer("127.0.0.1", 0, defaults, RequestChecker(model_dir), 2, 2, lambda line: None, client_timeout=5.0)
     server.loaded.set()

@@ -2,7 +2,7 @@
 
 A prompts file (`--prompts FILE`) runs with `--batch-size 1` on one process: every line alone, the
 reference. The same file with `--batch-size 4` then makes its compatible lines together (one
-forward batch per generated size: utils/runtime/batching.py, adaptor_patches/image_batch.py), on one
+forward batch per generated size: utils/runtime/requests/batching.py, adaptor_patches/image_batch.py), on one
 process and on the session's rank pools (harness/multirank.py): attention TP, CFG parallel, MoE EP on
 sequence shares with VAE parallel, Ulysses with MoE TP on shares. Each line's image must stay
 within PSNR_MIN_DB of its alone image (test_layouts.py's bound: the layouts themselves sit at

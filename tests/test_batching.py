@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 from http_client import metric
 
-from utils.runtime.batching import compatibility_key, take_batch
-from utils.runtime.image_requests import ImageRequest, RequestChecker
-from utils.runtime.image_server import ImageServer
-from utils.runtime.rank_loop import ImageResult
-from utils.runtime.server_metrics import Metrics
+from utils.runtime.requests.batching import compatibility_key, take_batch
+from utils.runtime.requests.image_requests import ImageRequest, RequestChecker
+from utils.runtime.http.image_server import ImageServer
+from utils.runtime.engine.rank_loop import ImageResult
+from utils.runtime.http.server_metrics import Metrics
 from adaptor_patches.step_cache import StepCacheSettings
 
 BASE = ImageRequest(prompt="a fox", seed=1, image_size="64x64", diff_infer_steps=2)

@@ -1,4 +1,4 @@
-"""One console for a job (utils/runtime/rank_console.py): under run.sh only rank 0's own messages and
+"""One console for a job (utils/runtime/engine/rank_console.py): under run.sh only rank 0's own messages and
 progress reach the console; every rank keeps everything, the known-harmless third-party warnings
 included, in res/<date>/<model>/log_<time>/rank<N>.log."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from harness.multirank import free_port
 from test_launcher import ROOT, log_from, remove_log, run_launcher, write_yaml
-from utils.runtime.rank_console import KNOWN_HARMLESS, OtherRankStream, RankZeroStream
+from utils.runtime.engine.rank_console import KNOWN_HARMLESS, OtherRankStream, RankZeroStream
 
 PROGRESS_BAR = re.compile(r"\d+/\d+ \[")
 BAR_START = re.compile(r"(^|: )\s*0%\|")
@@ -51,7 +51,7 @@ def test_other_ranks_show_only_their_error_lines():
 # KNOWN_HARMLESS) and a warning of our own, both through Python's warnings, as any would arrive.
 ENTRY_WITH_WARNINGS = """
 import runpy, sys, warnings
-import utils.runtime.rank_console as console
+import utils.runtime.engine.rank_console as console
 route = console.route_console
 
 def route_then_warn(*args, **kwargs):

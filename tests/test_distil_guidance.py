@@ -128,8 +128,8 @@ def test_a_prompts_line_and_a_body_carry_the_distil_scale_to_the_request(tiny_mo
     checkpoint's files (tiny's JSON files made Distil's, refusals.INSTRUCT_KEYS; no weights needed)."""
     import shutil
     from refusals import INSTRUCT_KEYS
-    from utils.runtime.api_bodies import parse_body
-    from utils.runtime.image_requests import ImageRequest, RequestChecker, read_prompts_file
+    from utils.runtime.http.api_bodies import parse_body
+    from utils.runtime.requests.image_requests import ImageRequest, RequestChecker, read_prompts_file
     distil = tmp_path / "distil"
     distil.mkdir()
     for file in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):

@@ -4,9 +4,9 @@ import json
 import pytest
 
 from generation import run_cli_in_process
-from utils.runtime.image_requests import ImageRequest, RequestChecker, RequestError, read_prompts_file
-from utils.runtime.image_server import BadRequest, parse_body
-from utils.runtime.rank_loop import RankFailure, RankLoop
+from utils.runtime.requests.image_requests import ImageRequest, RequestChecker, RequestError, read_prompts_file
+from utils.runtime.http.image_server import BadRequest, parse_body
+from utils.runtime.engine.rank_loop import RankFailure, RankLoop
 
 DEFAULTS = ImageRequest(prompt="", seed=None, image_size="64x64", diff_infer_steps=3)
 

@@ -9,8 +9,12 @@ is placed in the order when it is added.
 
 The cycle check covers the whole project's own Python (PROJECT: adaptor_patches/, utils/, harness/,
 bench/, model_adaptor.py, run_image_gen.py; not the upstream files staged beside them, .upstream_staged,
-nor tests/): a circle between two tools (utils/runtime/request_schema.py and upstream_taylor.py
+nor tests/): a circle between two tools (utils/runtime/requests/request_schema.py and upstream_taylor.py
 had one) fails as one inside the adaptor does.
+
+utils/runtime/ is three subpackages by job, bottom first (RUNTIME): requests/ (what a request and a job
+are, their checks), http/ (the server), engine/ (the ranks); each imports only its own or a lower one,
+and no module sits beside them.
 
 Between the roots, imports point down too: the product (adaptor_patches/, utils/, model_adaptor.py,
 run_image_gen.py) imports neither harness/ nor bench/ nor tests/; harness/ (what the tests and the
@@ -228,7 +232,7 @@ def test_no_import_cycle_anywhere_in_the_project():
 
 def test_the_project_check_covers_every_root_and_leaves_upstream_out():
     modules = project_modules()
-    for name in ("model_adaptor", "run_image_gen", "utils.runtime.request_schema", "bench.e2e",
+    for name in ("model_adaptor", "run_image_gen", "utils.runtime.requests.request_schema", "bench.e2e",
                  "adaptor_patches.kernels.cpu", "utils.selfcheck.checks.__init__"):
         assert name in modules, name
     assert not any(name.startswith(("tests.", "hunyuan_image_3.")) for name in modules)
@@ -238,26 +242,68 @@ def test_the_project_check_covers_every_root_and_leaves_upstream_out():
 
 def test_the_project_check_finds_the_old_request_schema_upstream_taylor_circle():
     """upstream_taylor.with_step_cache_flags once read the schema's defaults by a lazy
-    `from utils.runtime.request_schema import JOB` while request_schema imported upstream_taylor's
+    `from utils.runtime.requests.request_schema import JOB` while request_schema imported upstream_taylor's
     UPSTREAM_DEFAULTS: put that import back and the check names the two."""
     modules, graph = project_modules(), project_graph()
-    name = "utils.runtime.upstream_taylor"
-    old = modules[name].read_text(encoding="utf-8") + "\n\ndef old():\n    from utils.runtime.request_schema import JOB\n"
+    name = "utils.runtime.requests.upstream_taylor"
+    old = (modules[name].read_text(encoding="utf-8")
+           + "\n\ndef old():\n    from utils.runtime.requests.request_schema import JOB\n")
     graph[name] = project_imports(name, old, modules)
-    assert cycles(graph) == [["utils.runtime.request_schema", name]]
+    assert cycles(graph) == [["utils.runtime.requests.request_schema", name]]
 
 
 def test_the_project_imports_are_read_as_python_resolves_them():
     modules = {name: None for name in ("bench.e2e", "bench.throughput", "utils.__init__", "utils.runtime.__init__",
-                                       "utils.runtime.errors", "adaptor_patches.kernels.cpu",
+                                       "utils.runtime.requests.errors", "adaptor_patches.kernels.cpu",
                                        "adaptor_patches.kernels.__init__", "model_adaptor")}
     source = ("import torch\nfrom e2e import ensure_model\nimport model_adaptor\n"
-              "def f():\n    from utils.runtime import errors\n    from adaptor_patches.kernels import cpu\n"
+              "def f():\n    from utils.runtime.requests import errors\n    from adaptor_patches.kernels import cpu\n"
               "    from utils import _LazyModule\n    from numpy import e2e\n")
     assert project_imports("bench.throughput", source, modules) == {
-        "bench.e2e", "model_adaptor", "utils.runtime.errors", "adaptor_patches.kernels.cpu", "utils.__init__"}
+        "bench.e2e", "model_adaptor", "utils.runtime.requests.errors", "adaptor_patches.kernels.cpu", "utils.__init__"}
     assert project_imports("adaptor_patches.kernels.cpu", "from . import __init__\nfrom .. import kernels\n",
                            modules) == {"adaptor_patches.kernels.__init__"}
+
+
+# ---------------------------------------------------------------- utils/runtime/'s jobs
+
+RUNTIME = ("requests", "http", "engine")    # utils/runtime/'s subpackages, bottom first (docs/ARCHITECTURE.md)
+
+
+def runtime_part(name: str):
+    """The RUNTIME subpackage a module of utils/runtime/ is in ("" for one beside them), None outside it."""
+    parts = name.split(".")
+    if parts[:2] != ["utils", "runtime"] or name == "utils.runtime.__init__":
+        return None
+    return parts[2] if len(parts) > 3 else ""
+
+
+def runtime_upward_imports(graph: dict) -> list:
+    return sorted(f"{name} ({runtime_part(name)}) imports {target} ({runtime_part(target)})"
+                  for name, targets in graph.items() if runtime_part(name) in RUNTIME
+                  for target in targets if runtime_part(target) in RUNTIME
+                  and RUNTIME.index(runtime_part(target)) > RUNTIME.index(runtime_part(name)))
+
+
+def test_every_runtime_module_is_in_one_of_its_subpackages():
+    unplaced = sorted(name for name in project_modules() if runtime_part(name) not in (None, *RUNTIME))
+    assert not unplaced, f"{unplaced}: put each under one of utils/runtime/{{{','.join(RUNTIME)}}}/ by its job"
+    for part in RUNTIME:
+        assert f"utils.runtime.{part}.__init__" in project_modules(), part
+
+
+def test_runtime_imports_point_down_its_subpackages():
+    upward = runtime_upward_imports(project_graph())
+    assert not upward, "imports against utils/runtime/'s order (requests <- http <- engine):\n" + "\n".join(upward)
+
+
+def test_the_runtime_check_sees_an_upward_import():
+    graph = {"utils.runtime.requests.job_check": {"utils.runtime.engine.outputs", "utils.runtime.requests.errors"},
+             "utils.runtime.http.image_server": {"utils.runtime.engine.rank_loop", "utils.runtime.requests.batching"},
+             "utils.runtime.engine.many_images": {"utils.runtime.http.image_server"}}
+    assert runtime_upward_imports(graph) == [
+        "utils.runtime.http.image_server (http) imports utils.runtime.engine.rank_loop (engine)",
+        "utils.runtime.requests.job_check (requests) imports utils.runtime.engine.outputs (engine)"]
 
 
 # ---------------------------------------------------------------- between the roots

@@ -1,7 +1,7 @@
 """run_image_gen.py's flags and prompts files: every refusal is one `error: field: problem; fix` line,
 exit 2, before any weight is read; and the same value is refused with the same words on every
 surface (CLI, YAML model_args, prompts-file line, HTTP body) since they all check through
-utils/runtime/request_schema.py."""
+utils/runtime/requests/request_schema.py."""
 import json
 import os
 
@@ -119,8 +119,8 @@ SAME_VALUES = [("diff_infer_steps", "steps", 1000000000), ("seed", "seed", -1), 
 
 @pytest.mark.parametrize("name, api_name, value", SAME_VALUES)
 def test_cli_yaml_prompts_file_and_http_refuse_with_the_same_words(tiny_model, tmp_path, name, api_name, value):
-    from utils.runtime.image_requests import ImageRequest, RequestChecker, RequestError, read_prompts_file
-    from utils.runtime.image_server import BadRequest, parse_body
+    from utils.runtime.requests.image_requests import ImageRequest, RequestChecker, RequestError, read_prompts_file
+    from utils.runtime.http.image_server import BadRequest, parse_body
     flag = name.replace("_", "-")
     cli_line = refused(cli(tiny_model, tmp_path, f"--{flag}", str(value)), flag)
     problem = cli_line.split(": ", 2)[2]

@@ -92,7 +92,7 @@ def test_a_comma_inside_an_image_name_is_written_escaped(instruct_config, tmp_pa
     for the ranks' command line (an unescaped one is refused naming the argument: refusals.json)."""
     from run_image_gen import parse_args
     from utils.launcher.launch import flags
-    from utils.runtime.job_check import check_job
+    from utils.runtime.requests.job_check import check_job
     fox, other = tmp_path / "fox,hat.png", tmp_path / "b.png"
     fox.write_bytes(png_bytes())
     other.write_bytes(png_bytes((16, 16)))
@@ -108,7 +108,7 @@ def test_a_comma_inside_an_image_name_is_written_escaped(instruct_config, tmp_pa
 def test_a_prompts_line_finds_its_images_beside_the_prompts_file(instruct_config, tmp_path):
     """Relative to the prompts file's folder, not the working directory; an absolute path stays itself."""
     from run_image_gen import parse_args
-    from utils.runtime.job_check import check_job
+    from utils.runtime.requests.job_check import check_job
     lines = tmp_path / "lines"
     lines.mkdir()
     (lines / "a.png").write_bytes(png_bytes())
@@ -126,7 +126,7 @@ def test_a_prompts_line_finds_its_images_beside_the_prompts_file(instruct_config
                                                  ("distil_config", None, 8), ("distil_config", 3, 3)])
 def test_the_steps_default_to_the_checkpoints(tiny_model, instruct_config, distil_config, model, given, steps):
     from run_image_gen import parse_args
-    from utils.runtime.job_check import check_job
+    from utils.runtime.requests.job_check import check_job
     folder = {"tiny": tiny_model, "instruct_config": instruct_config, "distil_config": distil_config}[model]
     argv = ["--serve", "--model-id", str(folder), "--device", "cpu"] + ([] if given is None else
                                                                        ["--diff-infer-steps", str(given)])
@@ -154,14 +154,14 @@ def test_distil_under_cfg_parallel_is_the_checkpoints_refusal_in_the_cli_and_the
 
 
 def test_revised_prompt_is_the_recaption():
-    from utils.runtime.api_bodies import revised_prompt
+    from utils.runtime.http.api_bodies import revised_prompt
     assert revised_prompt("<think>hm</think><recaption> a blue fox </recaption>", None) == "a blue fox"
     assert revised_prompt("<think>hm</think>", "think_recaption") is None
     assert revised_prompt("a blue fox", "recaption") == "a blue fox" and revised_prompt("hm", "think") is None
 
 
 def test_a_form_field_guidance_scale_is_a_number():
-    from utils.runtime.api_bodies import form_fields
+    from utils.runtime.http.api_bodies import form_fields
     body, images = form_fields([("prompt", None, b"x"), ("guidance_scale", None, b"7.5"), ("image[]", "a.png", b"1")])
     assert body == {"prompt": "x", "guidance_scale": 7.5} and images == [b"1"]
 
@@ -175,8 +175,8 @@ def test_a_line_image_gone_before_its_turn_fails_that_line_alike_on_every_rank(t
     """Rank 0 reads a line's images when the line runs; a file gone since the check is carried as the
     request's problem, which every rank raises alike (the rank loop reports the line, the batch goes on)."""
     from dataclasses import replace
-    from utils.runtime.image_requests import ImageRequest
-    from utils.runtime.input_images import InputImageError, request_images, with_images
+    from utils.runtime.requests.image_requests import ImageRequest
+    from utils.runtime.requests.input_images import InputImageError, request_images, with_images
     (tmp_path / "a.png").write_bytes(png_bytes())
     request = ImageRequest(prompt="x", image=(str(tmp_path / "a.png"),))
     ready = with_images(request)

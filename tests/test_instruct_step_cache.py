@@ -1,5 +1,5 @@
 """The step cache on HunyuanImage-3.0-Instruct (one process), and upstream's own Taylor cache: its flags
-mapped onto ours (utils/runtime/upstream_taylor.py), its code run as upstream runs it (compat shims only).
+mapped onto ours (utils/runtime/requests/upstream_taylor.py), its code run as upstream runs it (compat shims only).
 
 One edit with one conditioning image (upstream's demo input) on the tiny Instruct checkpoint, STEPS
 steps. Ours: cache off is byte-identical to the code without the feature; taylor and adaptive skip
@@ -22,7 +22,7 @@ TAYLOR = StepCacheSettings("taylor", warmup=2, interval=2)
 # Measured relative changes of layer 0's output 0.04-0.07 on steps 2-3 of this edit, inf / forced elsewhere.
 ADAPTIVE = StepCacheSettings("adaptive", warmup=2, blocks=1, threshold=0.5, max_skip=2)
 # Upstream's run_image_gen flags for its cache (first enhance on: without it upstream's own code stops at
-# step 1, see utils/runtime/upstream_taylor.py), as generate_image takes them.
+# step 1, see utils/runtime/requests/upstream_taylor.py), as generate_image takes them.
 UPSTREAM_FLAGS = ["--use-taylor-cache", "--taylor-cache-interval", "2", "--taylor-cache-enable-first-enhance",
                   "--taylor-cache-first-enhance-steps", "2", "--taylor-cache-enable-tailing-enhance"]
 UPSTREAM_KWARGS = dict(use_taylor_cache=True, taylor_cache_interval=2, taylor_cache_order=2,
@@ -33,8 +33,8 @@ UPSTREAM_KWARGS = dict(use_taylor_cache=True, taylor_cache_interval=2, taylor_ca
 
 def job_cache(tiny_model, tmp_path, *flags, steps=50):
     """The job's step cache as the job check makes it from these run_image_gen flags."""
-    from utils.runtime.job_args import parse_args
-    from utils.runtime.job_check import check_job
+    from utils.runtime.requests.job_args import parse_args
+    from utils.runtime.requests.job_check import check_job
     args = parse_args(["--prompt", "a fox", "--model-id", str(tiny_model), "--device", "cpu", "--save",
                        str(tmp_path / "x.png"), "--diff-infer-steps", str(steps), *map(str, flags)])
     return check_job(args, world_size=1, env={}, writes_outputs=False).step_cache
@@ -65,8 +65,8 @@ def test_without_upstream_flags_the_step_cache_is_as_before(tiny_model, tmp_path
 
 def test_the_yaml_takes_upstream_flags_as_true_false_and_numbers(tiny_model):
     from utils.launcher.launch_config import check_model_args
-    from utils.runtime.errors import FieldError
-    from utils.runtime.job_args import from_model_args
+    from utils.runtime.requests.errors import FieldError
+    from utils.runtime.requests.job_args import from_model_args
     margs = {"model-id": str(tiny_model), "prompt": "a", "use-taylor-cache": True, "taylor-cache-interval": 4}
     check_model_args(margs, build_tiny=False)
     args = from_model_args(margs)
@@ -77,7 +77,7 @@ def test_the_yaml_takes_upstream_flags_as_true_false_and_numbers(tiny_model):
 
 def test_the_run_notes_what_upstream_s_flag_runs_as(tiny_model, tmp_path):
     import run_image_gen
-    from utils.runtime.job_args import parse_args
+    from utils.runtime.requests.job_args import parse_args
     args = parse_args(["--prompt", "a", "--model-id", str(tiny_model), "--use-taylor-cache",
                        "--taylor-cache-order", "1"])
     args.step_cache = StepCacheSettings("taylor", warmup=1, interval=5, order=1)
@@ -152,8 +152,8 @@ def test_instruct_taylor_and_adaptive_skip_steps_and_stay_near_no_cache(ours):
 def test_upstream_s_own_taylor_cache_runs_under_the_shims_on_the_steps_our_mapping_computes(ours):
     """Upstream eager with its own cache (generate_image(use_taylor_cache=True), compat shims only): the
     steps that ran its transformer are the steps --step-cache taylor computes for the same flags."""
-    from utils.runtime.job_args import parse_args
-    from utils.runtime.upstream_taylor import upstream_step_cache
+    from utils.runtime.requests.job_args import parse_args
+    from utils.runtime.requests.upstream_taylor import upstream_step_cache
     args = parse_args(UPSTREAM_FLAGS)
     mapped = upstream_step_cache(lambda name: getattr(args, name))
     cached, _, ran = ours["upstream_taylor"]

@@ -1,4 +1,4 @@
-"""The one job check (utils/runtime/job_check.py): run_image_gen.py's every rank and run.sh's launcher
+"""The one job check (utils/runtime/requests/job_check.py): run_image_gen.py's every rank and run.sh's launcher
 call it once, so a job the ranks refuse is refused before launch, in the same words."""
 import pytest
 
@@ -62,7 +62,7 @@ def test_check_job_runs_once_in_the_cli_and_once_in_the_launcher(tiny_model, tmp
     launcher's dry run each call it exactly once."""
     import shutil
     import run_image_gen
-    from utils.runtime import job_check
+    from utils.runtime.requests import job_check
     calls = []
     check = job_check.check_job
 

@@ -101,7 +101,7 @@ def base(model_dir, entry) -> dict:
 def only_plan_lines(stderr: str) -> bool:
     """A dry run's stderr: nothing but run.sh's plan line (or why this test config cannot be planned:
     its config.json holds only the fields the layout checks read)."""
-    from utils.runtime.rank_console import is_known_harmless
+    from utils.runtime.engine.rank_console import is_known_harmless
     # in process, the first import of upstream in this test process may log a known-harmless warning
     # (run.sh's own console routes it to the log: tests/test_console.py)
     return all(line.startswith(("plan: ", "note: plan skipped")) or is_known_harmless(line)

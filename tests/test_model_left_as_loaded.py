@@ -4,7 +4,7 @@
 Every module's attributes, and the plain objects they hold one level down, are recorded after
 loading (tests/model_state.py) and again after requests on each path that runs them in-process:
 `--prompt` (run_image_gen.generate), a batch of the text and image stages (`--prompts`, and with a
-denoise watch and previews `--serve`: utils/runtime/batch_stages.py), on the base model and on
+denoise watch and previews `--serve`: utils/runtime/engine/batch_stages.py), on the base model and on
 Instruct, with the ratio call (base, size auto) and think_recaption (its prompt KV reused by the image's first step and the system prompt
 by the next request), a step cache and a batch of two. Nothing may be added or changed but what
 upstream's own code writes on every call (UPSTREAMS_OWN) and a kernel set's scratch workspace
@@ -30,7 +30,7 @@ UPSTREAMS_OWN = re.compile(r"(added|changed) (num_image_tokens|num_special_token
 
 def requests_for(model_dir, *extra):
     import run_image_gen
-    from utils.runtime.job_args import default_request
+    from utils.runtime.requests.job_args import default_request
     args = run_image_gen.parse_args(["--model-id", str(model_dir), "--device", "cpu", "--seed", "5",
                                      "--diff-infer-steps", "3", "--max-new-tokens", "6", *extra])
     return args, default_request(args)
@@ -39,7 +39,7 @@ def requests_for(model_dir, *extra):
 def run_paths(model, model_dir, size, bot_task):
     from dataclasses import replace
     import run_image_gen
-    from utils.runtime.batch_stages import BatchStages
+    from utils.runtime.engine.batch_stages import BatchStages
     args, request = requests_for(model_dir, "--image-size", size, "--bot-task", bot_task)
     cache = JobCache()
     for step_cache in (None, StepCacheSettings("taylor", warmup=1, interval=2, order=1)):   # --prompt, twice
@@ -57,7 +57,7 @@ def run_paths(model, model_dir, size, bot_task):
 @pytest.mark.parametrize("which", ["base", "instruct"])
 def test_requests_on_every_path_leave_the_model_as_loaded(which, tiny_model, tiny_instruct):
     import model_adaptor
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model_dir, size, task = (tiny_model, "auto", "image") if which == "base" else \
         (tiny_instruct, "256x256", "think_recaption")      # base: its text phase is the ratio call (size auto)
     try:

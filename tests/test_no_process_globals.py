@@ -3,7 +3,7 @@ exceptions outside its reach are listed there too).
 
 A static check (the source's syntax tree, not a run): no module under adaptor_patches/ reads
 `os.environ` / `os.getenv` (any alias of `os`, or the names imported from it). The entry points read
-their environment and pass what matters down (utils/runtime/job_check.py's `env`: the process's, or
+their environment and pass what matters down (utils/runtime/requests/job_check.py's `env`: the process's, or
 the launcher's YAML `env_vars`); tests inject what they need into the objects they build.
 """
 import ast

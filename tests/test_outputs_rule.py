@@ -90,7 +90,7 @@ FULL_DISK_WRITE = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from PIL import Image
-    from utils.runtime.outputs import OutputWriteError, save_png
+    from utils.runtime.engine.outputs import OutputWriteError, save_png
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # write() then fails with EFBIG instead of a kill
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))

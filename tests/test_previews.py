@@ -4,7 +4,7 @@ import torch
 
 from adaptor_patches.denoise_watch import DenoiseWatch, preview_plan, preview_steps, watching
 from adaptor_patches.previews import scheduler_step_with_previews
-from utils.runtime.image_requests import ImageRequest
+from utils.runtime.requests.image_requests import ImageRequest
 
 
 def test_preview_steps_are_evenly_spaced_and_never_the_last():

@@ -44,7 +44,7 @@ def test_the_readme_example_runs_as_written_and_equals_the_cli(tmp_path):
 
 def test_a_bad_request_is_refused_before_anything_runs(tiny_model):
     from utils.pipeline import Pipeline
-    from utils.runtime.errors import FieldError
+    from utils.runtime.requests.errors import FieldError
     import model_adaptor
     try:
         pipe = Pipeline.load(tiny_model, device="cpu", image_size="64x64", diff_infer_steps=2)

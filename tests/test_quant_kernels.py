@@ -218,8 +218,8 @@ def test_every_check_asks_the_one_table(monkeypatch):
     """W8A8 on CPU refused by the kernel layer and by the job check (the CLI's, the launcher's, every
     rank's) alike; with the table saying CPU runs it, neither refuses: the rule is written nowhere else."""
     from adaptor_patches.kernels import quant
-    from utils.runtime.errors import FieldError
-    from utils.runtime.job_check import check_quant_compute
+    from utils.runtime.requests.errors import FieldError
+    from utils.runtime.requests.job_check import check_quant_compute
     assert quant_compute_problem("cpu", "w8a8").startswith(W8A8_ONLY + "cpu;")
     assert quant_compute_problem("npu", "w8a8") is None and quant_compute_problem("cuda", "w8a8") is None
     with pytest.raises(FieldError, match=r"quant-compute: w8a8 .* runs on npu with int8 experts"):
@@ -231,7 +231,7 @@ def test_every_check_asks_the_one_table(monkeypatch):
 
 def test_old_compute_names_are_accepted_with_one_note(capsys):
     import argparse
-    from utils.runtime import request_schema as schema
+    from utils.runtime.requests import request_schema as schema
     parser = argparse.ArgumentParser()
     schema.add_arguments(parser, ["quant_compute"])
     assert parser.parse_args([]).quant_compute is None and capsys.readouterr().out == ""      # the weight-only one

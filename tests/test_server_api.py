@@ -13,10 +13,10 @@ import uuid
 import pytest
 from PIL import Image
 
-from utils.runtime.api_key import ApiKey, bearer
-from utils.runtime.http_api import ROUTES, WEB
-from utils.runtime.image_requests import ImageRequest, RequestChecker
-from utils.runtime.image_server import ImageServer
+from utils.runtime.requests.api_key import ApiKey, bearer
+from utils.runtime.http.http_api import ROUTES, WEB
+from utils.runtime.requests.image_requests import ImageRequest, RequestChecker
+from utils.runtime.http.image_server import ImageServer
 
 KEY = "test-key-7f3a9c"
 DEFAULTS = ImageRequest(prompt="", seed=None, image_size="64x64", diff_infer_steps=2)
@@ -284,7 +284,7 @@ def test_yaml_key_refusals(tiny_model, tmp_path, model_args, message):
 ])
 def test_binding_beyond_loopback_without_a_key_warns_at_start(tiny_model, host, key, line):
     import run_image_gen
-    from utils.runtime.many_images import start_server
+    from utils.runtime.engine.many_images import start_server
     args = run_image_gen.parse_args(["--serve", "--model-id", str(tiny_model), "--host", host, "--port", "0"])
     args.api_key = key
     import signal

@@ -16,10 +16,10 @@ from PIL import Image
 
 from generation import ROOT
 from http_client import metric
-from utils.runtime.api_bodies import (ALIASES, FIELDS, OMNI_IGNORED, OPENAI_IGNORED, REFUSED, AnswerFormat, BadRequest,
-                                      encode_image, parse_body)
-from utils.runtime.image_requests import ImageRequest, RequestChecker
-from utils.runtime.image_server import ImageServer
+from utils.runtime.http.api_bodies import (ALIASES, FIELDS, OMNI_IGNORED, OPENAI_IGNORED, REFUSED, AnswerFormat,
+                                           BadRequest, encode_image, parse_body)
+from utils.runtime.requests.image_requests import ImageRequest, RequestChecker
+from utils.runtime.http.image_server import ImageServer
 
 DEFAULTS = ImageRequest(prompt="", seed=None, image_size="64x64", diff_infer_steps=2)
 ORIGIN = "https://tools.example.com"

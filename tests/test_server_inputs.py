@@ -18,8 +18,8 @@ import pytest
 from generation import ROOT
 from harness.multirank import free_port
 from http_client import health, post
-from utils.runtime.image_requests import ImageRequest, RequestChecker
-from utils.runtime.image_server import ImageServer
+from utils.runtime.requests.image_requests import ImageRequest, RequestChecker
+from utils.runtime.http.image_server import ImageServer
 
 DEFAULTS = ImageRequest(prompt="", seed=None, image_size="64x64", diff_infer_steps=2)
 

@@ -107,10 +107,10 @@ def test_request_values_parse_over_the_defaults_or_say_what_is_wrong():
 
 
 def test_prompts_line_http_body_and_yaml_refuse_a_bad_step_cache(tiny_model, tmp_path):
-    from utils.runtime.image_requests import ImageRequest, RequestChecker, RequestError, read_prompts_file
-    from utils.runtime.image_server import BadRequest, parse_body
+    from utils.runtime.requests.image_requests import ImageRequest, RequestChecker, RequestError, read_prompts_file
+    from utils.runtime.http.image_server import BadRequest, parse_body
     from utils.launcher.launch_config import check_model_args
-    from utils.runtime.errors import FieldError
+    from utils.runtime.requests.errors import FieldError
     checker = RequestChecker(tiny_model)
     lines = tmp_path / "p.jsonl"
     lines.write_text('{"prompt": "a", "step_cache": "taylor"}\n'
@@ -141,13 +141,13 @@ def test_prompts_line_http_body_and_yaml_refuse_a_bad_step_cache(tiny_model, tmp
 
 
 def test_one_schema_field_refuses_a_bad_setting_with_the_same_words_everywhere(tiny_model, tmp_path):
-    """step_cache is one field of utils/runtime/request_schema.py: the CLI flag, the YAML key, a
+    """step_cache is one field of utils/runtime/requests/request_schema.py: the CLI flag, the YAML key, a
     prompts line and an HTTP body give the same problem and fix for the same bad interval."""
     from utils.launcher.launch_config import check_model_args
-    from utils.runtime import request_schema as schema
-    from utils.runtime.errors import FieldError
-    from utils.runtime.image_requests import ImageRequest, RequestChecker, read_prompts_file
-    from utils.runtime.image_server import BadRequest, parse_body
+    from utils.runtime.requests import request_schema as schema
+    from utils.runtime.requests.errors import FieldError
+    from utils.runtime.requests.image_requests import ImageRequest, RequestChecker, read_prompts_file
+    from utils.runtime.http.image_server import BadRequest, parse_body
     assert "step_cache" in schema.REQUEST and schema.REQUEST["step_cache"].api_name == "step_cache"
     assert {f"step_cache_{name}" for name in ("warmup", "interval", "order", "blocks", "threshold", "max_skip")} \
         <= set(schema.JOB)
@@ -323,7 +323,7 @@ def test_batch_with_cached_lines_reports_the_forwards_saved(checkpoint, tmp_path
 
 
 def test_server_metrics_count_computed_and_cached_forwards():
-    from utils.runtime.image_server import Metrics
+    from utils.runtime.http.image_server import Metrics
     metrics = Metrics()
     metrics.count(200, 1.0, images=2, forwards=(100, 62))
     metrics.count(200, 1.0, images=1, forwards=(50, 0))

@@ -129,7 +129,7 @@ def test_text_calls_share_one_call_when_all_but_the_rows_values_agree():
 @pytest.fixture(scope="module")
 def models(text_model, tiny_instruct):
     """{"base": the base model file on the text checkpoint, "instruct": the Instruct model}, one process."""
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model_adaptor.remove()
     loaded = {}
     for name, folder in (("base", text_model), ("instruct", tiny_instruct)):
@@ -356,7 +356,7 @@ def test_a_prompt_beyond_the_context_gets_its_error_in_its_place(models):
 def on_ranks(rank, world_size, model_dir, layout_kwargs, requests):
     """Each request alone, then all together, on this rank of the layout: what each hands off."""
     from adaptor_patches.parallel.layout import Layout
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model, _ = load_rank_model(model_dir, "cpu", layout=Layout(world_size, **layout_kwargs), rank=rank)
     model.text_graph = "off"
     reference = AloneReference()

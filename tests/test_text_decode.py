@@ -83,7 +83,7 @@ def test_a_processor_without_a_device_form_keeps_transformers_loop():
 
 @pytest.fixture(scope="module")
 def instruct_model(tiny_instruct):
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model_adaptor.remove()
     model, _ = load_rank_model(tiny_instruct, "cpu")
     yield model
@@ -172,7 +172,7 @@ def test_a_decoded_token_costs_no_sync_inside_the_step_and_at_most_one_around_it
 
 def syncs_on_ranks(rank, world_size, model_dir, layout_kwargs):
     from adaptor_patches.parallel.layout import Layout
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model, _ = load_rank_model(model_dir, "cpu", layout=Layout(world_size, **layout_kwargs), rank=rank)
     model.text_loop, model.text_graph = "static", "off"
     counts = counted_text(model, **SYNC_REQUEST)
@@ -241,7 +241,7 @@ def test_a_request_after_a_warm_up_runs_the_warm_ups_graph(instruct_model, monke
 
 def traced_on_ranks(rank, world_size, model_dir, layout_kwargs):
     from adaptor_patches.parallel.layout import Layout
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     model, _ = load_rank_model(model_dir, "cpu", layout=Layout(world_size, **layout_kwargs), rank=rank)
     request = dict(CASES["think_recaption sampled"], image_size="auto")
     return (text_of(model, "static", "off", **request),) + compiled_text(model, **request)
@@ -313,7 +313,7 @@ INDUCTOR_LOGIT_BOUND = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 def test_the_inductor_compiled_step_keeps_the_greedy_text_and_the_logits_within_rounding(tmp_path):
     from adaptor_patches.text import decode as text_decode
     from adaptor_patches.image_batch import text_stage
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.rank_model import load_rank_model
     step_call = text_decode.DecodeStep.__call__
     for dtype, checkpoint in one_layer_checkpoints(tmp_path).items():
         model, _ = load_rank_model(checkpoint, "cpu")

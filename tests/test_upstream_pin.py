@@ -95,7 +95,7 @@ def test_upstream_package_imports_through_our_utils():
 def test_our_utils_imports_stay_light():
     """Entry points route their console before transformers is imported (rank_console.py): importing
     our utils must not import upstream's import_utils, transformers or torch."""
-    code = ("import sys, utils.runtime.rank_console, utils.runtime.errors; "
+    code = ("import sys, utils.runtime.engine.rank_console, utils.runtime.requests.errors; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'hunyuan_image_3') "
             "or m == 'utils.import_utils'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

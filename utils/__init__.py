@@ -6,7 +6,7 @@ names upstream's `hunyuan_image_3/__init__.py` imports from its own top-level `u
 
 Upstream's `utils/import_utils.py` is staged beside this file (utils/stage_upstream.sh, git-ignored);
 upstream's `utils/__init__.py` is not (this file is ours). The names resolve on first access only, so
-`import utils.runtime.rank_console` stays as light as before: entry points route their console before
+`import utils.runtime.engine.rank_console` stays as light as before: entry points route their console before
 transformers (or anything upstream) is imported.
 """
 

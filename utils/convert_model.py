@@ -53,7 +53,7 @@ from typing import Optional
 
 if __name__ == "__main__":      # run by its documented path (python utils/convert_model.py): Python puts
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # utils/, not the project root, on sys.path
-    from utils.runtime.rank_console import route_console
+    from utils.runtime.engine.rank_console import route_console
     route_console()             # one console: known-harmless third-party warnings off it (before transformers)
 
 from adaptor_patches.parallel.layout import Layout, LayoutError  # noqa: E402

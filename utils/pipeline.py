@@ -14,12 +14,12 @@ rank 0's requests on every rank (they are broadcast), so the other ranks may pas
 `generate(requests, progress=None)` takes prompts or dicts of a prompts-file line's fields (prompt,
 seed, image_size, diff_infer_steps, bot_task, step_cache, guidance_scale, and on an Instruct
 checkpoint image: 1 to 3 paths), each checked before anything runs, and returns one ImageResult per
-request in order (utils/runtime/rank_loop.py: image, text, the text phase's and step cache's records,
+request in order (utils/runtime/engine/rank_loop.py: image, text, the text phase's and step cache's records,
 seconds, the forward batch it shared; `error` instead of an image when it failed on every rank).
 Requests that may share a forward are made together (`batch_size`, default 1). Rank 0's results hold
 the images. `progress(images done, images, step, steps)` is called on rank 0 at every denoising step.
 
-It is the same path as `--prompts` and `--serve` (utils/runtime/rank_loop.py -> batch_stages.py):
+It is the same path as `--prompts` and `--serve` (utils/runtime/engine/rank_loop.py -> batch_stages.py):
 the text stage, the handoff, the denoising batch, the VAE decode, in the forward context of each
 batch (adaptor_patches/forward_context.py) with one JobCache for the pipeline's life.
 """
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 def flags_of(parser, options: dict) -> list:
     """run_image_gen.py's argv for keyword options: a switch True -> --flag (False left out), None left
     out, else --flag value; FieldError for an option run_image_gen.py has not or a switch not a bool."""
-    from utils.runtime.errors import FieldError
+    from utils.runtime.requests.errors import FieldError
     argv = []
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
@@ -56,7 +56,7 @@ class Pipeline:
         self.args, self.rank = rank_job.args, rank_job.rank
         self.progress: Optional[Callable] = None
         self._done, self._total = 0, 0
-        from utils.runtime.image_requests import RequestChecker, adapter_names
+        from utils.runtime.requests.image_requests import RequestChecker, adapter_names
         self.checker = RequestChecker(self.args.model_id, adapters=adapter_names(self.args.lora_modules))     # its tokenizer read once, on the first request
 
     @classmethod
@@ -65,11 +65,11 @@ class Pipeline:
         one process), load this rank's weights."""
         import torch
         import run_image_gen
-        from utils.runtime.batch_stages import BatchStages
-        from utils.runtime.batching import key_for
-        from utils.runtime.job_args import build_parser
-        from utils.runtime.job_check import check_job
-        from utils.runtime.rank_loop import RankLoop
+        from utils.runtime.engine.batch_stages import BatchStages
+        from utils.runtime.requests.batching import key_for
+        from utils.runtime.requests.job_args import build_parser
+        from utils.runtime.requests.job_check import check_job
+        from utils.runtime.engine.rank_loop import RankLoop
         parser = build_parser()
         parser.raises = True                            # a FieldError naming the flag, not an exit
         args = parser.parse_args(["--model-id", str(model_id), *flags_of(parser, options)])
@@ -88,9 +88,9 @@ class Pipeline:
 
     def request(self, entry, number: int = 1):
         """One checked ImageRequest from a prompt or a dict of a prompts-file line's fields."""
-        from utils.runtime.image_requests import LINE_FIELDS
-        from utils.runtime.job_args import default_request
-        from utils.runtime.request_schema import REQUEST, FieldError
+        from utils.runtime.requests.image_requests import LINE_FIELDS
+        from utils.runtime.requests.job_args import default_request
+        from utils.runtime.requests.request_schema import REQUEST, FieldError
         entry = {"prompt": entry} if isinstance(entry, str) else dict(entry)
         defaults = default_request(self.args)
         try:
@@ -112,9 +112,9 @@ class Pipeline:
     def generate(self, requests, progress: Optional[Callable] = None) -> list:
         """One ImageResult per request (module docstring); every rank makes rank 0's requests."""
         import torch
-        from utils.runtime.batch_job import choose_seed
-        from utils.runtime.batching import take_batch
-        from utils.runtime.input_images import with_images
+        from utils.runtime.requests.image_requests import choose_seed
+        from utils.runtime.requests.batching import take_batch
+        from utils.runtime.requests.input_images import with_images
         checked = [with_images(choose_seed(self.request(r, i))) for i, r in enumerate(requests, 1)] \
             if self.rank == 0 else None
         checked = self.loop.broadcast(checked)

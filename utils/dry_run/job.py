@@ -122,8 +122,8 @@ MIN_TORCH = (2, 14)          # the fake CUDA / NPU devices verified on 2.14.1; 2
 
 
 def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:
-    from utils.runtime.job_args import default_request, parse_args
-    from utils.runtime.job_check import check_job
+    from utils.runtime.requests.job_args import default_request, parse_args
+    from utils.runtime.requests.job_check import check_job
     if kind not in KINDS:
         raise ValueError(f"dry-run-device: '{kind}' is not one of {', '.join(KINDS)}")
     import torch
@@ -139,8 +139,8 @@ def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:
     model_dir = weights_dir = Path(args.model_id)
     pictures = ()
     if args.image:
-        from utils.runtime.input_images import decoded_images
-        from utils.runtime.job_check import check_model_request
+        from utils.runtime.requests.input_images import decoded_images
+        from utils.runtime.requests.job_check import check_model_request
         images = check_model_request(args, checked.files, read=True)
         pictures = tuple(decoded_images(images, None))
     from utils.dry_run.stand_in_text import ordinary_token

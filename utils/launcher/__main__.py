@@ -1,6 +1,6 @@
 import sys
 
-from utils.runtime.rank_console import route_console
+from utils.runtime.engine.rank_console import route_console
 
 route_console()          # one console: known-harmless third-party warnings off it (before transformers loads)
 

@@ -8,7 +8,7 @@ Usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64
 
 Any bad input stops it before anything starts: one stderr line `error: <field>: <problem>; <fix>`,
 exit code 2. YAML paths are relative to the project root, where the job runs. The console shows
-rank 0's output (utils/runtime/rank_console.py), as does res/<date>/<model name>/log_<time>.log;
+rank 0's output (utils/runtime/engine/rank_console.py), as does res/<date>/<model name>/log_<time>.log;
 each rank's whole output is in log_<time>/rank<N>.log. With nnodes > 1 the nodes' launchers meet
 first (utils/launcher/node_rendezvous.py). The job's exit code is ours.
 """
@@ -31,11 +31,11 @@ from utils.launcher.launch_config import (DEFAULTS, TINY_MODEL_SCRIPT, ConfigErr
                                           check_model_args, check_top, env_string, load_config, model_config,
                                           resolve_path)
 from utils.launcher.node_rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, RendezvousError, meet
-from utils.runtime.api_key import LAUNCHER_ENV
-from utils.runtime.errors import FieldError
-from utils.runtime.rank_console import RANK_LOG_DIR
-from utils.runtime import request_schema as schema
-from utils.runtime.request_schema import join_image_names
+from utils.runtime.requests.api_key import LAUNCHER_ENV
+from utils.runtime.requests.errors import FieldError
+from utils.runtime.engine.rank_console import RANK_LOG_DIR
+from utils.runtime.requests import request_schema as schema
+from utils.runtime.requests.request_schema import join_image_names
 
 DEFAULT_CONFIG = ROOT / "config" / "tiny_cpu.yaml"
 USAGE = ("usage: run.sh [CONFIG_YAML] [--dry-run] [--plan | --no-plan] [--device-memory 64GiB] "
@@ -131,7 +131,7 @@ def shell_line(env: dict, cmd: list[str], hidden=()) -> str:
 
 def log_path(job: dict) -> Path:
     """res/<date>/<model_name, else model-id's last part>/log_<time>[_node<k>].log; each rank's own log
-    is in the folder of the same name (rank<N>.log, utils/runtime/rank_console.py)."""
+    is in the folder of the same name (rank<N>.log, utils/runtime/engine/rank_console.py)."""
     now = datetime.datetime.now()
     name = job["model_name"] or Path(os.path.normpath(job["model_args"]["model-id"])).name or "model"
     node = f"_node{job['node_rank']}" if job["nnodes"] > 1 else ""     # two nodes may share a file system

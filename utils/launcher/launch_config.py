@@ -11,8 +11,8 @@ import re
 import socket
 from pathlib import Path
 
-from utils.runtime import request_schema as schema
-from utils.runtime.request_schema import FieldError, is_int
+from utils.runtime.requests import request_schema as schema
+from utils.runtime.requests.request_schema import FieldError, is_int
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = "utils/make_tiny_model.py"
@@ -246,7 +246,7 @@ def check_env_vars(value) -> dict:
 
 def check_model_args(margs, build_tiny: bool) -> dict | None:
     """model_args as YAML values: flag names, value types, each value by the request schema
-    (utils/runtime/request_schema.py), the switches and choices; the checkpoint's config.json (None if
+    (utils/runtime/requests/request_schema.py), the switches and choices; the checkpoint's config.json (None if
     it is yet to be built). The job's rules come after: check_job_values."""
     if not isinstance(margs, dict):
         raise ConfigError("model_args", f"is {type(margs).__name__}, not a mapping",
@@ -257,7 +257,7 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
     def get(key, default=None):
         return default if margs.get(key) is None else margs[key]
 
-    for key, val in margs.items():            # the run's own rules (utils/runtime/request_schema.py)
+    for key, val in margs.items():            # the run's own rules (utils/runtime/requests/request_schema.py)
         spec = schema.by_flag(key)
         if spec is not None and val is not None and spec.cli:
             if key == "image-size" and is_int(val):
@@ -288,12 +288,12 @@ def check_model_args(margs, build_tiny: bool) -> dict | None:
 
 
 def check_job_values(job: dict, config: dict | None, config_path: Path | None, env: dict):
-    """run_image_gen's own job check (utils/runtime/job_check.py) on the YAML's values, as every
+    """run_image_gen's own job check (utils/runtime/requests/job_check.py) on the YAML's values, as every
     rank will run it (less the tokenizer's prompt lengths), then the checkpoint as rank 0 will check
     it; return the job's Layout. `config` None: the tiny checkpoint is yet to be built."""
     from adaptor_patches.parallel.layout import LayoutError
-    from utils.runtime.job_args import from_model_args
-    from utils.runtime.job_check import check_job
+    from utils.runtime.requests.job_args import from_model_args
+    from utils.runtime.requests.job_check import check_job
     margs = job["model_args"]
     args = from_model_args(margs, resolve=resolve_path)
     try:

@@ -43,7 +43,7 @@ def device_memory_of(kind: str, ranks_per_node: int):
 
 def job_batch(margs: dict) -> tuple:
     """(requests per forward batch, the key that set it): `serve`'s max-batch, `prompts`' batch-size, else 1."""
-    from utils.runtime.request_schema import JOB
+    from utils.runtime.requests.request_schema import JOB
     if margs.get("serve"):
         key, name = "max-batch", "max_batch"
     elif margs.get("prompts") is not None:
@@ -56,7 +56,7 @@ def job_batch(margs: dict) -> tuple:
 
 def plan_job(job: dict, layout, options: dict) -> None:
     """The console gets one `plan:` line, or the refusal (third-party warnings while the config is
-    read: utils/runtime/rank_console.py, as for every entry point)."""
+    read: utils/runtime/engine/rank_console.py, as for every entry point)."""
     from utils.planner import plan as planner
     margs = job["model_args"]
     model_dir = resolve_path(str(margs["model-id"]))

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from utils.planner.traffic import (DENOISING_STEP, PHASES, TEXT_TOKENS, TODAY, Design, branches,  # noqa: F401
                                    Sizes, built_design, image_lines, image_tokens, per_step, text_decode_lines)
-from utils.runtime.request_schema import MAX_IMAGES as MAX_CONDITIONING_IMAGES     # what one request may bring
+from utils.runtime.requests.request_schema import MAX_IMAGES as MAX_CONDITIONING_IMAGES     # what one request may bring
 
 GiB = 2**30
 # First match wins: the image towers first (SigLIP2 has its own `.self_attn.`), then the backbone's parts.

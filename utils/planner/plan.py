@@ -55,7 +55,7 @@ def parse_size(text: str, config) -> tuple:
     if text in (None, "auto"):
         height = width = config.image_base_size
     else:
-        from utils.runtime.request_schema import parse_image_size
+        from utils.runtime.requests.request_schema import parse_image_size
         sides = parse_image_size(text)
         if sides is None:
             raise PlanError(f"image-size: {text!r} is not HxW; write e.g. 1024x1024")

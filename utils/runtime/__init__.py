@@ -1,2 +1,2 @@
-"""What every rank imports at run time: requests and their checks, the rank loop, the batch job, the
-HTTP server, output writing and the checkpoint checks (run_image_gen.py drives them)."""
+"""What every rank imports at run time, in three subpackages, imports pointing down: requests/ (a request,
+a job and their checks) <- http/ (the server on rank 0) <- engine/ (the ranks: loop, batches, outputs)."""

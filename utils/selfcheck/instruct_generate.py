@@ -24,8 +24,8 @@ def run_one(model_dir: Path, image: str, steps: int, out: Path, name: str, kind:
     import model_adaptor
     from adaptor_patches.kernels.device import resolve
     from adaptor_patches.metrics import PhaseTimer
-    from utils.runtime.outputs import write_atomically
-    from utils.runtime.rank_model import load_rank_model
+    from utils.runtime.engine.outputs import write_atomically
+    from utils.runtime.engine.rank_model import load_rank_model
     try:
         with torch.no_grad():
             model, context = load_rank_model(model_dir, resolve(kind, 0, cpu_noise=True), shims_only=adaptor == "shims",
@@ -61,6 +61,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from utils.runtime.rank_console import route_console
+    from utils.runtime.engine.rank_console import route_console
     route_console(0)
     sys.exit(main())

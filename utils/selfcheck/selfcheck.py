@@ -203,7 +203,7 @@ def table(results) -> str:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    from utils.runtime.outputs import write_atomically
+    from utils.runtime.engine.outputs import write_atomically
     write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2, default=str)))
 
 

@@ -1,5 +1,5 @@
 """The one check of a run_image_gen job before any weight is read: every rank of the CLI and the
-YAML launcher (utils/launcher/launch.py, on the job's values: utils/runtime/job_args.py) call
+YAML launcher (utils/launcher/launch.py, on the job's values: utils/runtime/requests/job_args.py) call
 `check_job` once. The first refusal raises FieldError (`field: problem; fix`; the launcher names the
 field `model_args.<flag>`) or, for the layout, LayoutError. In this order:
 
@@ -11,8 +11,8 @@ field `model_args.<flag>`) or, for the layout, LayoutError. In this order:
   system prompt  `custom` needs --system-prompt
   text task      think / recaption need the instruct template; --save-text needs a text task
   model          --image, --infer-align-image-size, --bot-task, --guidance-scale against the
-                 checkpoint's model (utils/runtime/model_rules.py); where inputs are read (rank 0,
-                 the launcher) each --image file read and checked (utils/runtime/input_images.py)
+                 checkpoint's model (utils/runtime/requests/model_rules.py); where inputs are read (rank 0,
+                 the launcher) each --image file read and checked (utils/runtime/requests/input_images.py)
   quant-compute  W8A8 off the NPU, where the device is named (`auto`: once the rank has resolved it)
   lora           --lora's folder and adapter_config.json (the full adaptor merges it); its tensors
                  against the checkpoint come with the checkpoint's files, on every rank
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-from utils.runtime.errors import FieldError, field_error
-from utils.runtime.outputs import check_output_path
+from utils.runtime.requests.errors import FieldError, field_error
+from utils.runtime.requests.output_rule import check_output_path
 
 OUTPUT_FLAGS = ("save", "metrics_json", "save_latents", "save_text")
 SINGLE_ONLY = {"save": None, "save_text": None, "save_latents": None, "metrics_json": None, "warmup": 0, "rounds": 1}
@@ -115,12 +115,12 @@ def check_job(args, *, world_size: int, env: Mapping, writes_outputs: bool, inpu
     `api`: the Python API's job (utils/pipeline.py): no mode flag, its requests come later."""
     if not api:
         check_mode(args, resolve or str)
-    from utils.runtime import api_key
+    from utils.runtime.requests import api_key
     args.api_key = api_key.from_args(args, env)       # an ApiKey (prints as <hidden>) or None
     files = ModelFiles(args.model_id) if model_ready else None
     if files is not None and args.diff_infer_steps is None:          # the checkpoint's (Instruct-Distil: 8)
-        from utils.runtime.model_rules import default_steps
-        from utils.runtime.request_schema import REQUEST
+        from utils.runtime.requests.model_rules import default_steps
+        from utils.runtime.requests.request_schema import REQUEST
         args.diff_infer_steps = default_steps(files.generation_config, REQUEST["diff_infer_steps"])
     args.step_cache = job_step_cache(args, files.layers if files else None)
     if args.use_system_prompt == "custom" and not args.system_prompt:
@@ -165,10 +165,10 @@ def check_mode(args, resolve: Callable) -> None:
 
 def job_step_cache(args, layers: Optional[int]):
     """The job's step cache (every request's default) from --step-cache*, or from upstream's
-    --use-taylor-cache flags (utils/runtime/upstream_taylor.py), checked against the steps (--prompt)
+    --use-taylor-cache flags (utils/runtime/requests/upstream_taylor.py), checked against the steps (--prompt)
     and the model's layers; FieldError naming the flag."""
-    from utils.runtime import upstream_taylor
-    from utils.runtime.request_schema import step_cache_of
+    from utils.runtime.requests import upstream_taylor
+    from utils.runtime.requests.request_schema import step_cache_of
 
     def values(name):
         return getattr(args, name, None)
@@ -204,7 +204,7 @@ def check_model_request(args, files: Optional[ModelFiles], read: bool) -> Option
         raise FieldError("infer-align-image-size", "needs --image (upstream aligns the output to the first "
                          "conditioning image)", "add --image a.png, or drop it")
     if files is not None:
-        from utils.runtime.model_rules import request_problem
+        from utils.runtime.requests.model_rules import request_problem
         problem = request_problem(files.raw_config, files.generation_config, images=len(args.image or ()),
                                   bot_task=args.bot_task, guidance_scale=args.guidance_scale,
                                   infer_align=args.infer_align_image_size)
@@ -212,7 +212,7 @@ def check_model_request(args, files: Optional[ModelFiles], read: bool) -> Option
             raise problem.renamed(flag(problem.field))
     if not (read and args.image):
         return None
-    from utils.runtime.input_images import read_images
+    from utils.runtime.requests.input_images import read_images
     return read_images(args.image)
 
 
@@ -243,7 +243,7 @@ def check_lora(args) -> None:
 def check_lora_modules(args) -> None:
     """--lora-modules: NAME=PATH[:SCALE] entries, each folder and adapter_config.json (their tensors are
     read and held against the checkpoint on every rank before the load); --adapter one of the names."""
-    from utils.runtime.image_requests import adapter_names
+    from utils.runtime.requests.image_requests import adapter_names
     names = adapter_names(args.lora_modules)
     if args.adapter is not None and args.adapter not in names:
         served = f"one of {', '.join(names)}" if names else "an adapter given with --lora-modules NAME=PATH"
@@ -272,9 +272,9 @@ def check_lora_modules(args) -> None:
 
 
 def check_outputs(args, files: Optional[ModelFiles], inputs=()) -> Optional[list]:
-    """The output rule (utils/runtime/output_rule.py) over the output flags and the prompts file's
+    """The output rule (utils/runtime/requests/output_rule.py) over the output flags and the prompts file's
     lines (returned, checked), then each output path writable."""
-    from utils.runtime.output_rule import OutputRule
+    from utils.runtime.requests.output_rule import OutputRule
     rule = OutputRule(args.model_id, [*inputs, ("prompts file", args.prompts)])
     for name in OUTPUT_FLAGS:
         if getattr(args, name) is not None:
@@ -288,9 +288,9 @@ def check_outputs(args, files: Optional[ModelFiles], inputs=()) -> Optional[list
 
 def read_prompts(args, files: Optional[ModelFiles], rule) -> list:
     """--prompts: every line checked (the tokenizer's check waits: check_prompt_lengths)."""
-    from utils.runtime.batch_job import METRICS_FILE
-    from utils.runtime.image_requests import RequestChecker, RequestError, adapter_names, read_prompts_file
-    from utils.runtime.job_args import default_request
+    from utils.runtime.requests.output_rule import METRICS_FILE
+    from utils.runtime.requests.image_requests import RequestChecker, RequestError, adapter_names, read_prompts_file
+    from utils.runtime.requests.job_args import default_request
     metrics = Path(args.save_dir) / METRICS_FILE
     check_output_path("save-dir", str(metrics))
     rule.add("save-dir", metrics)
@@ -327,7 +327,7 @@ def check_layout(layout, files: ModelFiles) -> None:
 def check_prompt_lengths(job: CheckedJob) -> None:
     """With the tokenizer (after the checkpoint's files are checked): --prompt, or every prompts-file
     line, fits the model's context."""
-    from utils.runtime.image_requests import RequestChecker
+    from utils.runtime.requests.image_requests import RequestChecker
     args = job.args
     checker = RequestChecker(job.files.directory, job.files.generation_config, job.files.layers)
     if args.prompt is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from utils.runtime.errors import FieldError
+from utils.runtime.requests.errors import FieldError
 
 DEFAULT_STEPS = 50              # upstream's --diff-infer-steps default, when a checkpoint names none
 

@@ -1,12 +1,12 @@
 """The images API as a FastAPI app: one routing table, one coroutine per endpoint, OpenAI's dialect.
 
-`build_app(server)` binds the table to an ImageServer (utils/runtime/image_server.py: queue, jobs,
-metrics); utils/runtime/http_stack.py serves it. An endpoint reads and checks its body
-(utils/runtime/api_bodies.py, the one request schema), queues a job and follows it to its answer;
+`build_app(server)` binds the table to an ImageServer (utils/runtime/http/image_server.py: queue, jobs,
+metrics); utils/runtime/http/http_stack.py serves it. An endpoint reads and checks its body
+(utils/runtime/http/api_bodies.py, the one request schema), queues a job and follows it to its answer;
 nothing here touches the model. Refusals are ApiError, rendered in OpenAI's error shape with their
 field, problem and fix. Bodies are checked by our schema, not by FastAPI's models, so every entry point
 refuses a value with the same words; /openapi.json describes the bodies from the same fields
-(utils/runtime/api_schema.py). Streams are OpenAI's images events (utils/runtime/api_stream.py).
+(utils/runtime/http/api_schema.py). Streams are OpenAI's images events (utils/runtime/http/api_stream.py).
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from utils.runtime import api_schema, api_stream
-from utils.runtime.api_bodies import (BadRequest, answer_format, check_images, check_refused, form_fields, json_images,
-                                      result_item, take_stream)
-from utils.runtime.api_errors import ApiError, ClientLeft
-from utils.runtime.api_key import bearer
-from utils.runtime.server_metrics import CONTENT_TYPE as METRICS_TYPE
+from utils.runtime.http import api_schema, api_stream
+from utils.runtime.http.api_bodies import (BadRequest, answer_format, check_images, check_refused, form_fields,
+                                           json_images, result_item, take_stream)
+from utils.runtime.http.api_errors import ApiError, ClientLeft
+from utils.runtime.requests.api_key import bearer
+from utils.runtime.http.server_metrics import CONTENT_TYPE as METRICS_TYPE
 
 MAX_BODY_BYTES = 1 << 20
 MAX_EDIT_BYTES = 64 << 20                      # up to three images
@@ -48,7 +48,7 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' d
 # ---------------------------------------------------------------- the endpoints
 
 async def page(request: Request, server) -> Response:
-    """The page's static files (utils/runtime/web/), served without the key: the page asks for it."""
+    """The page's static files (utils/runtime/http/web/), served without the key: the page asks for it."""
     name, content_type = STATIC[request.url.path]
     return Response((WEB / name).read_bytes(), media_type=content_type, headers=PAGE_HEADERS)
 

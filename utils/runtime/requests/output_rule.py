@@ -4,15 +4,44 @@ An output never lands inside the model directory or on an input file (checkpoint
 YAML, prompts file, conditioning images: --image and each prompts-file line's), and the outputs of
 one job are distinct files. Paths are compared as their
 resolved real paths, so `..`, symlinks and a symlinked parent are seen through. A prompts-file
-`save` is a relative path that stays under --save-dir.
+`save` is a relative path that stays under --save-dir. Each output path must also be writable
+(`check_output_path`); engine/outputs.py writes them.
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
-from utils.runtime.request_schema import REQUEST, FieldError
+from utils.runtime.requests.request_schema import REQUEST, FieldError
+
+METRICS_FILE = "metrics.jsonl"         # --prompts: SAVE_DIR/metrics.jsonl, a JSON line per image (engine/batch_job.py)
+
+
+def check_output_path(field: str, value: str) -> None:
+    """An output we could not write would fail only after the load and the generation."""
+    path = Path(value)
+    if "\0" in value:
+        raise FieldError(field, f"{ascii(value)} contains a NUL byte", "pass e.g. outputs/image.png")
+    if not value.strip() or value.endswith(os.sep):
+        raise FieldError(field, f"'{value}' is not a file path", "pass e.g. outputs/image.png")
+    if path.is_dir():
+        raise FieldError(field, f"{path} is a directory", "pass a file path inside it")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise FieldError(field, f"{path} exists and is not writable", "fix its permissions or pick another path")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise FieldError(field, f"cannot write under {parent} (read-only or not a directory)", "pick another path")
+    try:        # a small probe: a full disk refuses it
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".write-probe-") as probe:
+            probe.write(b"\0" * 65536)
+            probe.flush()
+    except OSError as exc:
+        raise FieldError(field, f"cannot write under {parent} ({exc.strerror or exc})",
+                         "free space or pick another path") from None
 
 
 def real(path) -> Path:

@@ -1,17 +1,17 @@
 """run_image_gen.py's flags, and a YAML's `model_args` read as the same values.
 
-`parse_args(argv)` is the CLI (argparse, every value checked by utils/runtime/request_schema.py);
+`parse_args(argv)` is the CLI (argparse, every value checked by utils/runtime/requests/request_schema.py);
 `from_model_args(margs, resolve)` gives the launcher the Namespace the ranks will parse from the
 flags it passes them: the same defaults, the YAML's typed values, paths resolved where the job runs;
 `default_request(args)` is what a prompts-file line or an HTTP body does not set.
-utils/runtime/job_check.py then checks either one with the same rules.
+utils/runtime/requests/job_check.py then checks either one with the same rules.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Callable, Optional
 
-from utils.runtime import request_schema as schema
+from utils.runtime.requests import request_schema as schema
 
 DESCRIPTION = "Generate images with HunyuanImage-3.0 through the parallel adaptor."
 PATH_FLAGS = ("model_id", "prompts", "save_dir", "save", "metrics_json", "save_latents", "save_text")
@@ -100,7 +100,7 @@ def from_model_args(margs: dict, resolve: Optional[Callable] = None) -> argparse
 
 def default_request(args):
     """The CLI's flags as an ImageRequest: what a line or a body does not set."""
-    from utils.runtime.image_requests import ImageRequest
-    from utils.runtime.request_schema import REQUEST_FIELDS
+    from utils.runtime.requests.image_requests import ImageRequest
+    from utils.runtime.requests.request_schema import REQUEST_FIELDS
     fields = {f.name: getattr(args, f.name) for f in REQUEST_FIELDS}
     return ImageRequest(**{**fields, "prompt": args.prompt or ""}, save_text=args.save_text)

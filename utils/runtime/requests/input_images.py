@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 from adaptor_patches.weights.regular_files import read_regular_bytes, regular_file_problem
-from utils.runtime.errors import FieldError
-from utils.runtime.request_schema import MAX_IMAGES  # noqa: F401  (the count rule is the schema's)
+from utils.runtime.requests.errors import FieldError
+from utils.runtime.requests.request_schema import MAX_IMAGES  # noqa: F401  (the count rule is the schema's)
 
 MAX_IMAGE_BYTES = 20 << 20         # per image, as a file or as sent
 MAX_IMAGE_PIXELS = 8192 * 8192     # per image, decoded

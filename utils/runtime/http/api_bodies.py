@@ -1,6 +1,6 @@
 """What the images API reads and writes: an OpenAI-style body -> checked ImageRequests, results -> response items.
 
-No HTTP here (utils/runtime/http_api.py is the handler): a body is a dict already decoded, a refusal is
+No HTTP here (utils/runtime/http/http_api.py is the handler): a body is a dict already decoded, a refusal is
 BadRequest (a FieldError whose `param` is the body's key), a result is the rank loop's ImageResult.
 """
 from __future__ import annotations
@@ -10,9 +10,11 @@ import io
 import re
 from dataclasses import dataclass, replace
 
-from utils.runtime.image_requests import RequestChecker
-from utils.runtime.input_images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, InputImage, bytes_problem  # noqa: F401
-from utils.runtime.request_schema import MAX_IMAGES, REQUEST, REQUEST_FIELDS, FieldError, is_int, parse_image_size
+from utils.runtime.requests.image_requests import RequestChecker
+from utils.runtime.requests.input_images import (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, InputImage,  # noqa: F401
+                                                  bytes_problem)
+from utils.runtime.requests.request_schema import (MAX_IMAGES, REQUEST, REQUEST_FIELDS, FieldError, is_int,
+                                                    parse_image_size)
 
 # What a body may carry besides our schema's fields (docs/SERVING.md has them all in one table). OpenAI's
 # fields that change nothing we make are accepted and ignored; a value we cannot honour is refused.

@@ -1,14 +1,14 @@
 """/openapi.json's request bodies, written from the fields the bodies are checked by.
 
 The endpoints read their bodies themselves and check them with the one request schema
-(utils/runtime/request_schema.py through api_bodies.py), so FastAPI cannot infer them; `operation(path)`
+(utils/runtime/requests/request_schema.py through api_bodies.py), so FastAPI cannot infer them; `operation(path)`
 gives each route the JSON Schema of its body from the same Field declarations and api_bodies' tables.
 """
 from __future__ import annotations
 
-from utils.runtime.api_bodies import (ALIASES, MAX_PARTIAL_IMAGES, OMNI_IGNORED, OPENAI_IGNORED, OUTPUT_FORMATS,
-                                      REFUSED)
-from utils.runtime.request_schema import MAX_IMAGES, REQUEST_FIELDS
+from utils.runtime.http.api_bodies import (ALIASES, MAX_PARTIAL_IMAGES, OMNI_IGNORED, OPENAI_IGNORED, OUTPUT_FORMATS,
+                                           REFUSED)
+from utils.runtime.requests.request_schema import MAX_IMAGES, REQUEST_FIELDS
 
 
 def _field_schema(spec) -> dict:

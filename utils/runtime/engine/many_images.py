@@ -1,7 +1,7 @@
 """`--prompts` and `--serve` inside run_image_gen.py's job: one model load, many images, rank 0 deciding.
 
 run_image_gen.run() prepares and loads and hands over here. Requests that may share a forward
-(utils/runtime/batching.py) run as one batch through both phases (utils/runtime/batch_stages.py),
+(utils/runtime/requests/batching.py) run as one batch through both phases (utils/runtime/engine/batch_stages.py),
 with upstream's arguments the CLI's `generate` gives it, so an image from a prompts line or an HTTP
 request equals the `--prompt` run with the same seed, size and steps (within the batch bound of
 tests/test_batches.py when other requests share its forward; bit-equal alone).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from utils.runtime.job_args import default_request
-from utils.runtime.outputs import UsageError
+from utils.runtime.requests.job_args import default_request
+from utils.runtime.engine.outputs import UsageError
 
 
 def is_loopback(host: str) -> bool:
@@ -24,8 +24,8 @@ def is_loopback(host: str) -> bool:
 
 def start_server(args, log):
     """Rank 0's HTTP server, listening (health says "loading") before the weights load."""
-    from utils.runtime.image_requests import RequestChecker, adapter_names
-    from utils.runtime.image_server import ImageServer
+    from utils.runtime.requests.image_requests import RequestChecker, adapter_names
+    from utils.runtime.http.image_server import ImageServer
     try:
         server = ImageServer(args.host, args.port, default_request(args), RequestChecker(args.model_id, adapters=adapter_names(args.lora_modules)),
                              args.queue_size, args.max_n, log, args.client_timeout, api_key=args.api_key,
@@ -46,15 +46,15 @@ def start_server(args, log):
 
 
 def run_many(args, requests, model, dist, rank, server, log, is_collective_failure) -> int:
-    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/rank_loop.py),
-    compatible requests made together (utils/runtime/batch_stages.py).
+    """--prompts or --serve: many images on one load, rank 0 deciding (utils/runtime/engine/rank_loop.py),
+    compatible requests made together (utils/runtime/engine/batch_stages.py).
     `requests`: the prompts file's, checked (rank 0; None on the others and for --serve)."""
     import signal
     from adaptor_patches.denoise_watch import DenoiseWatch, preview_plan
-    from utils.runtime.batch_job import run_batch
-    from utils.runtime.batch_stages import BatchStages
-    from utils.runtime.batching import key_for
-    from utils.runtime.rank_loop import RankLoop
+    from utils.runtime.engine.batch_job import run_batch
+    from utils.runtime.engine.batch_stages import BatchStages
+    from utils.runtime.requests.batching import key_for
+    from utils.runtime.engine.rank_loop import RankLoop
 
     def denoise_watch(indices, members):
         """--serve: every rank watches each forward batch's steps (rank 0 reports progress and previews and

@@ -19,8 +19,8 @@ import asyncio
 import json
 import time
 
-from utils.runtime.api_bodies import b64_image, result_item
-from utils.runtime.api_errors import ApiError, ClientLeft
+from utils.runtime.http.api_bodies import b64_image, result_item
+from utils.runtime.http.api_errors import ApiError, ClientLeft
 
 KEEPALIVE_S = 15.0                 # a waiting stream hears from us this often (proxies, dead clients)
 POLL_S = 0.25                      # how often a follower looks whether its client is still there

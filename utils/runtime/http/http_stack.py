@@ -11,7 +11,7 @@ Framing (keep-alive, chunked bodies, pipelining, header limits) is h11's through
   - uvicorn's own log records go to the job's log as one line each (the access log is ours:
     http_api.AccessLog).
 No thread per connection: every connection is a coroutine on the one event loop; the model runs on
-the job's main thread (utils/runtime/rank_loop.py), which the endpoints only hand jobs to.
+the job's main thread (utils/runtime/engine/rank_loop.py), which the endpoints only hand jobs to.
 """
 from __future__ import annotations
 

@@ -1,36 +1,24 @@
-"""`--prompts FILE`: every line of a prompts file from one model load (utils/runtime/image_requests.py reads it).
+"""`--prompts FILE`: every line of a prompts file from one model load (utils/runtime/requests/image_requests.py
+reads it).
 
 Rank 0 walks the checked requests, skips those whose image exists (`--skip-existing`: images are
 written atomically, so an existing file is a finished one), picks a seed for lines without one
 (`--seed` when given, else random), reads the line's conditioning images (Instruct) and hands the
 next batch (`--batch-size B`: the next line and up to B - 1 later ones that may share its forward,
-utils/runtime/batching.py), its images' bytes with it, to every rank (utils/runtime/rank_loop.py). It writes
-the image and its text, appends one JSON line per image to SAVE_DIR/metrics.jsonl and ends with
+utils/runtime/requests/batching.py), its images' bytes with it, to every rank
+(utils/runtime/engine/rank_loop.py). It writes the image and its text, appends one JSON line per image to SAVE_DIR/metrics.jsonl and ends with
 a summary line there and on the console; a tqdm bar with ETA shows progress. A line whose image
 fails on every rank alike is reported and the batch goes on; the exit code is then 1.
 """
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-METRICS_FILE = "metrics.jsonl"
-
-
-_SEEDS = random.Random()
-
-
-def choose_seed(request):
-    """Rank 0's seed for a request without one (then broadcast with it)."""
-    return request if request.seed is not None else replace(request, seed=_SEEDS.randrange(2**31))
-
-
 def append_line(path: Path, record: dict) -> None:
-    from utils.runtime.outputs import append_line as append
+    from utils.runtime.engine.outputs import append_line as append
     append(path, json.dumps(record))
 
 
@@ -74,7 +62,7 @@ def forwards_saved(results) -> dict:
 def write_result(result) -> None:
     """Rank 0's files of one finished image (the one writer of --prompt, --prompts): the PNG, and the
     think / recaption text where the request asks for it."""
-    from utils.runtime.outputs import save_png, save_text
+    from utils.runtime.engine.outputs import save_png, save_text
     save_png(result.request.save, result.image)
     if result.request.save_text and result.text is not None:
         save_text(result.request.save_text, result.text)
@@ -88,8 +76,10 @@ def run_batch(loop, requests: list, save_dir: Path, skip_existing: bool, log, ba
         loop.run(pull=None, deliver=None)
         return 0
     from tqdm import tqdm
-    from utils.runtime.batching import compatibility_key, take_batch
-    from utils.runtime.input_images import with_images
+    from utils.runtime.requests.batching import compatibility_key, take_batch
+    from utils.runtime.requests.image_requests import choose_seed
+    from utils.runtime.requests.input_images import with_images
+    from utils.runtime.requests.output_rule import METRICS_FILE
     save_dir.mkdir(parents=True, exist_ok=True)
     metrics = save_dir / METRICS_FILE
     todo = [r for r in requests if not (skip_existing and Path(r.save).is_file())]

@@ -5,8 +5,9 @@ prompts file or the HTTP queue) and broadcasts it; the other ranks only follow, 
 disagree on the requests, their seeds or their sizes. A message is
     ("run", [ImageRequest, ...])   every rank makes these as one batch (seeds already chosen)
     ("tick", None)                 nothing to do yet; keeps idle ranks inside the collective timeout
+                                   (the server sends one every http/image_server.HEARTBEAT_S idle)
     ("stop", None)                 every rank leaves the loop
-A batch runs in two stages (`stages`, utils/runtime/batch_stages.py): each request's text phase,
+A batch runs in two stages (`stages`, utils/runtime/engine/batch_stages.py): each request's text phase,
 then the image phase of those whose text phase went well, in forward batches of one generated
 size. After each stage the ranks exchange their outcomes (one small all-gather): a request that
 failed the same way on every rank (e.g. a text phase that ran out of context: the same tokens
@@ -18,9 +19,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
-
-HEARTBEAT_S = 30.0      # an idle server's ranks wait in a broadcast; far below any collective timeout
-
 
 class RankFailure(RuntimeError):
     """The ranks cannot go on together; str() says which rank failed and how."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from adaptor_patches.step_cache import StepCacheSettings
-from utils.runtime.errors import FieldError
+from utils.runtime.requests.errors import FieldError
 
 UPSTREAM_DEFAULTS = {"taylor_cache_interval": 5, "taylor_cache_order": 2, "taylor_cache_first_enhance_steps": 3,
                      "taylor_cache_tailing_enhance_steps": 1, "taylor_cache_low_freqs_order": 2,

@@ -1,5 +1,5 @@
-"""Writing outputs: paths checked before the load, files written whole (temp file + rename) with
-normal modes; a refusal is a FieldError (str() is `field: problem; fix`)."""
+"""Writing outputs: files written whole (temp file + rename) with normal modes; a refusal is a FieldError
+(str() is `field: problem; fix`). Their paths are checked before the load (requests/output_rule.py)."""
 from __future__ import annotations
 
 import os
@@ -7,32 +7,7 @@ import tempfile
 from pathlib import Path
 
 
-from utils.runtime.errors import FieldError, OutputWriteError, UsageError  # noqa: F401  (callers import them from here)
-
-
-def check_output_path(field: str, value: str) -> None:
-    """An output we could not write would fail only after the load and the generation."""
-    path = Path(value)
-    if "\0" in value:
-        raise FieldError(field, f"{ascii(value)} contains a NUL byte", "pass e.g. outputs/image.png")
-    if not value.strip() or value.endswith(os.sep):
-        raise FieldError(field, f"'{value}' is not a file path", "pass e.g. outputs/image.png")
-    if path.is_dir():
-        raise FieldError(field, f"{path} is a directory", "pass a file path inside it")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise FieldError(field, f"{path} exists and is not writable", "fix its permissions or pick another path")
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise FieldError(field, f"cannot write under {parent} (read-only or not a directory)", "pick another path")
-    try:        # a small probe: a full disk refuses it
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".write-probe-") as probe:
-            probe.write(b"\0" * 65536)
-            probe.flush()
-    except OSError as exc:
-        raise FieldError(field, f"cannot write under {parent} ({exc.strerror or exc})",
-                         "free space or pick another path") from None
+from utils.runtime.requests.errors import FieldError, OutputWriteError, UsageError  # noqa: F401  (callers import them here)
 
 
 def current_umask() -> int:

@@ -3,13 +3,13 @@
 `generation_kwargs` is what upstream's generate_image is given for one request (the CLI's flags
 and the request's fields); `--prompt` calls generate_image with it (run_image_gen.generate), a
 batch hands one per request to the text stage (adaptor_patches/image_batch.py). `BatchStages` is
-what the rank loop (utils/runtime/rank_loop.py) runs for a batch on every rank:
+what the rank loop (utils/runtime/engine/rank_loop.py) runs for a batch on every rank:
   text(requests, keep_going)   image_batch.text_stage: each request's text phase -> its handoff
   image(requests, handoffs)    image_batch.image_batches: the requests of one generated size, each
                                group one denoising loop (denoise_batch) under the group's step
                                cache run and, when serving, its denoise watch (progress, cancel)
 Requests share a forward only when batching.compatibility_key says they may (the rank-0 side that
-groups them: utils/runtime/batch_job.py, utils/runtime/image_server.py), so a group's steps,
+groups them: utils/runtime/engine/batch_job.py, utils/runtime/http/image_server.py), so a group's steps,
 guidance and step cache are its first request's.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def generation_kwargs(model, args, request, rank: int, images=None) -> dict:
                   verbose=args.verbose if rank == 0 else 0)
     if takes_conditioning_images(model):        # upstream's own --image and --infer-align-image-size
         import torch.distributed as dist
-        from utils.runtime.input_images import request_images
+        from utils.runtime.requests.input_images import request_images
         if images is None:
             images = request_images(request, dist if dist.is_initialized() else None)
         images = list(images)
@@ -53,7 +53,7 @@ class BatchStages:
         self.watch_for = watch_for or (lambda indices, requests: None)
         self.cache = cache or JobCache()  # the job's across its batches: captured decode steps, the last prompt
         self.pictures = pictures          # --prompt's conditioning images, decoded once for every round
-        from utils.runtime.image_requests import adapter_names
+        from utils.runtime.requests.image_requests import adapter_names
         self.adapter_names = adapter_names(getattr(args, "lora_modules", None))   # a request's adapter: its slot
 
     def text(self, requests: list, keep_going: Callable) -> list:

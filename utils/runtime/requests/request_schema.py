@@ -3,8 +3,8 @@
 REQUEST_FIELDS are what may differ between images of one load (a CLI flag set, a prompts-file
 line, an HTTP body); JOB_OPTIONS hold for the whole job (CLI flags and YAML `model_args`). The
 argparse options (`add_arguments`), the YAML check (utils/launcher/launch_config.py), prompts-file lines
-(utils/runtime/image_requests.py) and the HTTP body (utils/runtime/image_server.py) all call `Field.check`, so
-they refuse the same values with the same words. A refusal is one FieldError (field, problem,
+(utils/runtime/requests/image_requests.py) and the HTTP body (utils/runtime/http/image_server.py) all call
+`Field.check`, so they refuse the same values with the same words. A refusal is one FieldError (field, problem,
 fix), rendered at the edge: `error: field: problem; fix` on the console, JSON over HTTP.
 
 Adding a request field is one `Field(...)` in REQUEST_FIELDS: the flag, the prompts-file key, the
@@ -22,17 +22,17 @@ from typing import Any, Callable, Optional
 from adaptor_patches.kernel_names import COMPUTE_MEANS, DEVICE_CHOICES, EXPERT_FORMATS, OLD_COMPUTE_NAMES, QUANT_COMPUTES
 from adaptor_patches.step_cache import MODES as STEP_CACHE_MODES, SETTING_FIELDS, StepCacheError, \
     StepCacheSettings, settings_from_value
-from utils.runtime.api_key import ENV_NAME, key_problem
-from utils.runtime.batching import DEFAULT_MAX_BATCH
-from utils.runtime.errors import FieldError, UsageError  # noqa: F401  (the schema's refusals)
-from utils.runtime.upstream_taylor import UPSTREAM_DEFAULTS
+from utils.runtime.requests.api_key import ENV_NAME, key_problem
+from utils.runtime.requests.batching import DEFAULT_MAX_BATCH
+from utils.runtime.requests.errors import FieldError, UsageError  # noqa: F401  (the schema's refusals)
+from utils.runtime.requests.upstream_taylor import UPSTREAM_DEFAULTS
 
 SEED_RANGE = (0, 2**32 - 1)
 MAX_STEPS = 1000
 MAX_IMAGE_SIDE = 16384
 MAX_DIST_TIMEOUT_S = 7 * 24 * 3600.0
 BOT_TASKS = ("image", "auto", "think", "recaption", "think_recaption")     # think_recaption: the Instruct model's
-MAX_IMAGES = 3                  # conditioning images upstream's Instruct model takes (utils/runtime/input_images.py)
+MAX_IMAGES = 3                  # conditioning images upstream's Instruct model takes (requests/input_images.py)
 MAX_GUIDANCE = 100.0
 IMAGE_SIZE = re.compile(r"([0-9]+)[x:]([0-9]+)\Z")
 ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?\Z|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?\Z")
@@ -346,7 +346,7 @@ STEP_CACHE_SETTINGS = tuple(f"step_cache_{name}" for name in SETTING_FIELDS if n
 JOB_OPTIONS += tuple(Field(f"step_cache_{name}", "step_cache_setting", getattr(StepCacheSettings, name),
                            STEP_CACHE_HELP[name]) for name in SETTING_FIELDS if name != "mode")
 # Upstream's own Taylor cache, as its run_image_gen.py spells it: run as --step-cache taylor with the
-# settings of the same schedule (utils/runtime/upstream_taylor.py; docs/STEP_CACHE.md). None: not given
+# settings of the same schedule (utils/runtime/requests/upstream_taylor.py; docs/STEP_CACHE.md). None: not given
 # (upstream's defaults apply, and a setting given without --use-taylor-cache is refused).
 def _upstream_int(name: str, meaning: str, low: int) -> Field:
     """One of upstream's --taylor-cache-* numbers, its default (upstream_taylor.UPSTREAM_DEFAULTS) in the help."""

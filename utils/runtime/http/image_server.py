@@ -1,6 +1,6 @@
 """`--serve`: an OpenAI-style images API and a page on rank 0; every request runs on all ranks together.
 
-    GET  /                        the page (utils/runtime/web/), a client of the API below like any other
+    GET  /                        the page (utils/runtime/http/web/), a client of the API below like any other
     POST /v1/images/generations   OpenAI's images body (docs/SERVING.md: every field), our extras "seed",
                                    "steps", "bot_task", "step_cache", "guidance_scale"; "stream": true ->
                                    OpenAI's server-sent events, "partial_images" previews among them
@@ -10,24 +10,24 @@
     GET  /metrics                 Prometheus text (prometheus_client): requests by code, images, queue, latency
     GET  /openapi.json            the API's description, from the same fields the bodies are checked by
 
-HTTP stack: FastAPI on uvicorn (utils/runtime/http_stack.py: its thread, its event loop, our limits;
-utils/runtime/http_api.py: the app, one coroutine per endpoint). The endpoints only parse, check
-(utils/runtime/api_bodies.py) and queue; the job's main thread pulls from the bounded FIFO queue and
-runs the rank loop (utils/runtime/rank_loop.py). This class is what both sides share: the queue, the
-running batch and its jobs' progress and previews, the metrics (utils/runtime/server_metrics.py), the
+HTTP stack: FastAPI on uvicorn (utils/runtime/http/http_stack.py: its thread, its event loop, our limits;
+utils/runtime/http/http_api.py: the app, one coroutine per endpoint). The endpoints only parse, check
+(utils/runtime/http/api_bodies.py) and queue; the job's main thread pulls from the bounded FIFO queue and
+runs the rank loop (utils/runtime/engine/rank_loop.py). This class is what both sides share: the queue, the
+running batch and its jobs' progress and previews, the metrics (utils/runtime/http/server_metrics.py), the
 key and the server's life. A job tells the event loop of a change through the loop's own
 call_soon_threadsafe (Job.touch): no thread waits per connection.
 
 Batches: the job at the head of the queue is taken with its n images (a request's n images are a
 batch too) and, within `batch_wait_s`, every queued job whose requests may share its forward
-(utils/runtime/batching.py: `batch_key`), up to `max_batch` images; an incompatible job waits for
+(utils/runtime/requests/batching.py: `batch_key`), up to `max_batch` images; an incompatible job waits for
 its own batch, one with more than max_batch images runs in several. Progress, cancellation and the
 metrics stay per request. A job's client that leaves (closes its connection) cancels it: queued, it
 never runs; running, it leaves its batch at the next denoising step (its answer ends there; its rows
 are still computed with the others' and dropped) and when every job of the batch has left, every
 rank stops at that step (adaptor_patches/denoise_watch.py). A rank lost mid-batch: each of its
 clients gets a 500 saying so before the process exits.
-Binds 127.0.0.1 unless told otherwise; with a key (utils/runtime/api_key.py) every endpoint but
+Binds 127.0.0.1 unless told otherwise; with a key (utils/runtime/requests/api_key.py) every endpoint but
 /health and the page's files needs `Authorization: Bearer KEY`. SIGTERM / SIGINT: no new connection
 or request is taken, the queued ones get 503, the running batch is answered; past `shutdown_timeout`
 seconds it is cancelled at its next denoising step (503) and the process exits 0.
@@ -41,15 +41,16 @@ import signal
 import threading
 import time
 
-from utils.runtime.api_bodies import BadRequest, parse_body  # noqa: F401  (the body's refusals, importable here)
-from utils.runtime.api_errors import ApiError
-from utils.runtime.batching import compatibility_key
-from utils.runtime.http_api import build_app
-from utils.runtime.http_stack import HttpServer
-from utils.runtime.image_requests import RequestChecker
-from utils.runtime.rank_loop import HEARTBEAT_S
-from utils.runtime.server_metrics import Metrics  # noqa: F401  (the server's counters)
+from utils.runtime.http.api_bodies import BadRequest, parse_body  # noqa: F401  (the body's refusals, importable here)
+from utils.runtime.http.api_errors import ApiError
+from utils.runtime.requests.batching import compatibility_key
+from utils.runtime.http.http_api import build_app
+from utils.runtime.http.http_stack import HttpServer
+from utils.runtime.requests.image_requests import RequestChecker
+from utils.runtime.http.server_metrics import Metrics  # noqa: F401  (the server's counters)
 
+HEARTBEAT_S = 30.0                             # an idle server's ranks wait in a broadcast (the rank loop's
+                                               # "tick"); far below any collective timeout
 ANSWER_GRACE_S = 60.0                          # how long close() waits for a finished request's response
 SHUTTING_DOWN = "server is shutting down"
 
@@ -194,7 +195,7 @@ class ImageServer:
         self.log = lambda line: log(f"{now_iso()} {line}")      # a server runs for weeks: its lines carry a time
         self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
         self.batch_key = compatibility_key            # run_many gives the model's (its buckets)
-        self.api_key = api_key                        # utils/runtime/api_key.ApiKey, or None: no key asked
+        self.api_key = api_key                        # utils/runtime/requests/api_key.ApiKey, or None: no key asked
         self.client_timeout = client_timeout          # a client silent this long is dropped (slow or half-open)
         self.shutdown_timeout = shutdown_timeout      # after a stop signal the running batch has this long
         self.unanswered: list = []                    # jobs delivered whose response is not written yet
@@ -264,7 +265,7 @@ class ImageServer:
 
     def _next_batch(self) -> list:
         """[(job, image index)]: the head job's next images and its companions' (module docstring)."""
-        from utils.runtime.batch_job import choose_seed
+        from utils.runtime.requests.image_requests import choose_seed
         head = self.partial or self.jobs.get(timeout=0.5)
         if head is None:
             return []
@@ -382,7 +383,7 @@ class ImageServer:
 
     def model_card(self) -> dict:
         if self._model_card is None:
-            from utils.runtime.model_card import model_card
+            from utils.runtime.http.model_card import model_card
             self._model_card = model_card(self.checker, self.defaults, self.max_n)
         return self._model_card
 

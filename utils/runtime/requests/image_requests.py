@@ -17,14 +17,25 @@ line's `save` (relative to `--save-dir`); the think / recaption text beside it a
 from __future__ import annotations
 
 import json
+import random
 import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from adaptor_patches.weights.regular_files import read_regular_bytes, regular_file_problem
-from utils.runtime.output_rule import OutputRule, prompts_file_save
-from utils.runtime.request_schema import REQUEST, REQUEST_FIELDS, FieldError, is_int, request_type  # noqa: F401
+from utils.runtime.requests.output_rule import OutputRule, prompts_file_save
+from utils.runtime.requests.request_schema import (REQUEST, REQUEST_FIELDS, FieldError, is_int,  # noqa: F401
+                                                    request_type)
+
+_SEEDS = random.Random()
+
+
+def choose_seed(request):
+    """Rank 0's seed for a request without one (then broadcast with it): the prompts file's, the
+    server's and the Python API's requests."""
+    return request if request.seed is not None else replace(request, seed=_SEEDS.randrange(2**31))
+
 
 LINE_FIELDS = tuple(f.name for f in REQUEST_FIELDS)
 ImageRequest = request_type(__name__, extra=(("save_text", None),      # rank 0 writes the think / recaption text
@@ -115,7 +126,7 @@ class RequestChecker:
         if task:
             field, what, fix = task
             return FieldError(field.replace('-', '_'), what, fix)
-        from utils.runtime.model_rules import request_problem
+        from utils.runtime.requests.model_rules import request_problem
         images = len(request.image_inputs if request.image_inputs is not None else request.image or ())
         problem = request_problem(self.config, self.generation_config, images=images, bot_task=request.bot_task,
                                   guidance_scale=request.guidance_scale)
@@ -190,7 +201,7 @@ def read_lines(path: Path) -> list:
 def line_images(paths: tuple, folder: Path, rule: OutputRule, number: int) -> tuple:
     """A line's image files, relative to the prompts file's folder: each checked (read whole, then
     dropped: rank 0 reads it again when the line runs) and an input no output may land on."""
-    from utils.runtime.input_images import read_image, split_from
+    from utils.runtime.requests.input_images import read_image, split_from
     resolved = []
     for given in paths:
         image = folder / given                  # an absolute `given` stays itself

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-from utils.runtime.model_rules import is_distilled, request_problem, takes_images
-from utils.runtime.request_schema import BOT_TASKS, MAX_GUIDANCE, MAX_IMAGES, MAX_STEPS, REQUEST, SEED_RANGE
+from utils.runtime.requests.model_rules import is_distilled, request_problem, takes_images
+from utils.runtime.requests.request_schema import BOT_TASKS, MAX_GUIDANCE, MAX_IMAGES, MAX_STEPS, REQUEST, SEED_RANGE
 
 OWNER = "hunyuan-image-adaptor"
 

@@ -11,7 +11,7 @@ import hmac
 import re
 from typing import Optional
 
-from utils.runtime.errors import FieldError
+from utils.runtime.requests.errors import FieldError
 
 KEY_CHARS = re.compile(r"[!-~]{1,4096}\Z")        # visible ASCII: what an HTTP header carries unchanged
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}\Z")

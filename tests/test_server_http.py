@@ -8,6 +8,8 @@ import re
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import httpx
@@ -147,6 +149,11 @@ def test_metrics_parse_with_prometheus_clients_parser_and_keep_every_name(server
     from prometheus_client.parser import text_string_to_metric_families
     with urlopen(f"{url_of(server)}/health"):
         pass
+    refused = urllib.request.Request(f"{url_of(server)}/v1/images/generations", method="POST",
+                                     data=json.dumps({"prompt": "x", "seed": -1}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError):         # one answered request: the counter by code has a sample
+        urllib.request.urlopen(refused, timeout=10)
     with urlopen(f"{url_of(server)}/metrics") as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = response.read().decode()

@@ -141,7 +141,6 @@ def test_a_slow_client_delays_nobody_and_50_connections_are_all_answered(server)
 
 
 def urlopen(url):
-    import urllib.request
     return urllib.request.urlopen(url, timeout=10)
 
 

@@ -242,7 +242,8 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
     if rank_job.context.adapters:
         from adaptor_patches.lora_rows import BANK
         held = sum(2 * (low.a.numel() + low.b.numel()) for low in rank_job.context.shared(BANK, dict).values())
-        log(f"lora: {len(rank_job.context.adapters)} adapters chosen per request ("
+        count = len(rank_job.context.adapters)
+        log(f"lora: {count} adapter{'s' if count > 1 else ''} chosen per request ("
             + ", ".join(f"{name}: {len(adapter.pairs)} targets, scale {adapter.scale:g}"
                         for name, adapter in rank_job.context.adapters) + f"), {held / 2**20:.2f} MiB on this rank")
     skipped = getattr(model, "skipped_bytes", {})

@@ -331,3 +331,28 @@ def test_layouts_that_hold_the_same_weights_share_one_meta_build(tiny_model, mon
     assert len(built) == 2 and [r.params for r in first] == [r.params for r in again]
     memory_plan.plan(tiny_model, Layout(2, moe="tp"), (64, 64), "cpu")
     assert len(built) == 4
+
+
+def test_the_instruct_plan_counts_the_text_phase_and_the_vae_encoders_frames():
+    """Issue 48 (the dry run's tracked peaks): the VAE encoder expands an image to ffactor_temporal frames
+    and its swish holds four maps (fp16 input + 3 fp32 under CUDA's autocast, bf16 on NPU); the text
+    prefill keeps bf16 and fp32 logits over every prompt row; the text KV lives beside the image call."""
+    from adaptor_patches.parallel.layout import Layout
+    from utils.planner.memory_plan import TEXT_TOKENS, RolePlan, activation_bytes, conditioning_tokens, read_config
+    config, raw = read_config("config/real_instruct")
+    rows = TEXT_TOKENS + conditioning_tokens(config, raw, 1)
+    acts = {kind: activation_bytes(config, raw, Layout(1), (1024, 1024), kind, rows, conditioning_images=1)
+            for kind in ("cuda", "npu")}
+    full_res = 4 * 128 * 1024 * 1024                           # frames x channels x pixels
+    assert acts["cuda"]["conditioning encode"] == full_res * (2 + 3 * 4)
+    assert acts["npu"]["conditioning encode"] == full_res * 4 * 2
+    assert acts["cuda"]["VAE decode"] == full_res * 4 * 4 and acts["npu"]["VAE decode"] == full_res * 4 * 2
+    assert acts["npu"]["text prefill"] == rows * config.vocab_size * (2 + 4)
+    kv_row = 32 * 2 * 8 * 128 * 2
+    assert acts["npu"]["text KV"] == (8 * 1024 + rows + TEXT_TOKENS) * kv_row    # capacity: 5632 + 2048 rounded up
+    role = RolePlan(0, [0], {}, 0, acts["cuda"], {})
+    image = acts["cuda"]["VAE decode"] + acts["cuda"]["KV cache"]
+    assert role.activation_bytes == max(image, acts["cuda"]["conditioning encode"]) + acts["cuda"]["text KV"]
+    base_config, base_raw = read_config("config/real_model")
+    base = activation_bytes(base_config, base_raw, Layout(1), (1024, 1024), "npu", TEXT_TOKENS)
+    assert "text prefill" not in base and "text KV" not in base

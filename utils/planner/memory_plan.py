@@ -23,8 +23,10 @@ reads assume a bf16 checkpoint quantized while it loads (the larger read); a qua
 about a half (8-bit) or a quarter (int4) of the expert bytes.
 
 An Instruct checkpoint's conditioning images are encoded before the first step (the VAE encoder
-at the image's size, SigLIP2 over its patches): that peak is planned beside the denoising step and
-the VAE decode ("conditioning encode"); the larger of the three counts.
+at the image's size, SigLIP2 over its patches: "conditioning encode"), and its text phase (think /
+recaption) prefills the prompt before the image ("text prefill": the LM head's logits over every
+prompt row). Both run before the image's KV cache exists; the text phase's KV ("text KV") lives from
+then through the image call (RolePlan.activation_bytes; docs/PLANNER.md, issue 48).
 """
 from __future__ import annotations
 
@@ -45,7 +47,12 @@ COMPONENTS = (("vision encoder", ("vision_model.", "vision_aligner.")), ("VAE en
               ("embeddings / lm_head", ("model.wte.", "lm_head.")))
 ROUTING_SKEW = 2.0          # EP: an expert owner may receive this many times its even share of rows
 WORKSPACE_BYTES = {"cpu": GiB // 2, "cuda": 2 * GiB, "npu": 2 * GiB}   # runtime, collective buffers, allocator
-PEAK_PHASES = ("denoise step", "VAE decode", "conditioning encode")     # one at a time; the KV cache beside them
+IMAGE_PHASES = ("denoise step", "VAE decode")          # one at a time; the image call's KV cache beside them
+BEFORE_IMAGE = ("conditioning encode", "text prefill")  # Instruct: before the image call, no image KV yet
+PEAK_PHASES = IMAGE_PHASES + BEFORE_IMAGE
+# upstream's generate_image default max_new_tokens (and the Instruct generation config's): the text
+# call's static KV is allocated for the prompt plus this many tokens (text/decode.py's capacity)
+INSTRUCT_MAX_NEW_TOKENS = 2048
 
 
 @dataclass
@@ -65,7 +72,12 @@ class RolePlan:
 
     @property
     def activation_bytes(self) -> int:
-        return max(self.activations.get(phase, 0) for phase in PEAK_PHASES) + self.activations.get("KV cache", 0)
+        """The largest of: an image phase with the image call's KV cache beside it, or a phase that runs
+        before the image call (Instruct); plus the text phase's KV (0 for the base model), which lives
+        from the text call on through the image call (and the next request's encode)."""
+        get = self.activations.get
+        image = max(get(phase, 0) for phase in IMAGE_PHASES) + get("KV cache", 0)
+        return max([image] + [get(phase, 0) for phase in BEFORE_IMAGE]) + get("text KV", 0)
 
     def total(self) -> int:
         return self.param_bytes + self.activation_bytes + self.workspace
@@ -219,19 +231,54 @@ def activation_bytes(config, raw: dict, layout, image_size, device_kind: str = "
            "VAE decode": requests * vae_decode_bytes(raw, layout, image_size, device_kind)}
     if conditioning_images:
         out["conditioning encode"] = conditioning_encode_bytes(config, raw, requests * conditioning_images, device_kind)
+    from adaptor_patches.model_family import is_instruct
+    if is_instruct(raw):                # think / recaption before the image (traffic_by_phase's text decode lines)
+        out.update(text_phase_bytes(config, heads.kv_heads, text_tokens, requests))
     return out
+
+
+def text_phase_bytes(config, kv_heads: int, text_tokens: int, requests: int) -> dict:
+    """Instruct's text phase on one rank, each of the `requests` rows over the prompt's `text_tokens`
+    positions (system prompt, prompt, conditioning images; every rank runs it whole: no CFG split,
+    the LM head not cut, sequence shares gathered before it).
+    "text prefill": upstream's HunyuanImage3ForCausalMM.forward runs lm_head over EVERY prompt row and
+      returns logits.float(): [rows, vocab] in bf16 and its fp32 copy alive together (text/decode.py's
+      _prefill then keeps the last row) -- 5.9 GiB for 8002 rows of the 133,120-token vocabulary.
+    "text KV", alive from the text call through the image call:
+      - the static KV of the call (kv_reuse.StaticKV, every layer, capacity = prompt + max_new_tokens
+        rounded up to text/decode.BOUND_STEP): its DecodeStep is kept on the model for the next call;
+      - the PromptKV (kv_reuse.PromptKV.snapshot, a copy over the prompt's positions) the request's
+        TextPhase hands to the image call's first step (kv reuse), held until the request ends;
+      - the job's last system prompt (kv_reuse.keep_job_prompt, its text before the first image),
+        kept for the next request's prefill: TEXT_TOKENS rows."""
+    from adaptor_patches.text.decode import BOUND_STEP
+    bf16, fp32 = 2, 4
+    kv_row = config.num_hidden_layers * 2 * kv_heads * config.attention_head_dim * bf16   # one position's K and V
+    bound = text_tokens + INSTRUCT_MAX_NEW_TOKENS
+    capacity = max(bound, min(math.ceil(bound / BOUND_STEP) * BOUND_STEP, config.max_position_embeddings))
+    logits = requests * text_tokens * config.vocab_size * (bf16 + fp32)
+    kv = requests * (capacity + text_tokens) * kv_row + TEXT_TOKENS * kv_row
+    return {"text prefill": int(logits), "text KV": int(kv)}
 
 
 def conditioning_encode_bytes(config, raw: dict, images: int, device_kind: str) -> int:
     """The larger of the two encoders' peaks over `images` conditioning images at the base size: the
-    VAE encoder's widest level (full resolution, block_out_channels[0], one frame, four maps live;
-    CPU adds conv3d's 27-fold fp32 column buffer) one image at a time, and SigLIP2 over every image's
-    max_num_patches at once (fp32, its config's dtype: the residual, q / k / v, the MLP's
-    intermediate and one head-batch of attention scores)."""
+    VAE encoder's widest level one image at a time, and SigLIP2 over every image's max_num_patches at
+    once (fp32, its config's dtype: the residual, q / k / v, the MLP's intermediate and one
+    head-batch of attention scores).
+    The VAE encoder's level: full resolution, block_out_channels[0] channels, and ffactor_temporal
+    frames (upstream's AutoencoderKLConv3D.encode expands one image to that many frames). At its
+    peak, inside a ResnetBlock's swish (x * sigmoid(x)), four maps are live: the block input, the
+    GroupNorm output, the sigmoid and the product. Under CUDA's fp16 autocast (upstream's) the block
+    input is a conv output, fp16, and GroupNorm (autocast's fp32 list) and the swish after it are fp32:
+    2 + 3 x 4 bytes per element, 7 GiB at 1024 (the ep8_cfg Instruct dry run's peak); the NPU runs the
+    VAE in its bf16 without autocast (compat.vae_in_own_dtype): 4 x 2; CPU in fp32, 4 x 4, plus
+    conv3d's 27-fold fp32 column buffer."""
     base = config.image_base_size
     channels = raw["vae"]["block_out_channels"][0]
-    itemsize = 4 if device_kind == "cpu" else 2
-    vae = 4 * channels * base * base * itemsize + (27 * channels * base * base * 4 if device_kind == "cpu" else 0)
+    volume = raw["vae"].get("ffactor_temporal", 1) * channels * base * base
+    per_element = {"cuda": 2 + 3 * 4, "cpu": 4 * 4 + 27 * 4}.get(device_kind, 4 * 2)
+    vae = volume * per_element
     vit = raw.get("vit") or {}
     patches = int((raw.get("vit_processor") or {}).get("max_num_patches", 0))
     hidden, inter, heads = vit.get("hidden_size", 0), vit.get("intermediate_size", 0), vit.get("num_attention_heads", 1)
@@ -252,13 +299,17 @@ def dequantized_expert_bytes(config, layout, hidden: int, inter_local: int) -> i
 
 def vae_decode_bytes(raw: dict, layout, image_size, device_kind: str) -> int:
     """The decoder's largest level: its feature maps carry ffactor_temporal frames (one latent frame
-    decodes to that many), about four live at once (block input, norm, conv out, residual). On CPU
-    a 3x3x3 conv3d also unfolds its input into a 27-fold column buffer, in fp32 (the CPU decodes in
-    fp32); accelerators convolve without one. VAE parallel splits the rows into bands over all ranks."""
+    decodes to that many), four live at once inside a ResnetBlock's swish (block input, GroupNorm
+    output, sigmoid, product). On CPU a 3x3x3 conv3d also unfolds its input into a 27-fold column
+    buffer, in fp32 (the CPU decodes in fp32); accelerators convolve without one. On CUDA, under
+    upstream's fp16 autocast, the four are fp32: the residual stream starts as conv_in's fp16 output
+    plus the fp32 latents repeated (Decoder.forward), so fp32 from there on, and GroupNorm / swish run
+    in fp32 (8 GiB at 1024 on one card; the int4 dry run's peak); the NPU decodes in bf16 without
+    autocast. VAE parallel splits the rows into bands over all ranks."""
     vae = raw["vae"]
     channels = list(reversed(vae["block_out_channels"]))           # the decoder climbs from the widest
     frames = vae.get("ffactor_temporal", 1)
-    itemsize = 4 if device_kind == "cpu" else 2
+    itemsize = 4 if device_kind in ("cpu", "cuda") else 2
     height, width = image_size
     levels = len(channels)
     bands = layout.world_size if layout.vae_parallel else 1

@@ -253,3 +253,27 @@ def test_lora_adapters_chosen_per_request_run_on_the_device_and_a_host_tensor_is
     [result] = dry_run(tiny_model, *flags)
     made = [line for _op, _devices, tensors, _where in result.mismatches for _device, line in tensors]
     assert planted_line(project) in made, result.mismatches
+
+
+@pytest.mark.slow
+def test_the_real_model_on_ep8_cfg_fits_its_plan_on_fake_cuda():
+    """config/real_model on config/ep8_cfg.yaml's layout (16 ranks: CFG2 x MoE EP8 on sequence shares, VAE
+    parallel) at 1024x1024, 2 steps, on fake CUDA: rank 0 and rank 15 (the other branch's last tp position)
+    run with every op on their device, the tracked peak within 15 % of the planner's, and the bytes each
+    sends per denoising step equal to the planner's traffic lines. The other cases (NPU, int4 on one card,
+    Instruct, every rank) are bench/dry_run.py's: minutes each on this machine."""
+    from utils.dry_run.job import make_job, run_job
+    from utils.dry_run.versus_plan import compare, planned
+    flags = ["--prompt", "a red fox in the snow", "--model-id", str(ROOT / "config" / "real_model"), "--image-size",
+             "1024x1024", "--diff-infer-steps", "2", "--seed", "42", "--moe-ep", "--cfg-parallel", "--vae-parallel"]
+    job = make_job("cuda", flags, 16)
+    plan = planned(job)
+    for result in run_job(job, [0, 15], log=lambda line: None):
+        assert result.passed and not result.mismatches, (result.rank, result.error, result.mismatches[:3])
+        versus = compare(job, result, plan)
+        tracked, planned_peak = versus["memory"]["peak"]
+        dry, plan_sent = versus["sent"]["denoising step"]
+        print(f"rank {result.rank}: peak {tracked / 2**30:.2f} / {planned_peak / 2**30:.2f} GiB, "
+              f"denoising step sends {dry / 2**20:.3f} / {plan_sent / 2**20:.3f} MiB")
+        assert 0.85 <= tracked / planned_peak <= 1.15, (result.rank, tracked, planned_peak)
+        assert abs(dry - plan_sent) <= 1e-6 * plan_sent, (result.rank, dry, plan_sent)

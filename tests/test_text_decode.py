@@ -265,8 +265,8 @@ def test_a_captured_cuda_graph_replays_the_tokens_of_the_eager_step(instruct_mod
     from adaptor_patches.kernels.device import Device
     graphs = []
 
-    def on_cuda(step, device, mode, inputs, cpu_backend="inductor"):
-        out = decode_graph.captured(step, Device("cuda"), mode, inputs, cpu_backend)
+    def on_cuda(step, device, mode, inputs, cpu_backend="inductor", shape_key=None):
+        out = decode_graph.captured(step, Device("cuda"), mode, inputs, cpu_backend, shape_key)
         graphs.append(out[0])
         return out
     monkeypatch.setattr(text_decode, "captured", on_cuda)

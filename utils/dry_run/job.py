@@ -92,7 +92,7 @@ class DryRunJob:
         return self.layout.world_size
 
     def rank_context(self, rank: int):
-        """(Device, RankContext) of `rank`: its fake device (index: the rank), the device's kernel set."""
+        """(Device, RankContext) of `rank`: its fake device (index: its local rank), the device's kernel set."""
         from adaptor_patches.kernels import kernels_for, make_kernels, resolve_compute
         from adaptor_patches.kernels.device import Device
         from adaptor_patches.kernels.fake_device import FakeAccelerator
@@ -100,7 +100,8 @@ class DryRunJob:
         from run_image_gen import multi_stream
         expert_format = None if self.args.quantize in (None, "none") else self.args.quantize
         compute = resolve_compute(expert_format, self.args.quant_compute)
-        device = Device(self.kind, rank, cpu_noise=True, fake=FakeAccelerator(self.kind, device_count=self.world_size))
+        per_node = min(self.world_size, CUDA_NODE_GPUS) if self.kind == "cuda" else self.world_size
+        device = Device(self.kind, rank % per_node, cpu_noise=True, fake=FakeAccelerator(self.kind, device_count=per_node))
         if self.kind == "npu":
             from utils.dry_run.fake_torch import register_fake_npu
             register_fake_npu(device.fake)
@@ -118,6 +119,10 @@ class DryRunJob:
         return fake_world(rank, self.world_size, self.kind)
 
 
+# A rank's device index is its local rank, as run_image_gen takes it (LOCAL_RANK). A CUDA node holds 8
+# GPUs (a 16-rank CUDA job spans two nodes), which is also the most devices torch's fake CUDA guard takes
+# (c10 FakeGuardImpl: index < 8); an Ascend node holds the 16 NPUs of ep8_cfg.yaml.
+CUDA_NODE_GPUS = 8
 MIN_TORCH = (2, 14)          # the fake CUDA / NPU devices verified on 2.14.1; 2.7.1's FakeTensorMode calls CUDA
 
 

@@ -92,7 +92,7 @@ def served_adapters(args, checkpoint) -> tuple:
         return ()
     from adaptor_patches.weights.lora import LoraError, served_adapters as read_served
     try:
-        return read_served(args.lora_modules.split(","), checkpoint, Path(args.model_id).resolve().name)
+        return read_served(args.lora_modules, checkpoint, Path(args.model_id).resolve().name)
     except LoraError as exc:                # the flag that named it
         raise LoraError(exc.problem, exc.fix, flag="lora-modules") from None
 
@@ -240,8 +240,8 @@ def load(rank_job: RankJob, phase: JobPhase) -> tuple:
     if rank_job.context.lora is not None:
         log(rank_job.context.lora.describe())
     if rank_job.context.adapters:
-        from adaptor_patches.lora_rows import BANK
-        held = sum(2 * (low.a.numel() + low.b.numel()) for low in rank_job.context.shared(BANK, dict).values())
+        from adaptor_patches.lora_rows import bank_bytes
+        held = bank_bytes(rank_job.context)
         count = len(rank_job.context.adapters)
         log(f"lora: {count} adapter{'s' if count > 1 else ''} chosen per request ("
             + ", ".join(f"{name}: {len(adapter.pairs)} targets, scale {adapter.scale:g}"

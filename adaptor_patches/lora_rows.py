@@ -117,5 +117,10 @@ def low_rank(rank_context, key: str) -> Optional[LowRank]:
     return rank_context.shared(BANK, dict).get(key)
 
 
+def bank_bytes(rank_context) -> int:
+    """Bytes the rank holds of its adapters' halves (the planner's `LoRA adapters`: memory_plan.adapter_bytes)."""
+    return sum(low.a.nbytes + low.b.nbytes for low in rank_context.shared(BANK, dict).values())
+
+
 def layer_key(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{module}.weight"

@@ -1,7 +1,15 @@
 """The plain HTTP calls the server tests make with urllib (a real client against a real server)."""
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def post(url, body, timeout=300):
@@ -49,3 +57,24 @@ def metric(text: str, name: str, **labels) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in wanted.items()):
                 return sample.value
     raise KeyError(f"no sample {name}{labels or ''} in the metrics")
+
+
+@contextlib.contextmanager
+def serving(flags: list, log: Path, start_s: float = 300):
+    """`run_image_gen.py --serve --port P *flags` in its own process, its console in `log`: yields its
+    base URL once /health answers 200 (the process alive, within `start_s`); terminated after."""
+    from harness.multirank import free_port
+    port = free_port()
+    command = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), *map(str, flags)]
+    with open(log, "w") as sink:
+        server = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + start_s
+        while health(url)[0] != 200:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(120)

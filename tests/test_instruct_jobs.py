@@ -19,9 +19,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
-import sys
-import time
 import urllib.request
 
 import numpy as np
@@ -29,8 +26,9 @@ import pytest
 from PIL import Image
 
 from browser import chromium, wait_for
-from generation import ROOT, psnr, run_cli_in_process
-from harness.multirank import free_port, run_ranks, start_apart
+from generation import psnr, run_cli_in_process
+from harness.multirank import run_ranks, start_apart
+from http_client import serving
 
 pytestmark = pytest.mark.slow
 PROMPT = "make the fox blue"
@@ -114,22 +112,10 @@ def served(tiny_instruct, inputs, tmp_path_factory, references_started):
     """One server start; every request the tests below look at, in order."""
     from openai import OpenAI
     out = tmp_path_factory.mktemp("instruct_served")
-    port = free_port()
     log = out / "server.log"
-    command = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), "--model-id", str(tiny_instruct),
-               *map(str, COMMON), "--bot-task", "image"]
-    with open(log, "w") as sink:
-        server = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
-                    break
-            time.sleep(0.5)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed", timeout=600, max_retries=0)
+    with serving(["--model-id", tiny_instruct, *COMMON, "--bot-task", "image"], log) as url:
+        port = int(url.rsplit(":", 1)[1])
+        client = OpenAI(base_url=f"{url}/v1", api_key="not-needed", timeout=600, max_retries=0)
         with open(inputs / "a.png", "rb") as a, open(inputs / "b.png", "rb") as b:
             edit_two = client.images.edit(model=tiny_instruct.name, image=[a, b], prompt=PROMPT, size=SIZE,
                                           extra_body={"seed": SEED, "bot_task": "think_recaption"})
@@ -141,11 +127,8 @@ def served(tiny_instruct, inputs, tmp_path_factory, references_started):
                                           extra_body={"seed": SEED})
         generated = client.images.generate(model=tiny_instruct.name, prompt=PROMPT, size=SIZE, extra_body={"seed": SEED})
         streams = openai_streams(client, tiny_instruct.name, inputs / "a.png")
-        models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10))
-        page_edit = edit_on_the_page(f"http://127.0.0.1:{port}", inputs / "a.png", out)
-    finally:
-        server.terminate()
-        server.wait(120)
+        models = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=10))
+        page_edit = edit_on_the_page(url, inputs / "a.png", out)
     return {"edit_two": edit_two, "guided": guided, "unguided": unguided, "generated": generated, "models": models,
             "page_edit": page_edit, "log": log.read_text(), **streams}
 

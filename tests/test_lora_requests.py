@@ -123,33 +123,15 @@ def test_served_adapters_by_model_name_in_one_batch(served, alone, gained_model,
     naming adapter a, adapter b and the base model make ONE forward batch, each its image alone."""
     import base64
     import concurrent.futures
-    import contextlib
     import io
-    import os
-    import subprocess
-    import sys
-    import time
     import urllib.request
     from openai import BadRequestError, OpenAI
     from PIL import Image
-    from generation import ROOT
-    from http_client import metric
-    from harness.multirank import free_port
-    port, log = free_port(), tmp_path / "server.log"
-    command = [sys.executable, "run_image_gen.py", "--serve", "--port", str(port), "--model-id", str(gained_model),
-               "--device", "cpu", "--lora-modules", modules_flag(served), "--max-batch", "3", "--batch-wait-ms", "4000"]
-    with open(log, "w") as sink:
-        server = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
-                    break
-            time.sleep(0.5)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed", timeout=600, max_retries=0)
+    from http_client import metric, serving
+    flags = ["--model-id", gained_model, "--device", "cpu", "--lora-modules", modules_flag(served), "--max-batch", 3,
+             "--batch-wait-ms", 4000]
+    with serving(flags, tmp_path / "server.log") as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="not-needed", timeout=600, max_retries=0)
         listed = {m.id: getattr(m, "parent", None) for m in client.models.list()}
         assert listed == {gained_model.name: None, "a": gained_model.name, "b": gained_model.name}, listed
         with pytest.raises(BadRequestError, match="'c' is not served here"):
@@ -162,13 +144,10 @@ def test_served_adapters_by_model_name_in_one_batch(served, alone, gained_model,
             return Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json)))
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             images = dict(zip(names, pool.map(ask, names)))
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
         assert metric(text, "hunyuan_largest_batch") == 3, text[-2000:]
-        page_png, choices = adapter_on_the_page(f"http://127.0.0.1:{port}", "b", tmp_path)
+        page_png, choices = adapter_on_the_page(url, "b", tmp_path)
         assert choices == ["", "a", "b"], choices
-    finally:
-        server.terminate()
-        server.wait(120)
     pngs = {}
     for name, image in images.items():
         pngs[name] = tmp_path / f"served_{name}.png"
@@ -320,7 +299,7 @@ def test_lora_modules_refuse_routed_experts_and_unknown_lines(gained_model, serv
 def test_python_api_adapters_and_the_planned_bytes(served, alone, gained_model):
     """Pipeline.load(..., lora_modules=...) and generate([{..., "adapter": ...}]): the Python API takes
     the same fields; the planner's "LoRA adapters" bytes are what the loaded rank holds."""
-    from adaptor_patches.lora_rows import BANK
+    from adaptor_patches.lora_rows import bank_bytes
     from adaptor_patches.parallel.layout import Layout
     from utils.pipeline import Pipeline
     from utils.planner.memory_plan import plan
@@ -329,8 +308,7 @@ def test_python_api_adapters_and_the_planned_bytes(served, alone, gained_model):
                          lora_modules=modules_flag(served))
     try:
         made = pipe.generate([{"prompt": PROMPT, "adapter": "a", "seed": 7}])
-        held = sum(2 * (low.a.numel() + low.b.numel())
-                   for low in pipe.model.rank_context.shared(BANK, dict).values())
+        held = bank_bytes(pipe.model.rank_context)
     finally:
         pipe.close()
     png = alone["a"].with_name("api_a.png")

@@ -65,6 +65,11 @@ DEQUANT_CHUNK_BYTES = 64 << 20     # dequantized expert weights alive at once in
 _GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
 
+def intermediate_slice(inter: int, part: int, parts: int) -> tuple:
+    """(start, stop) of slice `part` of `parts` contiguous slices of an intermediate of `inter` columns."""
+    return part * inter // parts, (part + 1) * inter // parts
+
+
 class LoopKernels(CollectiveMatmuls):
     name = "loop"
 
@@ -213,7 +218,7 @@ class LoopKernels(CollectiveMatmuls):
         add up to shared_mlp(x, ...). Its x1 / x2 rows of gate_and_up and its columns of down are
         views (no copy of the weights)."""
         inter = gate_and_up.shape[0] // 2
-        start, stop = part * inter // parts, (part + 1) * inter // parts
+        start, stop = intermediate_slice(inter, part, parts)
         x1, x2 = F.linear(x, gate_and_up[start:stop]), F.linear(x, gate_and_up[inter + start:inter + stop])
         return F.linear(x1 * F.silu(x2), down[:, start:stop])
 

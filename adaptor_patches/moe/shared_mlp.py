@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..kernels.torch_kernels import intermediate_slice
+
 
 class SharedMlp:
     def __init__(self, mlp: Optional[torch.nn.Module], kernels, device):
@@ -69,7 +71,7 @@ def _with_adapters(x, gate_and_up, down, part, up_low, down_low, rows):
     fused kernels take no such term; only a batch whose requests chose adapters comes here)."""
     if part is not None:                        # slice `index` of `parts` of the intermediate, as shared_mlp_part
         inter = gate_and_up.shape[0] // 2
-        start, stop = part[0] * inter // part[1], (part[0] + 1) * inter // part[1]
+        start, stop = intermediate_slice(inter, *part)
         pair = torch.cat([torch.arange(start, stop, device=x.device), torch.arange(inter + start, inter + stop,
                                                                              device=x.device)])
         gate_and_up, down = gate_and_up.index_select(0, pair), down[:, start:stop]

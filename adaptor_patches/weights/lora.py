@@ -211,6 +211,14 @@ def read_adapter(value: str) -> Adapter:
     return Adapter(folder, scale, pairs)
 
 
+def checked_against(adapter: Adapter, checkpoint, config_only: bool = False) -> Adapter:
+    """`adapter` held against `checkpoint` (a checkpoint.Checkpoint): an original's headers; a rank
+    folder's slices, or no weights at all (`config_only`: a dry run), by the shapes config.json implies."""
+    if checkpoint.per_rank or config_only:
+        return adapter.check_shapes(lambda key: expected_shape(key, checkpoint.config))
+    return adapter.check(checkpoint.files())
+
+
 def adapter_for_run(value: str, checkpoint, per_rank: bool, expert_format: Optional[str], layout=None,
                     tp_rank: int = 0) -> Adapter:
     """`--lora`'s adapter, read and checked for this run (the folder, the adaptor, the experts'
@@ -223,10 +231,7 @@ def adapter_for_run(value: str, checkpoint, per_rank: bool, expert_format: Optio
     if checkpoint.per_rank and checkpoint.format != "converted":
         raise LoraError(f"{checkpoint.directory} is a cann-recipes rank folder; adapters are merged into an original "
                         f"checkpoint or a folder of utils/convert_model.py", "pass the original checkpoint with --lora")
-    if checkpoint.per_rank:
-        adapter = read_adapter(value).check_shapes(lambda key: expected_shape(key, checkpoint.config))
-    else:
-        adapter = read_adapter(value).check(checkpoint.files())
+    adapter = checked_against(read_adapter(value), checkpoint)
     routed = next((key for key in adapter.pairs if ".mlp.experts." in key), None)
     if expert_format is not None and routed is not None:       # attention / the shared MLP stay bf16: merged
         raise LoraError(f"{adapter.path} changes the routed experts ({routed[:-len('.weight')]}), which load as "
@@ -294,25 +299,29 @@ def parse_lora_module(value: str) -> tuple:
     return name, path
 
 
-def served_adapters(values, checkpoint, served_model: str, config_only: bool = False) -> tuple:
-    """((name, Adapter), ...) of `--lora-modules`, each read and checked against `checkpoint`
+def parse_lora_modules(value: str, model_name: Optional[str] = None) -> list:
+    """[(name, PATH[:SCALE])] of `--lora-modules NAME=PATH[:SCALE],...`: names unique, none the served
+    model's `model_name` (a request's `model` names either)."""
+    out, seen = [], set()
+    for item in value.split(","):
+        name, path = parse_lora_module(item)
+        if name in seen:
+            raise LoraError(f"--lora-modules names {name!r} twice", "give each adapter its own name")
+        if name == model_name:
+            raise LoraError(f"--lora-modules name {name!r} is the served model's", "give the adapter another name")
+        seen.add(name)
+        out.append((name, path))
+    return out
+
+
+def served_adapters(value: str, checkpoint, served_model: str, config_only: bool = False) -> tuple:
+    """((name, Adapter), ...) of `--lora-modules` (parse_lora_modules), each read and checked against `checkpoint`
     (a checkpoint.Checkpoint: an original's headers, a rank folder's config.json) before any request
     runs; names unique and not the model's own. They are cut for the run's layout, not the folder's.
     `config_only`: held against config.json's shapes alone (a dry run reads no weights)."""
-    if checkpoint.per_rank or config_only:      # slices, or no weights (a dry run): the shapes config.json implies
-        def check(adapter):
-            return adapter.check_shapes(lambda key: expected_shape(key, checkpoint.config))
-    else:
-        def check(adapter):
-            return adapter.check(checkpoint.files())
-    out, seen = [], {served_model}
-    for value in values:
-        name, path = parse_lora_module(value)
-        if name in seen:
-            raise LoraError(f"--lora-modules names {name!r} twice (or it is the served model's name)",
-                            "give each adapter its own name")
-        seen.add(name)
-        adapter = check(read_adapter(path))
+    out = []
+    for name, path in parse_lora_modules(value, served_model):
+        adapter = checked_against(read_adapter(path), checkpoint, config_only)
         for key in adapter.pairs:
             if not PER_REQUEST_KEY.match(key):
                 raise LoraError(f"{adapter.path} changes {key[:-len('.weight')]}, which adapters chosen per request "

@@ -154,7 +154,7 @@ def make_job(kind: str, argv: list, world_size: int, env=None) -> DryRunJob:
     if args.lora_modules:
         from adaptor_patches.weights.checkpoint import open_checkpoint
         from adaptor_patches.weights.lora import served_adapters
-        adapters = served_adapters(args.lora_modules.split(","), open_checkpoint(model_dir), model_dir.name,
+        adapters = served_adapters(args.lora_modules, open_checkpoint(model_dir), model_dir.name,
                                    config_only=True)
     return DryRunJob(kind, args, checked.layout, model_dir, weights_dir, default_request(args), pictures, token,
                      ordinary_token(weights_dir), adapters)

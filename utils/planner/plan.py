@@ -349,9 +349,9 @@ def planned_adapters(lora_modules, model_dir) -> tuple:
     config.json alone); a bad one is a PlanError naming the flag."""
     if not lora_modules:
         return ()
-    from adaptor_patches.weights.lora import LoraError, parse_lora_module, read_adapter
+    from adaptor_patches.weights.lora import LoraError, parse_lora_modules, read_adapter
     try:
-        return tuple((name, read_adapter(path)) for name, path in map(parse_lora_module, lora_modules.split(",")))
+        return tuple((name, read_adapter(path)) for name, path in parse_lora_modules(lora_modules))
     except LoraError as exc:
         raise PlanError(f"lora-modules: {exc.problem}; {exc.fix}") from None
 

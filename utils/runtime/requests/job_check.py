@@ -258,14 +258,9 @@ def check_lora_modules(args) -> None:
     if args.lora is not None:
         raise FieldError("lora-modules", "given with --lora (one adapter merged into the weights)",
                          "serve the merged adapter as one of --lora-modules too, or drop --lora")
-    from adaptor_patches.weights.lora import LoraError, check_adapter_folder, parse_lora_module
+    from adaptor_patches.weights.lora import LoraError, check_adapter_folder, parse_lora_modules
     try:
-        seen = set()
-        for item in args.lora_modules.split(","):
-            name, path = parse_lora_module(item)
-            if name in seen:
-                raise LoraError(f"--lora-modules names {name!r} twice", "give each adapter its own name")
-            seen.add(name)
+        for _, path in parse_lora_modules(args.lora_modules):
             check_adapter_folder(path)
     except LoraError as exc:
         raise FieldError("lora-modules", exc.problem, exc.fix) from None

@@ -343,6 +343,17 @@ class Book:
                 del self.alive[key]
 
 
+def keep_torchs_dispatch_mode_flags(monkeypatch):
+    """TorchDispatchMode's enter and exit save and restore flags global to torch.utils._python_dispatch,
+    not per thread: modes entered by several loader threads at once can leave them set, and torch 2.7's
+    dynamo then compiles nothing more in this process. They are put back as they were after the test."""
+    import torch.utils._python_dispatch as dispatch
+    for name in ("_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
+                 "_is_in_any_mode_without_ignore_compile_internals"):
+        if hasattr(dispatch, name):
+            monkeypatch.setattr(dispatch, name, getattr(dispatch, name))
+
+
 def test_quantizing_while_loading_never_holds_a_layer_of_bf16_experts(tmp_path, monkeypatch):
     from adaptor_patches.weights import load as load_module
     from utils.make_tiny_model import make_tiny_model
@@ -361,6 +372,7 @@ def test_quantizing_while_loading_never_holds_a_layer_of_bf16_experts(tmp_path, 
         with Bf16Peak(book):
             return real_read(self, item)
     monkeypatch.setattr(load_module._LazyTensor, "__getitem__", watched)
+    keep_torchs_dispatch_mode_flags(monkeypatch)
     peaks = {}
     for quantize in ("none", "int8"):
         book.peak = 0

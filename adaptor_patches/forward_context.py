@@ -2,8 +2,9 @@
 
 The patches read what a call is doing (its text phase, the text stage's stop, a batched text
 call's script, the image rows' text phases, the denoise watch, the step-cache run, the forward's
-sequence shares and prefix) from the ForwardContext set around the call, through `current()`,
-instead of attributes written onto the model and its modules. The context is set by
+sequence shares and prefix, the positions a text prefill reads logits at) from the ForwardContext
+set around the call, through `current()`, instead of attributes written onto the model and its
+modules. The context is set by
 `request(cache)` for one request or batch (the pipeline's entry points), by `scope()` where a patched
 entry point may be called without one (upstream's generate_image, a model forward in a test), gone
 after; `using(**fields)` sets fields for a nested part of a call and restores them. One call runs at a
@@ -57,6 +58,7 @@ class ForwardContext:
     step_cache_run: Optional[Any] = None    # the image's step-cache run (step_cache.py)
     sequence: SequenceSlot = field(default_factory=SequenceSlot)   # the forward's shares, fixed shape, prefix
     lora: Optional[Any] = None              # lora_rows.RowAdapters: each request's adapter, None: all the base
+    logits_rows: Optional[Any] = None       # a text prefill's [B] positions whose logits are read (text/decode.py)
 
 
 _active: Optional[ForwardContext] = None         # the call being run's (module docstring)

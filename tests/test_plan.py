@@ -336,7 +336,8 @@ def test_layouts_that_hold_the_same_weights_share_one_meta_build(tiny_model, mon
 def test_the_instruct_plan_counts_the_text_phase_and_the_vae_encoders_frames():
     """Issue 48 (the dry run's tracked peaks): the VAE encoder expands an image to ffactor_temporal frames
     and its swish holds four maps (fp16 input + 3 fp32 under CUDA's autocast, bf16 on NPU); the text
-    prefill keeps bf16 and fp32 logits over every prompt row; the text KV lives beside the image call."""
+    prefill keeps bf16 and fp32 logits of each row's last position (forward_context.logits_rows); the
+    text KV lives beside the image call."""
     from adaptor_patches.parallel.layout import Layout
     from utils.planner.memory_plan import TEXT_TOKENS, RolePlan, activation_bytes, conditioning_tokens, read_config
     config, raw = read_config("config/real_instruct")
@@ -347,7 +348,7 @@ def test_the_instruct_plan_counts_the_text_phase_and_the_vae_encoders_frames():
     assert acts["cuda"]["conditioning encode"] == full_res * (2 + 3 * 4)
     assert acts["npu"]["conditioning encode"] == full_res * 4 * 2
     assert acts["cuda"]["VAE decode"] == full_res * 4 * 4 and acts["npu"]["VAE decode"] == full_res * 4 * 2
-    assert acts["npu"]["text prefill"] == rows * config.vocab_size * (2 + 4)
+    assert acts["npu"]["text prefill"] == config.vocab_size * (2 + 4)
     kv_row = 32 * 2 * 8 * 128 * 2
     assert acts["npu"]["text KV"] == (8 * 1024 + rows + TEXT_TOKENS) * kv_row    # capacity: 5632 + 2048 rounded up
     role = RolePlan(0, [0], {}, 0, acts["cuda"], {})

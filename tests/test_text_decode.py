@@ -121,6 +121,24 @@ def test_the_static_loop_writes_the_tokens_of_transformers_loop(instruct_model, 
 
 
 @pytest.mark.slow
+def test_the_prefill_runs_the_lm_head_on_each_rows_read_position_alone(instruct_model):
+    """A prefill's logits are read at one position per row (its last real token): upstream's lm_head
+    sees [B, 1, H] there, not the prompt's [B, S, H] (forward_context.logits_rows); the tokens are still
+    transformers' loop's (the test above), which runs the head over every row."""
+    seen = []
+    hook = instruct_model.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        tokens, _, record = text_of(instruct_model, "static", **CASES["think, system prompt"])
+        prefill_rows = seen[0]
+        seen.clear()
+        text_of(instruct_model, "transformers", **CASES["think, system prompt"])
+    finally:
+        hook.remove()
+    assert prefill_rows[:2] == (1, 1) and record["loop"] == "static", prefill_rows
+    assert seen[0][1] > 100, seen[0]              # transformers' loop: the head over the whole prompt
+
+
+@pytest.mark.slow
 def test_the_image_after_the_static_loop_is_todays_image(instruct_model):
     images = {}
     for loop in ("transformers", "static"):

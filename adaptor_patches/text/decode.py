@@ -168,8 +168,9 @@ class TextLoop:
         self.record: dict = {}
 
     def _prefill(self, kv: StaticKV) -> torch.Tensor:
-        """float32 [B, vocab]: each row's logits after its last real token. The positions the job's last
-        prompt shares with this one (its system prompt) are not recomputed (text/kv_reuse.py)."""
+        """float32 [B, vocab]: each row's logits after its last real token, the LM head run on that row
+        alone (forward_context.logits_rows). The positions the job's last prompt shares with this one (its
+        system prompt) are not recomputed (text/kv_reuse.py)."""
         model, kwargs = self.model, dict(self.model_kwargs, past_key_values=kv)
         output = self.model_kwargs.get("tokenizer_output")
         plan = kv_reuse.job_prompt_plan(model, output, self.prompt)
@@ -177,13 +178,16 @@ class TextLoop:
         kv_reuse.arm(model, plan)
         kv.visible = self.prompt
         try:
-            outputs = model(**model.prepare_inputs_for_generation(self.input_ids, **kwargs), return_dict=True)
+            with forward_context.using(logits_rows=self.real_lengths - 1):
+                outputs = model(**model.prepare_inputs_for_generation(self.input_ids, **kwargs), return_dict=True)
         finally:
             kv.visible = None
             kv_reuse.arm(model, None)
         logits = outputs.logits
-        last = (self.real_lengths - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
-        return torch.gather(logits, 1, last).squeeze(1).to(copy=True, dtype=torch.float32)
+        if logits.shape[1] != 1:        # the adaptor's model forward not patched (shims only): every row's logits
+            last = (self.real_lengths - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+            logits = torch.gather(logits, 1, last)
+        return logits.squeeze(1).to(copy=True, dtype=torch.float32)
 
     def run(self) -> torch.Tensor:
         start, model, device = time.perf_counter(), self.model, self.input_ids.device

@@ -24,8 +24,8 @@ about a half (8-bit) or a quarter (int4) of the expert bytes.
 
 An Instruct checkpoint's conditioning images are encoded before the first step (the VAE encoder
 at the image's size, SigLIP2 over its patches: "conditioning encode"), and its text phase (think /
-recaption) prefills the prompt before the image ("text prefill": the LM head's logits over every
-prompt row). Both run before the image's KV cache exists; the text phase's KV ("text KV") lives from
+recaption) prefills the prompt before the image ("text prefill": the LM head's logits at each row's
+last position). Both run before the image's KV cache exists; the text phase's KV ("text KV") lives from
 then through the image call (RolePlan.activation_bytes; docs/PLANNER.md, issue 48).
 """
 from __future__ import annotations
@@ -241,9 +241,10 @@ def text_phase_bytes(config, kv_heads: int, text_tokens: int, requests: int) -> 
     """Instruct's text phase on one rank, each of the `requests` rows over the prompt's `text_tokens`
     positions (system prompt, prompt, conditioning images; every rank runs it whole: no CFG split,
     the LM head not cut, sequence shares gathered before it).
-    "text prefill": upstream's HunyuanImage3ForCausalMM.forward runs lm_head over EVERY prompt row and
-      returns logits.float(): [rows, vocab] in bf16 and its fp32 copy alive together (text/decode.py's
-      _prefill then keeps the last row) -- 5.9 GiB for 8002 rows of the 133,120-token vocabulary.
+    "text prefill": the LM head on each row's last position (forward_context.logits_rows: [requests,
+      vocab] in bf16 and upstream's fp32 copy; over every prompt row, as upstream runs it, 8002 rows
+      held 5.9 GiB). Its layers' activations are a denoising step's over fewer rows (no CFG pair, no
+      image), under the image phase's.
     "text KV", alive from the text call through the image call:
       - the static KV of the call (kv_reuse.StaticKV, every layer, capacity = prompt + max_new_tokens
         rounded up to text/decode.BOUND_STEP): its DecodeStep is kept on the model for the next call;
@@ -256,7 +257,7 @@ def text_phase_bytes(config, kv_heads: int, text_tokens: int, requests: int) -> 
     kv_row = config.num_hidden_layers * 2 * kv_heads * config.attention_head_dim * bf16   # one position's K and V
     bound = text_tokens + INSTRUCT_MAX_NEW_TOKENS
     capacity = max(bound, min(math.ceil(bound / BOUND_STEP) * BOUND_STEP, config.max_position_embeddings))
-    logits = requests * text_tokens * config.vocab_size * (bf16 + fp32)
+    logits = requests * config.vocab_size * (bf16 + fp32)
     kv = requests * (capacity + text_tokens) * kv_row + TEXT_TOKENS * kv_row
     return {"text prefill": int(logits), "text KV": int(kv)}
 

@@ -447,17 +447,20 @@ def moe_init(_original, device):
     return __init__
 
 
-def _shared_adapters(moe, bsz, seq_len, shards=None, span=None):
-    """SharedMlp.start's `adapters` for the call's requests' LoRA adapters, or None."""
+def _moe_adapters(moe, bsz, seq_len, shards=None, span=None) -> tuple:
+    """(SharedMlp.start's `adapters`, the routed experts' (lows, rows)) of the call's requests' LoRA
+    adapters, each None where they change nothing of it."""
     lora = forward_context.current().lora
     if lora is None:
-        return None
+        return None, None
     lows = [lora_rows.low_rank(moe.rank_context, lora_rows.layer_key(moe.layer_idx, f"mlp.shared_mlp.{name}"))
             for name in ("gate_and_up_proj", "down_proj")]
-    if lows == [None, None]:
-        return None
+    experts = lora_rows.expert_adapters(moe.rank_context, moe.layer_idx, lora)
+    if lows == [None, None] and experts is None:
+        return None, None
     batch, seq = (shards.batch, shards.seq) if shards is not None else (bsz, seq_len)
-    return (*lows, lora.rows(batch, seq, span))
+    rows = lora.rows(batch, seq, span)
+    return None if lows == [None, None] else (*lows, rows), None if experts is None else (experts, rows)
 
 
 def _fixed_shape_moe(moe, tokens, bsz, seq_len):
@@ -465,7 +468,7 @@ def _fixed_shape_moe(moe, tokens, bsz, seq_len):
     experts' share and its slice of the shared MLP; TP / EP join them in one all-reduce
     (moe/dispatch.py). No host sync, no data-dependent shape."""
     dispatcher = moe.dispatcher
-    shared = moe.shared.start(tokens, part=dispatcher.shared_part, adapters=_shared_adapters(moe, bsz, seq_len))
+    shared = moe.shared.start(tokens, part=dispatcher.shared_part, adapters=_moe_adapters(moe, bsz, seq_len)[0])
     topk_weight, topk_idx = route(moe, tokens)
     routed = dispatcher.routed_fixed(moe.experts, tokens, topk_weight, topk_idx, add_to=shared.inline_output)
     return dispatcher.combine_fixed(shared.join(routed))
@@ -476,14 +479,18 @@ def moe_forward(_original, _device):
         bsz, seq_len, hidden_size = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden_size)
         slot = forward_context.current().sequence
-        if slot.fixed_shape:                                        # the decode step: every row on every rank
+        # the decode step: every row on every rank (its experts' adapters: the form below, one sync)
+        if slot.fixed_shape and lora_rows.expert_adapters(self.rank_context, self.layer_idx,
+                                                          forward_context.current().lora) is None:
             return _fixed_shape_moe(self, tokens, bsz, seq_len).view(bsz, seq_len, hidden_size)
         shards = slot.shards                                        # the input is this rank's share
         rows = self.dispatcher.local_rows(tokens, shards)           # EP replicated rows: this rank's chunk
-        adapters = _shared_adapters(self, bsz, seq_len, shards, self.dispatcher.local_span(tokens.shape[0], shards))
-        shared = self.shared.start(rows, adapters=adapters)         # on the side stream, if any
+        shared_adapters, expert_adapters = _moe_adapters(self, bsz, seq_len, shards,
+                                                         self.dispatcher.local_span(tokens.shape[0], shards))
+        shared = self.shared.start(rows, adapters=shared_adapters)  # on the side stream, if any
         topk_weight, topk_idx = route(self, rows)
-        routed = self.dispatcher.routed(self.experts, rows, topk_weight, topk_idx, add_to=shared.inline_output)
+        routed = self.dispatcher.routed(self.experts, rows, topk_weight, topk_idx, add_to=shared.inline_output,
+                                        adapters=expert_adapters)
         output = shared.join(routed)                                # after the side stream: the one add
         return self.dispatcher.combine(output, tokens, shards).view(bsz, seq_len, hidden_size)
 

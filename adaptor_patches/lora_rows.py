@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .weights.lora import per_request_pairs
+from .weights.lora import per_request_expert_pairs, per_request_pairs
 
 BANK = "lora_bank"          # RankContext.shared key: {checkpoint key: LowRank}
 
@@ -66,9 +66,7 @@ class LowRank:
 
     def project(self, x: torch.Tensor, rows: tuple) -> torch.Tensor:
         """(x A^T) masked per row: [M, R] (rows: RowAdapters.rows of x's M rows)."""
-        row_slot, row_scale = rows
-        mask = torch.where(self.slot == row_slot[:, None], row_scale[:, None] * self.scale, 0.0)
-        return F.linear(x, self.a) * mask.to(x.dtype)
+        return F.linear(x, self.a) * row_mask(self.slot, self.scale, rows, x.dtype)
 
     def expand(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.b)
@@ -86,20 +84,66 @@ class LowRank:
         return LowRank(self.a, self.b.index_select(0, index), self.slot, self.scale)
 
 
+class ExpertLowRank:
+    """Every served adapter's change to one expert stack of this rank (w13 or w2: GroupedExperts), in
+    the grouped matmul's form: a [E_local, in, R], b [E_local, R, out], zero where an adapter leaves
+    an expert alone; rows grouped by expert (counts) get ((x a[e]) * m) b[e]."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, slot: torch.Tensor, scale: torch.Tensor):
+        self.a, self.b, self.slot, self.scale = a, b, slot, scale
+
+    def delta(self, x: torch.Tensor, counts: torch.Tensor, rows: tuple, kernels) -> torch.Tensor:
+        low = kernels.grouped_matmul(x, self.a, counts) * row_mask(self.slot, self.scale, rows, x.dtype)
+        return kernels.grouped_matmul(low, self.b, counts)
+
+
+def row_mask(slot: torch.Tensor, scale: torch.Tensor, rows: tuple, dtype) -> torch.Tensor:
+    """[M, R]: row m's scale on the columns of its adapter (rows: per row (slot, scale)), 0 elsewhere."""
+    row_slot, row_scale = rows
+    return torch.where(slot == row_slot[:, None], row_scale[:, None] * scale, 0.0).to(dtype)
+
+
+def _columns_of(pieces: list, device) -> tuple:
+    """(slot [R], scale [R]) of the pieces' (slot, adapter scale, rank) in order."""
+    slot = torch.cat([torch.full((p[2],), p[0], dtype=torch.int64) for p in pieces]).to(device)
+    scale = torch.cat([torch.full((p[2],), p[1], dtype=torch.float32) for p in pieces]).to(device)
+    return slot, scale
+
+
 def build_bank(adapters: tuple, config, layout, tp_rank: int, device, dtype) -> dict:
-    """{checkpoint key: LowRank} of this rank for `adapters` ((name, Adapter), ...; slot = position)."""
+    """{checkpoint key: LowRank, expert stack key: ExpertLowRank} of this rank for `adapters`
+    ((name, Adapter), ...; slot = position)."""
     parts: dict = {}
     for slot, (_, adapter) in enumerate(adapters):
         for key, (a, b) in per_request_pairs(adapter, config, layout, tp_rank).items():
-            parts.setdefault(key, []).append((slot, adapter.scale, a, b))
+            parts.setdefault(key, []).append((slot, adapter.scale, a.shape[0], a, b))
+        for (layer, stack), (local_experts, pairs) in per_request_expert_pairs(adapter, config, layout,
+                                                                               tp_rank).items():
+            rank = next(iter(pairs.values()))[0].shape[1]
+            parts.setdefault(expert_key(layer, stack), []).append((slot, adapter.scale, rank, pairs, local_experts))
     bank = {}
     for key, pieces in parts.items():
-        a = torch.cat([p[2] for p in pieces]).to(device=device, dtype=dtype)
-        b = torch.cat([p[3] for p in pieces], dim=1).to(device=device, dtype=dtype)
-        slot = torch.cat([torch.full((p[2].shape[0],), p[0], dtype=torch.int64) for p in pieces]).to(device)
-        scale = torch.cat([torch.full((p[2].shape[0],), p[1], dtype=torch.float32) for p in pieces]).to(device)
-        bank[key] = LowRank(a, b, slot, scale)
+        if key.endswith(".weight"):
+            a = torch.cat([p[3] for p in pieces]).to(device=device, dtype=dtype)
+            b = torch.cat([p[4] for p in pieces], dim=1).to(device=device, dtype=dtype)
+            bank[key] = LowRank(a, b, *_columns_of(pieces, device))
+        else:
+            bank[key] = ExpertLowRank(*_expert_stacks(pieces, device, dtype), *_columns_of(pieces, device))
     return bank
+
+
+def _expert_stacks(pieces: list, device, dtype) -> tuple:
+    """(a [E_local, in, R], b [E_local, R, out]) of the pieces' {local expert: (A^T, B^T)}."""
+    a_parts, b_parts = [], []
+    for _, _, rank, pairs, local_experts in pieces:
+        a_t, b_t = next(iter(pairs.values()))
+        a, b = torch.zeros(local_experts, a_t.shape[0], rank), torch.zeros(local_experts, rank, b_t.shape[1])
+        for expert, (a_t, b_t) in pairs.items():
+            a[expert], b[expert] = a_t, b_t
+        a_parts.append(a)
+        b_parts.append(b)
+    return (torch.cat(a_parts, dim=2).to(device=device, dtype=dtype),
+            torch.cat(b_parts, dim=1).to(device=device, dtype=dtype))
 
 
 def install(model, adapters: tuple) -> None:
@@ -117,6 +161,16 @@ def low_rank(rank_context, key: str) -> Optional[LowRank]:
     return rank_context.shared(BANK, dict).get(key)
 
 
+def expert_adapters(rank_context, layer: int, lora: Optional[RowAdapters]) -> Optional[tuple]:
+    """(ExpertLowRank of w13 or None, of w2 or None) when the call's requests chose adapters that change
+    layer `layer`'s routed experts; else None."""
+    if lora is None or rank_context is None:
+        return None
+    bank = rank_context.shared(BANK, dict)
+    lows = (bank.get(expert_key(layer, "w13")), bank.get(expert_key(layer, "w2")))
+    return None if lows == (None, None) else lows
+
+
 def bank_bytes(rank_context) -> int:
     """Bytes the rank holds of its adapters' halves (the planner's `LoRA adapters`: memory_plan.adapter_bytes)."""
     return sum(low.a.nbytes + low.b.nbytes for low in rank_context.shared(BANK, dict).values())
@@ -124,3 +178,7 @@ def bank_bytes(rank_context) -> int:
 
 def layer_key(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{module}.weight"
+
+
+def expert_key(layer: int, stack: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{stack}"

@@ -1,10 +1,11 @@
 """What a LoRA adapter costs a denoising step: none, merged at load (--lora), chosen per request
 (--lora-modules), in one run.
 
-    .venv/bin/python bench/lora_cost.py [--model DIR] [--rank 16] [--steps 6] [--size 128] [--rounds 3]
+    .venv/bin/python bench/lora_cost.py [--model DIR] [--rank 16] [--steps 6] [--size 128] [--rounds 3] [--experts]
 
 One process, bench/step_cache.py's mid-size random checkpoint (built if missing), two random
-adapters of rank `--rank` on attention and the shared MLP (written here in PEFT's folder format),
+adapters of rank `--rank` on attention and the shared MLP (`--experts`: and every routed expert, the
+trainer's `gate_and_up_proj,down_proj` option; written here in PEFT's folder format),
 a forward batch of 3 requests. Rows, each the median per-step denoising time over `--rounds`
 rounds, the variants interleaved round by round (this shared machine's speed drifts), each timed on
 its second batch in a row (the first after switching models runs from cold caches):
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -32,11 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run by path, not -m: the repo root, for its packages
 
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.shared_mlp.gate_and_up_proj", "mlp.shared_mlp.down_proj")
+EXPERT_TARGET = re.compile(r"^mlp\.experts\.\d+\.(gate_and_up_proj|down_proj)$")
 PROMPT = "a red fox standing in fresh snow"
 
 
-def write_adapter(model_dir: Path, folder: Path, rank: int, seed: int) -> Path:
-    """A random PEFT LoRA adapter of `model_dir`'s TARGETS (adapter_config.json + safetensors)."""
+def write_adapter(model_dir: Path, folder: Path, rank: int, seed: int, experts: bool = False) -> Path:
+    """A random PEFT LoRA adapter of `model_dir`'s TARGETS (and its routed experts' with `experts`;
+    adapter_config.json + safetensors)."""
     import torch
     from safetensors.torch import save_file
     from adaptor_patches.weights.checkpoint import open_checkpoint
@@ -45,7 +49,8 @@ def write_adapter(model_dir: Path, folder: Path, rank: int, seed: int) -> Path:
     tensors = {}
     for key in files.keys():
         module = key[:-len(".weight")]
-        if key.endswith(".weight") and module.split(".", 3)[-1] in TARGETS:
+        target = module.split(".", 3)[-1]
+        if key.endswith(".weight") and (target in TARGETS or experts and EXPERT_TARGET.match(target)):
             out, inp = files.info(key).shape
             name = f"base_model.model.{module}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inp, generator=generator) / inp ** 0.5
@@ -58,8 +63,9 @@ def write_adapter(model_dir: Path, folder: Path, rank: int, seed: int) -> Path:
     return folder
 
 
-def real_model_flops(rank: int = 64, adapters=(1, 2, 4)) -> list:
-    """[(adapters in the batch, extra FLOPs per token as a share of the layer's matmuls)] on config/real_model."""
+def real_model_flops(rank: int = 64, adapters=(1, 2, 4), experts: bool = False) -> list:
+    """[(adapters in the batch, extra FLOPs per token as a share of the layer's matmuls)] on config/real_model;
+    `experts`: the routed experts' too (each token's top-k experts' two projections)."""
     config = json.loads((ROOT / "config" / "real_model" / "config.json").read_text())
     hidden, head = config["hidden_size"], config["attention_head_dim"]
     q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
@@ -70,6 +76,8 @@ def real_model_flops(rank: int = 64, adapters=(1, 2, 4)) -> list:
     shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)]     # (in, out) per target
     base = sum(2 * i * o for i, o in shapes) + topk * (2 * hidden * 2 * expert + 2 * expert * hidden)
     per_adapter = sum(2 * rank * (i + o) for i, o in shapes)
+    if experts:
+        per_adapter += topk * 2 * rank * ((hidden + 2 * expert) + (expert + hidden))
     return [(n, n * per_adapter / base) for n in adapters]
 
 
@@ -80,6 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--experts", action="store_true", help="the adapters change every routed expert too")
     opts = parser.parse_args(argv)
     import torch
     torch.set_num_threads(1)
@@ -90,8 +99,8 @@ def main(argv=None) -> int:
     common = dict(device="cpu", image_size=f"{opts.size}x{opts.size}", diff_infer_steps=opts.steps, seed=7,
                   batch_size=3)
     with tempfile.TemporaryDirectory() as tmp:
-        a = write_adapter(model_dir, Path(tmp) / "a", opts.rank, 1)
-        b = write_adapter(model_dir, Path(tmp) / "b", opts.rank, 2)
+        a = write_adapter(model_dir, Path(tmp) / "a", opts.rank, 1, opts.experts)
+        b = write_adapter(model_dir, Path(tmp) / "b", opts.rank, 2, opts.experts)
         served = Pipeline.load(model_dir, lora_modules=f"a={a},b={b}", **common)
         merged = Pipeline.load(model_dir, lora=str(a), **common)
         timers = {id(p): PhaseTimer(p.model.rank_context.device).attach(p.model) for p in (served, merged)}
@@ -109,14 +118,15 @@ def main(argv=None) -> int:
         for pipe in (served, merged):
             pipe.close()
     print(f"\nmodel {model_dir.name} (mid-size random), {opts.size}x{opts.size}, batch 3, {opts.steps} steps, "
-          f"adapters of rank {opts.rank} on {', '.join(TARGETS)}; median of {opts.rounds} rounds, 1 thread\n")
+          f"adapters of rank {opts.rank} on {', '.join(TARGETS)}{' and every routed expert' if opts.experts else ''}; "
+          f"median of {opts.rounds} rounds, 1 thread\n")
     print("| variant | denoising step (s) | vs none |\n|---|---|---|")
     none = statistics.median(times["none"])
     for name, samples in times.items():
         step = statistics.median(samples)
         print(f"| {name} | {step:.3f} | {step / none:.2f}x |")
     print("\nreal model (config/real_model), adapters of rank 64 on the same targets, extra matmul FLOPs per token:")
-    for n, share in real_model_flops():
+    for n, share in real_model_flops(experts=opts.experts):
         print(f"  {n} adapter(s) in the batch: +{share:.1%} of the layer's matmul FLOPs")
     return 0
 

@@ -28,6 +28,7 @@ def make_adapter(base: Path, out: Path, targets: list, seed: int = 0) -> tuple:
 
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.shared_mlp.gate_and_up_proj", "mlp.shared_mlp.down_proj")
+EXPERTS = ("mlp.experts.{expert}.gate_and_up_proj", "mlp.experts.{expert}.down_proj")     # every routed expert
 
 
 def random_adapter(model_dir: Path, folder: Path, rank: int = 4, seed: int = 0, targets=LINEARS) -> Path:
@@ -39,6 +40,9 @@ def random_adapter(model_dir: Path, folder: Path, rank: int = 4, seed: int = 0, 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
+    every = [t.format(expert=e) for t in targets for e in range(config.get("num_experts") or 1)] if any(
+        "{expert}" in t for t in targets) else list(targets)
+    targets = list(dict.fromkeys(every))
     for layer in range(config["num_hidden_layers"]):
         for target in targets:
             module = f"model.layers.{layer}.{target}"

@@ -50,9 +50,9 @@ def test_a_host_tensor_in_the_ep_dispatch_is_reported_with_its_line(tiny_model, 
     from adaptor_patches.moe import dispatch
     original = dispatch.ExpertParallel.routed
 
-    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None):
+    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None, adapters=None):
         scale = torch.ones(rows.shape[-1], dtype=rows.dtype)         # PLANTED: no device=
-        return original(self, experts, rows * scale, topk_weight, topk_idx, add_to)
+        return original(self, experts, rows * scale, topk_weight, topk_idx, add_to, adapters)
     monkeypatch.setattr(dispatch.ExpertParallel, "routed", routed)
     [result] = dry_run(tiny_model, "--moe-ep")
     assert not result.passed
@@ -234,10 +234,11 @@ def test_npu_attention_in_a_dry_run_keeps_no_whole_scores():
 def test_lora_adapters_chosen_per_request_run_on_the_device_and_a_host_tensor_is_reported(tiny_model, tmp_path,
                                                                                          monkeypatch):
     """--lora-modules on 2 ranks of MoE EP on sequence shares (the low-rank halves gathered into
-    qkv_proj and reduce-scattered after o_proj, the shared MLP in torch ops): every op on the rank's
-    device; a mask made without device= in LowRank.project is reported with its line."""
-    from lora_adapters import random_adapter
-    a = random_adapter(tiny_model, tmp_path / "a", seed=1)
+    qkv_proj and reduce-scattered after o_proj, the shared MLP in torch ops, the routed experts' by
+    grouped matmuls, each row's adapter sent to its experts' rank): every op on the rank's device; a
+    mask made without device= in LowRank.project is reported with its line."""
+    from lora_adapters import EXPERTS, LINEARS, random_adapter
+    a = random_adapter(tiny_model, tmp_path / "a", seed=1, targets=LINEARS + EXPERTS)
     b = random_adapter(tiny_model, tmp_path / "b", seed=2, targets=("self_attn.qkv_proj",))
     flags = ("--moe-ep", "--lora-modules", f"a={a},b={b}", "--adapter", "a")
     [result] = dry_run(tiny_model, *flags)

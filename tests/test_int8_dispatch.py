@@ -45,9 +45,9 @@ def images_on_rank(rank, world_size, model_dir):
     widths, out, run = {}, {}, [None]
     original = dispatch.ExpertParallel._experts_across_ranks
 
-    def recording(self, experts, sorted_x, counts, dtype):
+    def recording(self, experts, sorted_x, counts, dtype, adapters=None):
         widths.setdefault(run[0], set()).add((str(sorted_x.dtype), sorted_x.shape[1]))
-        return original(self, experts, sorted_x, counts, dtype)
+        return original(self, experts, sorted_x, counts, dtype, adapters)
 
     try:
         dispatch.ExpertParallel._experts_across_ranks = recording

@@ -58,8 +58,9 @@ def test_one_rank_and_a_failing_rank_exits_1(tmp_path, tiny_model, monkeypatch):
     from adaptor_patches.moe import dispatch
     original = dispatch.ExpertParallel.routed
 
-    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None):
-        return original(self, experts, rows * torch.ones(rows.shape[-1], dtype=rows.dtype), topk_weight, topk_idx, add_to)
+    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None, adapters=None):
+        return original(self, experts, rows * torch.ones(rows.shape[-1], dtype=rows.dtype), topk_weight, topk_idx,
+                        add_to, adapters)
     monkeypatch.setattr(dispatch.ExpertParallel, "routed", routed)
     res = launcher(job_yaml(tmp_path, tiny_model), "--dry-run-device", "cuda", "--rank", "1")
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-2000:]

@@ -220,7 +220,7 @@ def test_lora_refusals(name, adapters, tiny_model, tmp_path):
      "error: lora: merged by the adaptor's weight path, which --adaptor shims does not take"),
     ("every_linear", ["--quantize", "int8"], "error: lora: {adapter} changes the routed experts "
      "(model.layers.0.mlp.experts.0.down_proj), which load as int8 here; an adapter is not merged into quantized "
-     "experts yet; drop --quantize, or use an adapter of attention / the shared MLP"),
+     "experts yet; serve it with --lora-modules (kept beside quantized experts), or drop --quantize"),
 ])
 def test_lora_refused_with(case, extra, expected, adapters, tiny_model, tmp_path):
     adapter = adapters[case][0]

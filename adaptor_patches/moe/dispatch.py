@@ -61,6 +61,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.quant import unpack_rows
+from .experts import sorted_rows
 from ..parallel.layout import split_evenly
 
 
@@ -76,9 +77,10 @@ class Replicated:
         """Which of the forward's rows local_rows gives (`tokens`: this rank's input rows), in order."""
         return shards.local if shards is not None else slice(0, tokens)
 
-    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
-        """The weighted sum of each row's experts (added into `add_to` in place when given)."""
-        return experts.routed(rows, topk_weight, topk_idx, add_to=add_to)
+    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None, adapters=None) -> torch.Tensor:
+        """The weighted sum of each row's experts (added into `add_to` in place when given); `adapters`:
+        requests' LoRA adapters of the experts (GroupedExperts.routed)."""
+        return experts.routed(rows, topk_weight, topk_idx, add_to=add_to, adapters=adapters)
 
     def combine(self, output: torch.Tensor, tokens: torch.Tensor, shards=None) -> torch.Tensor:
         """This rank's output rows -> the layer's output for the rows it came in with."""
@@ -142,11 +144,15 @@ class ExpertParallel(Replicated):
         start = sum(sizes[:self.shard.ep_rank])
         return slice(start, start + sizes[self.shard.ep_rank])
 
-    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None):
+    def routed(self, experts, rows, topk_weight, topk_idx, add_to=None, adapters=None):
         kernels = self.kernels
         permute = kernels.permute_quantized if self.dispatch == "int8" else kernels.permute
         sorted_x, row_idx, counts = permute(rows, topk_idx, self.shard.num_experts)
-        expert_out = self._experts_across_ranks(experts, sorted_x, counts, rows.dtype)
+        tags = None
+        if adapters is not None:            # each row's (slot, scale) travels with it: float32 [N, 2]
+            tags = torch.stack(sorted_rows(adapters[1], row_idx, topk_idx.shape[1]), dim=1).float()
+        expert_out = self._experts_across_ranks(experts, sorted_x, counts, rows.dtype,
+                                                None if adapters is None else (adapters[0], tags))
         routed = kernels.unpermute(expert_out, row_idx, topk_weight)
         return routed if add_to is None else add_to.add_(routed)
 
@@ -155,9 +161,10 @@ class ExpertParallel(Replicated):
             return output
         return self.kernels.all_gather_rows(output, self._chunks(tokens), self.rank_context.group("moe_ep"))
 
-    def _experts_across_ranks(self, experts, sorted_x, counts, dtype):
+    def _experts_across_ranks(self, experts, sorted_x, counts, dtype, adapters=None):
         """Double routing: rows sorted by global expert go to the expert's owner and come back computed
-        (in `dtype`, the layer's activations)."""
+        (in `dtype`, the layer's activations); `adapters`: (lows, tags [N, 2]): the rows' (slot, scale)
+        go to the owner by one more all-to-all (the experts' LoRA adapters, GroupedExperts.with_adapters)."""
         group, kernels = self.rank_context.group("moe_ep"), self.kernels
         ep_size, local_experts = self.shard.ep_degree, self.shard.local_experts
         received_counts = torch.empty_like(counts)
@@ -168,13 +175,23 @@ class ExpertParallel(Replicated):
                                                 received_counts.sum(1)]).tolist()
         received = sorted_x.new_empty(sum(recv_splits), sorted_x.shape[1])
         kernels.all_to_all(received, sorted_x.contiguous(), recv_splits, send_splits, group)
+        if adapters is not None:
+            tags = adapters[1].new_empty(sum(recv_splits), 2)
+            kernels.all_to_all(tags, adapters[1].contiguous(), recv_splits, send_splits, group)
+
+        def run(grouped, order, local_counts, x_scale=None):
+            if adapters is None:
+                return experts(grouped, local_counts, x_scale=x_scale)
+            grouped_tags = tags.index_select(0, order.long())
+            rows = (grouped_tags[:, 0].long(), grouped_tags[:, 1])
+            return experts.with_adapters(grouped, local_counts, adapters[0], rows, x_scale=x_scale)
         if self.dispatch == "int8":                 # int8 rows and their scales, straight into the experts
             rows, scale = unpack_rows(received)
             grouped, grouped_scale, order, local_counts = kernels.regroup_quantized(rows, scale, received_counts)
-            computed = kernels.ungroup(experts(grouped, local_counts, x_scale=grouped_scale), order).to(dtype)
+            computed = kernels.ungroup(run(grouped, order, local_counts, grouped_scale), order).to(dtype)
         else:
             grouped, order, local_counts = kernels.regroup(received, received_counts)
-            computed = kernels.ungroup(experts(grouped, local_counts), order)
+            computed = kernels.ungroup(run(grouped, order, local_counts), order)
         returned = computed.new_empty(sorted_x.shape[0], computed.shape[1])
         kernels.all_to_all(returned, computed.contiguous(), send_splits, recv_splits, group)
         return returned

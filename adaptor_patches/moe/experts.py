@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..kernels import int4
-from ..kernels.quant import check_format, quantize_weight, stored_shapes
+from ..kernels.quant import check_format, dequantize_rows, quantize_weight, stored_shapes
 from ..parallel.layout import LayoutError, MoeShard
 
 ROUTED_TOKEN_CHUNK = 4096       # tokens per routed_experts call on the local path (see the module docstring)
@@ -103,19 +103,54 @@ class GroupedExperts(nn.Module):
         return self.kernels.routed_experts_fixed(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to,
                                                  scales=self.scales, first_expert=self.shard.first_expert)
 
-    def routed(self, tokens, topk_weight, topk_idx, add_to=None) -> torch.Tensor:
+    def routed(self, tokens, topk_weight, topk_idx, add_to=None, adapters=None) -> torch.Tensor:
         """The weighted sum of each token's experts (every expert is local: replicated or TP), the
-        tokens ROUTED_TOKEN_CHUNK at a time (added into `add_to`'s rows in place when given)."""
+        tokens ROUTED_TOKEN_CHUNK at a time (added into `add_to`'s rows in place when given);
+        `adapters`: (lows, (slot [T], scale [T])) of requests' LoRA adapters (with_adapters)."""
         chunk = ROUTED_TOKEN_CHUNK
         if tokens.shape[0] <= chunk:
-            return self.kernels.routed_experts(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to,
-                                               scales=self.scales)
+            return self._routed(tokens, topk_weight, topk_idx, add_to, adapters)
         out = add_to
         for start in range(0, tokens.shape[0], chunk):
             rows = slice(start, start + chunk)
-            piece = self.kernels.routed_experts(tokens[rows], topk_weight[rows], topk_idx[rows], self.w13, self.w2,
-                                                None if add_to is None else add_to[rows], scales=self.scales)
+            piece_adapters = None if adapters is None else (adapters[0], tuple(t[rows] for t in adapters[1]))
+            piece = self._routed(tokens[rows], topk_weight[rows], topk_idx[rows],
+                                 None if add_to is None else add_to[rows], piece_adapters)
             if add_to is None:
                 out = piece.new_empty(tokens.shape[0], piece.shape[1]) if out is None else out
                 out[rows] = piece
         return out
+
+    def _routed(self, tokens, topk_weight, topk_idx, add_to, adapters) -> torch.Tensor:
+        kernels = self.kernels
+        if adapters is None:
+            return kernels.routed_experts(tokens, topk_weight, topk_idx, self.w13, self.w2, add_to, scales=self.scales)
+        sorted_x, row_idx, counts = kernels.permute(tokens, topk_idx, self.shard.local_experts)
+        rows = sorted_rows(adapters[1], row_idx, topk_idx.shape[1])
+        routed = kernels.unpermute(self.with_adapters(sorted_x, counts, adapters[0], rows), row_idx, topk_weight)
+        return routed if add_to is None else add_to.add_(routed)
+
+    def with_adapters(self, sorted_x, counts, lows: tuple, rows: tuple,
+                      x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """forward()'s expert MLP with requests' LoRA adapters (lows: ExpertLowRank of w13 and of w2, or
+        None; rows: each row's (slot, scale), lora_rows.py): their low-rank part added to each projection,
+        before the activation and after it. The kernel set's two grouped matmuls, not its fused MLP."""
+        kernels, (w13_scale, w2_scale) = self.kernels, self.scales or (None, None)
+        if x_scale is not None:             # int8 rows (int8 dispatch): the adapters see them dequantized
+            first = kernels.quantized_rows_matmul(sorted_x, x_scale, self.w13, w13_scale, counts)
+            sorted_x = dequantize_rows(sorted_x, x_scale, first.dtype)
+        else:
+            first = kernels.expert_matmul(sorted_x, self.w13, w13_scale, counts)
+        if lows[0] is not None:
+            first = first + lows[0].delta(sorted_x.to(first.dtype), counts, rows, kernels)
+        hidden = kernels.swiglu(first)
+        out = kernels.expert_matmul(hidden, self.w2, w2_scale, counts)
+        return out if lows[1] is None else out + lows[1].delta(hidden, counts, rows, kernels)
+
+
+def sorted_rows(rows: tuple, row_idx: torch.Tensor, topk: int) -> tuple:
+    """Each token's (slot, scale) (rows: [T] each) -> each permuted row's (permute's row_idx: the sorted
+    row of token t's k-th choice at t * topk + k)."""
+    token = torch.empty_like(row_idx)
+    token[row_idx] = torch.arange(row_idx.numel(), device=row_idx.device) // topk
+    return tuple(t[token] for t in rows)

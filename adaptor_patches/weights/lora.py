@@ -236,7 +236,7 @@ def adapter_for_run(value: str, checkpoint, per_rank: bool, expert_format: Optio
     if expert_format is not None and routed is not None:       # attention / the shared MLP stay bf16: merged
         raise LoraError(f"{adapter.path} changes the routed experts ({routed[:-len('.weight')]}), which load as "
                         f"{expert_format} here; an adapter is not merged into quantized experts yet",
-                        "drop --quantize, or use an adapter of attention / the shared MLP")
+                        "serve it with --lora-modules (kept beside quantized experts), or drop --quantize")
     if not checkpoint.per_rank:
         return adapter
     if routed is not None:
@@ -283,8 +283,9 @@ class MergedFiles:
 
 # ---------------------------------------------------------------- per request (--lora-modules)
 
-PER_REQUEST_KEY = re.compile(r"^model\.layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.shared_mlp\."
+PER_REQUEST_KEY = re.compile(r"^model\.layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(shared_mlp|experts\.\d+)\."
                              r"(gate_and_up_proj|down_proj))\.weight$")
+EXPERT_PAIR_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_and_up_proj|down_proj)\.weight$")
 MODULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -325,8 +326,8 @@ def served_adapters(value: str, checkpoint, served_model: str, config_only: bool
         for key in adapter.pairs:
             if not PER_REQUEST_KEY.match(key):
                 raise LoraError(f"{adapter.path} changes {key[:-len('.weight')]}, which adapters chosen per request "
-                                f"do not change yet (attention and the shared MLP only)",
-                                "merge it at load with --lora, or train it on attention / the shared MLP")
+                                f"do not change yet (attention, the shared MLP and the routed experts only)",
+                                "merge it at load with --lora, or train it on attention / the MoE's MLPs")
         out.append((name, adapter))
     return tuple(out)
 
@@ -364,10 +365,13 @@ class _HowCut:
 
 
 def per_request_pairs(adapter: Adapter, config, layout, tp_rank: int) -> dict:
-    """{key: (A [r, in of this rank], B [out of this rank, r])}: B's rows cut as the weight's rows,
-    A's columns as its columns (rank_slices' plan for the weight, read through _HowCut)."""
+    """{key: (A [r, in of this rank], B [out of this rank, r])} of every target but the routed experts
+    (per_request_expert_pairs): B's rows cut as the weight's rows, A's columns as its columns
+    (rank_slices' plan for the weight, read through _HowCut)."""
     shapes, out = _FullShapes(adapter), {}
     for key, (a, b) in adapter.pairs.items():
+        if EXPERT_PAIR_KEY.match(key):
+            continue
         cut = _HowCut()
         rank_tensor(shapes, config, layout, tp_rank, key).read(cut)
         if cut.dim == 0:
@@ -375,4 +379,29 @@ def per_request_pairs(adapter: Adapter, config, layout, tp_rank: int) -> dict:
         elif cut.dim == 1:
             a = a.index_select(1, cut.index)
         out[key] = (a, b)
+    return out
+
+
+def per_request_expert_pairs(adapter: Adapter, config, layout, tp_rank: int) -> dict:
+    """{(layer, "w13" | "w2"): (E_local, {local expert index: (A^T [in, r], B^T [r, out])})} of the routed experts
+    this rank holds, in the grouped matmul's [in, out] form and cut and ordered as the rank's stacks
+    (rank_slices' stacked plan): w13's output columns are both halves' intermediate slice, the activated
+    (upstream's second) half first; w2's input rows are the slice."""
+    from .rank_slices import expert_w13, moe_layers, pair_rows
+    moe, out = moe_layers(config), {}
+    for key, (a, b) in adapter.pairs.items():
+        match = EXPERT_PAIR_KEY.match(key)
+        if match is None:
+            continue
+        layer, expert, kind = int(match[1]), int(match[2]), match[3]
+        shard = layout.weights.moe_shard(moe[layer].experts, tp_rank)
+        if expert not in shard.local_expert_ids:
+            continue
+        cols = shard.columns(moe[layer].intermediate)
+        if kind == "gate_and_up_proj":      # B [2I, r] -> its rows of the slice, x2 first, as [r, 2I_local]
+            pair = (a.t(), expert_w13(b.index_select(0, pair_rows(moe[layer].intermediate, cols))))
+        else:                               # A [r, I] -> its columns of the slice, as [I_local, r]
+            pair = (a[:, cols].t(), b.t())
+        stack = "w13" if kind == "gate_and_up_proj" else "w2"
+        out.setdefault((layer, stack), (shard.local_experts, {}))[1][shard.local_expert_ids.index(expert)] = pair
     return out

@@ -1,5 +1,6 @@
 """The dry run on a fake device (utils/dry_run/, issue 48): the tiny model's ranks on fake CUDA and
 fake NPU pass; a tensor made without device= is reported with the line that made it."""
+import contextlib
 import inspect
 import subprocess
 import sys
@@ -40,9 +41,9 @@ def planted_line(function) -> str:
     return f"tests/test_dry_run.py:{first + offset}"
 
 
-def dry_run(model, *flags, world_size=2, ranks=(1,)):
+def dry_run(model, *flags, world_size=2, ranks=(1,), kind="cuda"):
     from utils.dry_run.job import make_job, run_job
-    job = make_job("cuda", job_flags(model, *flags), world_size)
+    job = make_job(kind, job_flags(model, *flags), world_size)
     return run_job(job, list(ranks), log=lambda line: None)
 
 
@@ -241,8 +242,9 @@ def test_lora_adapters_chosen_per_request_run_on_the_device_and_a_host_tensor_is
     a = random_adapter(tiny_model, tmp_path / "a", seed=1, targets=LINEARS + EXPERTS)
     b = random_adapter(tiny_model, tmp_path / "b", seed=2, targets=("self_attn.qkv_proj",))
     flags = ("--moe-ep", "--lora-modules", f"a={a},b={b}", "--adapter", "a")
-    [result] = dry_run(tiny_model, *flags)
-    assert result.passed and not result.mismatches, (result.error, result.mismatches)
+    for kind in ("cuda", "npu"):            # npu: the routing op's int32 row index (tests/npu_double.py)
+        [result] = dry_run(tiny_model, *flags, kind=kind)
+        assert result.passed and not result.mismatches, (kind, result.error, result.mismatches)
     from adaptor_patches import lora_rows
 
     def project(self, x, rows):
@@ -278,3 +280,40 @@ def test_the_real_model_on_ep8_cfg_fits_its_plan_on_fake_cuda():
               f"denoising step sends {dry / 2**20:.3f} / {plan_sent / 2**20:.3f} MiB")
         assert 0.85 <= tracked / planned_peak <= 1.15, (result.rank, tracked, planned_peak)
         assert abs(dry - plan_sent) <= 1e-6 * plan_sent, (result.rank, dry, plan_sent)
+
+
+@pytest.mark.parametrize("index, values", [
+    (torch.tensor([0, 2]), torch.tensor([5, 6])),                       # int64 into int32: eager refuses
+    (torch.tensor([0]), torch.tensor(5)),                               # a 0-dim value by index: refused too
+    (torch.tensor([True, False, True]), torch.tensor(7)),               # 0-dim under one mask: masked_fill casts
+    (torch.tensor([True, False, True]), torch.tensor([7, 8])),          # a mask with a 1-d value: refused
+    (torch.tensor([0, 2]), torch.tensor([5, 6], dtype=torch.int32)),    # same dtype
+], ids=["index", "index-0dim", "mask-0dim", "mask-1d", "same"])
+def test_the_dry_run_refuses_the_index_put_eager_refuses(index, values):
+    """FakeTensor's index_put takes values of another dtype; eager (every device) does not: the dry run's
+    check agrees with eager case by case (found: the NPU routing op's int32 row index, filled with int64)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from utils.dry_run.fake_mode import DryRunMode
+
+    def outcome(mode):
+        try:
+            with mode:
+                destination = torch.zeros(3, dtype=torch.int32)
+                destination[index] = values
+            return "ok"
+        except RuntimeError as exc:
+            assert "Index put requires the source and destination dtypes match" in str(exc), exc
+            return "refused"
+    eager = outcome(contextlib.nullcontext())
+    assert outcome(DryRunMode("cpu")) == eager
+    assert outcome(FakeTensorMode(allow_non_fake_inputs=True)) == "ok"      # what the check adds
+
+
+def test_a_fake_cuda_run_after_a_fake_npu_run_in_one_process(tiny_model):
+    """torch keeps the fake NPU backend's name and module after its run: the process must read as having
+    no NPU again (torch.npu.is_available() False), or the next run on fake CUDA fails in upstream's
+    device checks (found by bench/dry_run.py's cases in one process)."""
+    for kind in ("npu", "cuda"):
+        [result] = dry_run(tiny_model, "--moe-ep", kind=kind)
+        assert result.passed, (kind, result.error)
+    assert torch.npu.is_available() is False and torch.npu.device_count() == 0

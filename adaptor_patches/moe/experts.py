@@ -150,7 +150,8 @@ class GroupedExperts(nn.Module):
 
 def sorted_rows(rows: tuple, row_idx: torch.Tensor, topk: int) -> tuple:
     """Each token's (slot, scale) (rows: [T] each) -> each permuted row's (permute's row_idx: the sorted
-    row of token t's k-th choice at t * topk + k)."""
+    row of token t's k-th choice at t * topk + k; int32 from the NPU's routing op)."""
+    row_idx = row_idx.long()
     token = torch.empty_like(row_idx)
     token[row_idx] = torch.arange(row_idx.numel(), device=row_idx.device) // topk
     return tuple(t[token] for t in rows)

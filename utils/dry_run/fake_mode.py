@@ -63,6 +63,25 @@ def source_line(skip: tuple = ("utils/dry_run/",)) -> str:
     return fallback or "?"
 
 
+INDEX_PUT = {aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
+
+def check_index_put(destination, indices, values) -> None:
+    """Eager's index_put refuses values of another dtype than the destination's (a 0-dim value under one
+    boolean mask takes masked_fill's path, which casts); FakeTensor's meta kernel lets them through (an
+    int32 index of the NPU's routing op written with int64 positions ran in a dry run, not on a device)."""
+    if values.dtype == destination.dtype:
+        return
+    masks = [index for index in indices if index is not None]
+    if values.dim() == 0 and len(masks) == 1 and masks[0].dtype in (torch.bool, torch.uint8):
+        return
+    name = {torch.int32: "Int", torch.int64: "Long", torch.float32: "Float", torch.bfloat16: "BFloat16",
+            torch.float16: "Half", torch.bool: "Bool"}
+    raise RuntimeError(f"Index put requires the source and destination dtypes match, got "
+                       f"{name.get(destination.dtype, destination.dtype)} for the destination and "
+                       f"{name.get(values.dtype, values.dtype)} for the source.")
+
+
 class DryRunMode(FakeTensorMode):
     """FakeTensorMode for one rank on `device` (e.g. cuda:3); see the module docstring."""
 
@@ -82,6 +101,8 @@ class DryRunMode(FakeTensorMode):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
             return self._host_read(args[0])
+        if func in INDEX_PUT:
+            check_index_put(*args[:3])
         if func is aten._to_copy.default and getattr(kwargs.get("device"), "type", "cpu") not in ("cpu", "cuda", "meta"):
             args = (self._without_constant(args[0]),) + tuple(args[1:])
         try:

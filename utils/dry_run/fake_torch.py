@@ -176,6 +176,10 @@ class _NpuModule(types.ModuleType):
         if name == "manual_seed_all" or name == "manual_seed":
             return lambda seed: None
         if self.target is None:
+            # after a fake-NPU dry run the process has no NPU again (torch keeps the backend's name and
+            # module): a later dry run on fake CUDA, or transformers, asks whether one is there
+            if name in ("is_available", "device_count"):
+                return lambda *a: 0 if name == "device_count" else False
             raise AttributeError(name)
         return getattr(self.target, name)
 

@@ -18,6 +18,9 @@
 #                 checkpoints, upstream eager vs today's loop vs the new step eager vs captured (CUDA graph /
 #                 torchair npugraph), host syncs per token, time to first token with and without the
 #                 system-prompt cache, the real model's collectives per decode step (issue 35)
+#   8 lora        bench/lora_cost.py --experts: LoRA adapters on attention, the shared MLP and every routed
+#                 expert, none vs merged vs chosen per request (the device's grouped matmul), and per
+#                 request vs merged (PSNR) (issue 50)
 # Each step runs under `timeout` (STEP_LIMITS; DEVICE_DAY_LIMIT_S overrides them all): a stuck or
 # failing step is recorded (status, exit code, seconds, log) and the next one runs. Writes
 # OUT_DIR/device_day.json and OUT_DIR/device_day.md (default OUT_DIR: outputs/device_day/<UTC time>).
@@ -33,7 +36,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=${2:-}; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     --*) echo "error: $1: unknown option; use [OUT_DIR] [--device auto|npu|cuda|cpu] [--quick]" >&2; exit 2 ;;
     *) out=$1; shift ;;
   esac
@@ -78,6 +81,8 @@ if [ "$quick" = 1 ]; then
        --skip env,kernels,moe-stream,collectives,generation --out "$out/instruct"
   step text 120 "$py" bench/text_phase.py --device "$device" --quick --variants eager,captured \
        --json "$out/text_phase.json"
+  step lora 180 "$py" bench/lora_cost.py --device "$device" --model "$tiny" --size 64 --steps 2 --rounds 1 \
+       --experts --json "$out/lora.json"
 else
   step selfcheck 240 "$py" -m utils.selfcheck --device "$device" --nproc 1 --skip instruct --out "$out/selfcheck"
   step collectives 180 "$py" -m utils.selfcheck --device "$device" --skip env,kernels,moe-stream,generation,instruct \
@@ -89,6 +94,7 @@ else
        --skip env,kernels,moe-stream,collectives,generation --out "$out/instruct"
   step text 240 "$py" bench/text_phase.py --device "$device" --models tiny,mid --tokens 128 \
        --parts decode,ttft,real --json "$out/text_phase.json"
+  step lora 240 "$py" bench/lora_cost.py --device "$device" --experts --rounds 2 --json "$out/lora.json"
 fi
 
 "$py" - "$out" "$device" "$quick" <<'PY'
@@ -106,7 +112,8 @@ for line in (out / "steps.tsv").read_text().splitlines():
                    if log.exists() else []}     # a failing step keeps more: its traceback
 for name, path in (("selfcheck", out / "selfcheck" / "selfcheck.json"), ("moe_layer", out / "moe_layer.json"),
                    ("collectives", out / "collectives" / "selfcheck.json"),
-                   ("instruct", out / "instruct" / "selfcheck.json"), ("text", out / "text_phase.json")):
+                   ("instruct", out / "instruct" / "selfcheck.json"), ("text", out / "text_phase.json"),
+                   ("lora", out / "lora.json")):
     if name in steps and path.is_file():
         steps[name]["result"] = json.loads(path.read_text())
 summary = {"device": device, "quick": quick, "steps": steps}

@@ -2,6 +2,7 @@
 (--lora-modules), in one run.
 
     .venv/bin/python bench/lora_cost.py [--model DIR] [--rank 16] [--steps 6] [--size 128] [--rounds 3] [--experts]
+        [--device cpu|cuda|npu] [--json PATH]
 
 One process, bench/step_cache.py's mid-size random checkpoint (built if missing), two random
 adapters of rank `--rank` on attention and the shared MLP (`--experts`: and every routed expert, the
@@ -18,7 +19,10 @@ its second batch in a row (the first after switching models runs from cold cache
 and beside them the counted extra FLOPs per token on the real model (config/real_model: hidden
 4096, 32 layers) for adapters of rank 64 on the same targets, as a share of the layer's matmuls
 (attention projections, the shared MLP, the routed experts' top-k): what a device run should see
-where the matmuls dominate. Prints one markdown table for docs/BENCHMARKS.md.
+where the matmuls dominate. Also the check that per request is merged: the last "a a a" batch's first
+image against the merged batch's (PSNR; bench/device_day.sh's `lora` step: on a device, the low-rank
+terms through the device's grouped matmul). Prints one markdown table for docs/BENCHMARKS.md; --json
+writes the rows. On the CPU one torch thread; on a device the step times are synchronised.
 """
 from __future__ import annotations
 
@@ -89,14 +93,18 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--experts", action="store_true", help="the adapters change every routed expert too")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
+    parser.add_argument("--json", type=Path, default=None)
     opts = parser.parse_args(argv)
+    import numpy as np
     import torch
-    torch.set_num_threads(1)
+    if opts.device == "cpu":
+        torch.set_num_threads(1)
     from bench.step_cache import ensure_model
     from adaptor_patches.metrics import PhaseTimer
     from utils.pipeline import Pipeline
     model_dir = ensure_model(opts.model)
-    common = dict(device="cpu", image_size=f"{opts.size}x{opts.size}", diff_infer_steps=opts.steps, seed=7,
+    common = dict(device=opts.device, image_size=f"{opts.size}x{opts.size}", diff_infer_steps=opts.steps, seed=7,
                   batch_size=3)
     with tempfile.TemporaryDirectory() as tmp:
         a = write_adapter(model_dir, Path(tmp) / "a", opts.rank, 1, opts.experts)
@@ -106,14 +114,14 @@ def main(argv=None) -> int:
         timers = {id(p): PhaseTimer(p.model.rank_context.device).attach(p.model) for p in (served, merged)}
         rows = {"none": (served, [None] * 3), "merged": (merged, [None] * 3),
                 "per request: a a a": (served, ["a"] * 3), "per request: a b base": (served, ["a", "b", None])}
-        times = {name: [] for name in rows}
+        times, images = {name: [] for name in rows}, {}
         for _ in range(opts.rounds):
             for name, (pipe, choice) in rows.items():
                 timer = timers[id(pipe)]
                 batch = [{"prompt": PROMPT, **({"adapter": c} if c else {})} for c in choice]
                 pipe.generate(batch)            # untimed: the other model's weights leave the CPU's caches
                 timer.reset()
-                pipe.generate(batch)
+                images[name] = np.asarray(pipe.generate(batch)[0].image.convert("RGB"), dtype=np.float64)
                 times[name].append(statistics.median(timer.denoise_step_s))
         for pipe in (served, merged):
             pipe.close()
@@ -128,6 +136,13 @@ def main(argv=None) -> int:
     print("\nreal model (config/real_model), adapters of rank 64 on the same targets, extra matmul FLOPs per token:")
     for n, share in real_model_flops(experts=opts.experts):
         print(f"  {n} adapter(s) in the batch: +{share:.1%} of the layer's matmul FLOPs")
+    mse = float(((images["per request: a a a"] - images["merged"]) ** 2).mean())
+    agree = float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+    print(f"\nper request (a a a) vs merged, the first image: {agree:.1f} dB")
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps({"device": opts.device, "experts": opts.experts, "per_request_vs_merged_db": agree,
+                                         "step_s": {name: statistics.median(v) for name, v in times.items()}}, indent=2))
     return 0
 
 

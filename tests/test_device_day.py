@@ -37,7 +37,7 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path, backgroun
     assert returncode == 0, stderr[-2000:]
     summary = json.loads((day / "device_day.json").read_text())
     assert list(summary["steps"]) == ["dry_run", "selfcheck", "collectives", "moe_layer", "e2e", "layouts", "instruct",
-                                      "text"]
+                                      "text", "lora"]
     failed = {name: s for name, s in summary["steps"].items() if s["status"] != "pass"}
     assert not failed, "\n".join(f"{name}: {s['status']} (exit {s['exit_code']}):\n" + "\n".join(s["tail"])
                                   for name, s in failed.items())
@@ -65,6 +65,9 @@ def test_device_day_quick_on_cpu_writes_one_json_and_a_table(tmp_path, backgroun
     assert "| collectives | matmul_reduce_scatter time | info |" in table
     assert "| instruct | pass |" in table and "| instruct | distil-edit cpu-eager vs cpu | pass |" in table
     assert "| text | pass |" in table and "| new step, captured (--text-graph on) |" in table
+    lora = summary["steps"]["lora"]["result"]       # adapters of attention, the shared MLP and every expert
+    assert lora["experts"] and lora["per_request_vs_merged_db"] >= 40, lora
+    assert set(lora["step_s"]) == {"none", "merged", "per request: a a a", "per request: a b base"}, lora
 
 
 @pytest.mark.slow
@@ -75,7 +78,7 @@ def test_a_step_past_its_time_box_is_recorded_not_fatal(tmp_path, tiny_model):
     proc = device_day(tmp_path / "day", env={"DEVICE_DAY_LIMIT_S": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = json.loads((tmp_path / "day" / "device_day.json").read_text())["steps"]
-    assert [s["status"] for s in steps.values()] == ["timeout"] * 8
+    assert [s["status"] for s in steps.values()] == ["timeout"] * 9
     assert all(s["exit_code"] == 124 and s["seconds"] < 15 for s in steps.values())
 
 

@@ -183,11 +183,19 @@ def adapter_on_the_page(url, adapter, out) -> tuple:
 
 
 @pytest.mark.slow
-def test_instruct_think_text_per_request(tiny_instruct, tmp_path):
+def test_instruct_think_text_per_request(tiny_instruct, tmp_path, monkeypatch):
     """The Instruct model's think_recaption with adapters chosen per line, in one job: each line's text
-    is the one its adapter writes alone, exactly (the text phase runs each adapter's rows apart, and
-    the system prompt's KV a line leaves is reused only by a line of the same adapter), and its image
-    is the alone one's (>= 40 dB), and the merged adapter's (>= 40 dB)."""
+    is the one its adapter writes alone, exactly (the text phase runs one call per adapter chosen: the
+    two lines of a together, the base apart; the system prompt's KV a line leaves is reused only by a
+    line of the same adapter), and its image is the alone one's (>= 40 dB), and the merged adapter's
+    (>= 40 dB, the same text)."""
+    from adaptor_patches import image_batch
+    calls, text_stage = [], image_batch.text_stage
+
+    def counted(model, requests, *args, **kwargs):
+        calls.append(len(requests))
+        return text_stage(model, requests, *args, **kwargs)
+    monkeypatch.setattr(image_batch, "text_stage", counted)
     (tmp_path / "a").mkdir()        # the trainer's option: attention, the shared MLP and every routed expert
     adapter = make_adapter(tiny_instruct, tmp_path / "a", ["qkv_proj", "o_proj", "gate_and_up_proj", "down_proj"],
                            seed=5)[0]
@@ -207,9 +215,11 @@ def test_instruct_think_text_per_request(tiny_instruct, tmp_path):
     lines = [{"prompt": PROMPT, "lora": "a", "save": "a.png"}, {"prompt": PROMPT, "save": "base.png"},
              {"prompt": PROMPT, "lora": "a", "save": "a2.png"}]
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    calls.clear()
     proc = run_cli_in_process([str(a) for a in ["--prompts", prompts, "--save-dir", out, "--batch-size", 3,
                                                 *served, *common]])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(calls) == [1, 2], calls                       # a with a2, the base apart
     for made, name in (("a", "a"), ("base", "base"), ("a2", "a")):
         text, alone_text = (out / f"{made}.txt").read_text(), refs[name].with_suffix(".txt").read_text()
         assert text == alone_text, (made, text, alone_text)

@@ -70,9 +70,12 @@ class BatchStages:
                 calls.append(exc)
         going = [i for i, c in enumerate(calls) if not isinstance(c, Exception)]
         choices = [self._choice(requests[i]) for i in going]
-        # Requests whose adapters differ decode their text apart: a text call's rows share one
-        # adapter, so that the prompt KV the next call reuses is that adapter's (kv_reuse.py).
-        parts = [going] if len(set(choices)) <= 1 else [[i] for i in going]
+        # One text call per adapter (and scale) chosen: a call's rows share one, so that the prompt KV
+        # the next call reuses is that adapter's (kv_reuse.py).
+        by_choice: dict = {}
+        for i, choice in zip(going, choices):
+            by_choice.setdefault(choice, []).append(i)
+        parts = list(by_choice.values()) or [going]
         handoffs = {}
         for part in parts:
             with forward_context.request(self.cache), forward_context.using(lora=self._lora(requests, part)):

@@ -106,6 +106,21 @@ def test_the_text_decode_step_runs_and_a_host_tensor_in_it_is_reported(tiny_inst
     assert made.count(planted_line(forward)) == 7, result.mismatches
 
 
+def test_the_decode_step_with_adapters_of_the_experts_on_the_device(tiny_instruct, tmp_path):
+    """think_recaption on Instruct with an adapter of attention, the shared MLP and every routed expert
+    chosen: the decode steps leave the fixed-shape MoE for EP's all-to-alls (each row's adapter sent with
+    it), every op on the rank's device, on fake CUDA and NPU."""
+    from lora_adapters import EXPERTS, LINEARS, random_adapter
+    from utils.planner.traffic import TEXT_DECODE
+    adapter = random_adapter(tiny_instruct, tmp_path / "a", seed=3, targets=LINEARS + EXPERTS)
+    for kind in ("cuda", "npu"):
+        [result] = dry_run(tiny_instruct, "--moe-ep", "--bot-task", "think_recaption", "--lora-modules",
+                           f"a={adapter}", "--adapter", "a", kind=kind)
+        assert result.passed and not result.mismatches, (kind, result.error, result.mismatches[:3])
+        decode = result.traffic["phases"][TEXT_DECODE]
+        assert result.traffic["forwards"][TEXT_DECODE] == 7 and decode["all_to_all"]["calls"] > 0, decode
+
+
 def test_bytes_per_denoising_step_equal_the_planners_lines(tiny_model):
     """Every rank of CFG2 x EP2 (the ep8_cfg design on 4 ranks): the bytes sent per denoising step equal
     the planner's traffic lines (the stand-in's routing spreads a row's experts over the EP ranks, as

@@ -14,6 +14,10 @@ device; a base row's mask is all zero). A and B are cut for this rank by the wei
 columns as its columns (o_proj's heads, down_proj's slice), so a rank's partial sums add up as
 its weight's do.
 
+The routed experts' adapters (`ExpertLowRank`, one per expert stack w13 / w2 of a MoE layer) are
+stacked per local expert in the grouped matmul's [E, in, out] form and added inside the experts'
+MLP, between its two grouped matmuls and after the second (moe/experts.GroupedExperts.with_adapters).
+
 `RowAdapters` is a batch's choice (the forward context's `lora`), one (slot, scale) per request;
 a forward of `batch` rows holds request `b % requests` in row b (upstream stacks classifier-free
 guidance's branches as [conditional rows; unconditional rows], and CFG parallel gives each branch
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 
 from .weights.lora import per_request_expert_pairs, per_request_pairs
 
-BANK = "lora_bank"          # RankContext.shared key: {checkpoint key: LowRank}
+BANK = "lora_bank"          # RankContext.shared key: {checkpoint key: LowRank, expert stack key: ExpertLowRank}
 
 
 @dataclass

@@ -61,8 +61,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.quant import unpack_rows
-from .experts import sorted_rows
 from ..parallel.layout import split_evenly
+from .experts import sorted_rows
 
 
 class Replicated:

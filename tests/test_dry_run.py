@@ -190,6 +190,36 @@ def test_the_npu_int4_pack_gives_its_shape_without_weight_values():
     assert (tuple(packed.shape), packed.dtype, packed.device) == ((4, 2), torch.int32, torch.device("cuda:0"))
 
 
+def test_the_npu_int4_grouped_matmul_runs_one_group_at_a_time_with_the_doubles_result():
+    """The double unpacks every group's int4 weights at once (the one-card int4 dry run's peak 1.69x its
+    plan); the dry run's form runs it per group: the same output (an empty group among them), the same
+    refusals, and at most one group's weights unpacked at a time."""
+    from utils.dry_run.job import DryRunNpuOps, test_double
+    double = test_double("npu_double")
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(-8, 8, (3, 32, 16), generator=generator, dtype=torch.int32)
+    packed = torch.stack([double.npu_convert_weight_to_int4pack(v) for v in values])      # [3, 32, 2]
+    scale = (torch.rand(3, 16, generator=generator) * 0.1).bfloat16()
+    x = torch.randn(7, 32, generator=generator).bfloat16()
+    counts = torch.tensor([4, 0, 3])
+    call = dict(group_list=counts, group_type=0, group_list_type=1, split_item=2, antiquant_scale=[scale])
+    expected = double.npu_grouped_matmul([x], [packed], **call)[0]
+    unpacked = []
+    original = double._unpack_int4
+
+    def unpack(weight):
+        unpacked.append(weight.shape[0])
+        return original(weight)
+    double._unpack_int4 = unpack
+    try:
+        got = DryRunNpuOps(double).npu_grouped_matmul([x], [packed], **call)[0]
+    finally:
+        double._unpack_int4 = original
+    assert torch.equal(got, expected) and unpacked == [1, 1], unpacked
+    with pytest.raises(ValueError, match="antiquant_scale must be"):
+        DryRunNpuOps(double).npu_grouped_matmul([x], [packed], **dict(call, antiquant_scale=[scale.float()]))
+
+
 def test_attention_on_fake_cuda_runs_a_fused_kernel_not_the_math_path():
     """torch's SDPA backend choice sees no device properties on fake tensors and took the math path: the
     [B, H, Lq, Lk] scores in fp32 (the real Instruct case's activations 12x the plan's). A CUDA device of

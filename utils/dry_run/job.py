@@ -41,7 +41,11 @@ class DryRunNpuOps:
       and dtype and gives the packed shape;
     - npu_fused_infer_attention_score: the double makes the [B, N, Sq, Skv] scores in fp32 at once, the
       device's fused kernel none; the double runs on ATTENTION_ROWS query rows at a time (the same
-      checks and FLOPs, scores of [B, N, ATTENTION_ROWS, Skv])."""
+      checks and FLOPs, scores of [B, N, ATTENTION_ROWS, Skv]);
+    - npu_grouped_matmul with int4 weights (W4A16): the double unpacks every group's weights at once
+      (int64 nibbles and fp32 values of all the experts: the one-card int4 case's peak 1.69x its plan),
+      the device's kernel none; the double runs one group at a time (the same checks per group, the
+      same FLOPs)."""
 
     ATTENTION_ROWS = 64
 
@@ -58,6 +62,30 @@ class DryRunNpuOps:
         row = self._double.npu_convert_weight_to_int4pack(torch.zeros(1, weight.shape[1], dtype=weight.dtype,
                                                                       device=weight.device), inner_k_tiles)
         return row.new_empty(weight.shape[0], row.shape[1])
+
+    def npu_grouped_matmul(self, x, weight, *, group_list=None, group_list_type=0, antiquant_scale=None,
+                           antiquant_offset=None, **kwargs):
+        import torch
+        w = weight[0] if isinstance(weight, (list, tuple)) and len(weight) == 1 else None
+        if w is None or w.dtype != torch.int32 or w.shape[0] == 1 or group_list is None or len(x) != 1:
+            return self._double.npu_grouped_matmul(x, weight, group_list=group_list, group_list_type=group_list_type,
+                                                   antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset,
+                                                   **kwargs)
+        counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+        rows, parts, start = x[0], [], 0
+
+        def group(value, g):
+            return None if value is None else [value[0][g:g + 1]]
+        for g, count in enumerate(counts.tolist()):
+            if count:
+                parts.append(self._double.npu_grouped_matmul(
+                    [rows[start:start + count]], [w[g:g + 1]], group_list=group_list.new_tensor([count]),
+                    group_list_type=0, antiquant_scale=group(antiquant_scale, g),
+                    antiquant_offset=group(antiquant_offset, g), **kwargs)[0])
+            start += count
+        if start != rows.shape[0]:
+            raise RuntimeError(f"npu_grouped_matmul: group_list sums to {start}, x has {rows.shape[0]} rows")
+        return [torch.cat(parts) if parts else rows.new_empty(0, w.shape[2] * 8)]
 
     def npu_fused_infer_attention_score(self, query, key, value, atten_mask=None, **kwargs):
         if kwargs.get("softmax_lse_flag") or query.dim() != 4 or not query.is_contiguous() \

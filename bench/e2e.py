@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,9 @@ def run_variant(model: Path, nproc: int, flags, args, out: Path, threads: int) -
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
     if proc.returncode:     # a rank's own error line can sit far above torchrun's closing report
-        named = [line for line in proc.stderr.splitlines() if "error" in line.lower()][-8:]
+        # (a rank that aborts says so in C++'s words: "terminate called ...", "what(): ...")
+        named = [line for line in proc.stderr.splitlines()
+                 if re.search(r"error|terminate|what\(\)|abort|fatal|exception|signal", line, re.IGNORECASE)][-12:]
         sys.exit(f"error: variant {flags}: run_image_gen failed (exit {proc.returncode}); its error lines:\n"
                  + "\n".join(named) + f"\n... its stderr's end:\n{proc.stderr[-2000:]}")
     return json.loads(metrics.read_text())

@@ -175,6 +175,19 @@ def expert_adapters(rank_context, layer: int, lora: Optional[RowAdapters]) -> Op
     return None if lows == (None, None) else lows
 
 
+def planned_bytes(adapters: tuple, config, layout, tp_rank: int, itemsize: int = 2) -> int:
+    """What build_bank keeps on tp rank `tp_rank` for `adapters`, without building it (the planner's
+    `LoRA adapters`, in the decoder's bf16): every cut pair, and each expert stack for every local expert."""
+    elements = 0
+    for _, adapter in adapters:
+        pairs = per_request_pairs(adapter, config, layout, tp_rank)
+        elements += sum(a.numel() + b.numel() for a, b in pairs.values())
+        for local_experts, pairs in per_request_expert_pairs(adapter, config, layout, tp_rank).values():
+            a_t, b_t = next(iter(pairs.values()))
+            elements += local_experts * (a_t.numel() + b_t.numel())
+    return elements * itemsize
+
+
 def bank_bytes(rank_context) -> int:
     """Bytes the rank holds of its adapters' halves (the planner's `LoRA adapters`: memory_plan.adapter_bytes)."""
     return sum(low.a.nbytes + low.b.nbytes for low in rank_context.shared(BANK, dict).values())

@@ -382,26 +382,51 @@ def per_request_pairs(adapter: Adapter, config, layout, tp_rank: int) -> dict:
     return out
 
 
+class _ExpertHalf:
+    """Stands where an expert stack's plan reads the checkpoint, serving the half of each expert's pair
+    the weight's cut applies to: B of gate_and_up_proj (its rows are the weight's rows), A of down_proj
+    (its columns are the weight's columns); info() the weight's shape, which every expert of the layer
+    shares (the plan asks it of expert 0, which the adapter may leave alone)."""
+
+    def __init__(self, adapter: Adapter, shape: tuple):
+        self.adapter, self.shape = adapter, shape
+
+    def info(self, key: str):
+        return _Shape(self.shape)
+
+    def _half(self, key: str) -> torch.Tensor:
+        a, b = self.adapter.pairs[key]
+        return b if key.endswith("gate_and_up_proj.weight") else a
+
+    def read_index(self, key, index, dim):
+        return self._half(key).index_select(dim, index)
+
+    def read_columns(self, key, start, stop):
+        return self._half(key)[:, start:stop]
+
+
 def per_request_expert_pairs(adapter: Adapter, config, layout, tp_rank: int) -> dict:
-    """{(layer, "w13" | "w2"): (E_local, {local expert index: (A^T [in, r], B^T [r, out])})} of the routed experts
-    this rank holds, in the grouped matmul's [in, out] form and cut and ordered as the rank's stacks
-    (rank_slices' stacked plan): w13's output columns are both halves' intermediate slice, the activated
-    (upstream's second) half first; w2's input rows are the slice."""
-    from .rank_slices import expert_w13, moe_layers, pair_rows
-    moe, out = moe_layers(config), {}
-    for key, (a, b) in adapter.pairs.items():
+    """{(layer, "w13" | "w2"): (E_local, {local expert index: (A^T [in, r], B^T [r, out])})} of the routed
+    experts this rank holds, in the grouped matmul's [in, out] form, cut and ordered by rank_slices' own
+    plan for the stack (read through _ExpertHalf): w13's B as its columns (both halves' intermediate
+    slice, the activated half first), w2's A as its rows (the slice); the other half whole."""
+    from .rank_slices import expert_stack
+    stacks: dict = {}
+    for key in adapter.pairs:
         match = EXPERT_PAIR_KEY.match(key)
-        if match is None:
-            continue
-        layer, expert, kind = int(match[1]), int(match[2]), match[3]
-        shard = layout.weights.moe_shard(moe[layer].experts, tp_rank)
-        if expert not in shard.local_expert_ids:
-            continue
-        cols = shard.columns(moe[layer].intermediate)
-        if kind == "gate_and_up_proj":      # B [2I, r] -> its rows of the slice, x2 first, as [r, 2I_local]
-            pair = (a.t(), expert_w13(b.index_select(0, pair_rows(moe[layer].intermediate, cols))))
-        else:                               # A [r, I] -> its columns of the slice, as [I_local, r]
-            pair = (a[:, cols].t(), b.t())
-        stack = "w13" if kind == "gate_and_up_proj" else "w2"
-        out.setdefault((layer, stack), (shard.local_experts, {}))[1][shard.local_expert_ids.index(expert)] = pair
+        if match is not None:
+            stacks.setdefault((int(match[1]), match[3]), {})[int(match[2])] = key
+    out = {}
+    for (layer, kind), keys in stacks.items():
+        a, b = adapter.pairs[next(iter(keys.values()))]
+        half = _ExpertHalf(adapter, (b.shape[0], a.shape[1]))
+        plan, shard = expert_stack(half, config, layout, tp_rank, layer, kind)
+        pairs = {}
+        for local, expert in enumerate(shard.local_expert_ids):
+            if expert in keys:
+                a, b = adapter.pairs[keys[expert]]
+                cut = plan.read_expert(half, local)       # w13: B^T [r, 2I_local]; w2: A^T [I_local, r]
+                pairs[local] = (a.t(), cut) if kind == "gate_and_up_proj" else (cut, b.t())
+        if pairs:
+            out[(layer, "w13" if kind == "gate_and_up_proj" else "w2")] = (shard.local_experts, pairs)
     return out

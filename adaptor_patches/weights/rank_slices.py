@@ -150,6 +150,14 @@ def rank_tensor(files, config, layout: Layout, tp_rank: int, key: str) -> RankTe
     return _RankSplitter(files, config, layout.weights, tp_rank).one(key)
 
 
+def expert_stack(files, config, layout: Layout, tp_rank: int, layer: int, kind: str) -> tuple:
+    """(the plan of layer `layer`'s experts.w13 (kind gate_and_up_proj) or experts.w2 (down_proj) of
+    `tp_rank`, its MoeShard): what rank_tensors plans for it; `files` need answer only info(key) of expert 0
+    and the reads of the experts asked for (a LoRA adapter's halves are cut by it, weights/lora.py)."""
+    splitter = _RankSplitter(files, config, layout.weights, tp_rank)
+    return splitter.stacked(layer, kind), splitter.moe_shard(layer)
+
+
 def rank_tensors(files: CheckpointFiles, config, layout: Layout, tp_rank: int) -> list:
     """Every tensor of `tp_rank`'s checkpoint under weight layout `layout`, in the order the original
     stores them. Per-expert tensors must all be present (Checkpoint.verify checks that first)."""

@@ -85,7 +85,7 @@ class DryRunNpuOps:
             start += count
         if start != rows.shape[0]:
             raise RuntimeError(f"npu_grouped_matmul: group_list sums to {start}, x has {rows.shape[0]} rows")
-        return [torch.cat(parts) if parts else rows.new_empty(0, w.shape[2] * 8)]
+        return [torch.cat(parts) if parts else rows.new_empty(0, w.shape[2] * self._double.INT4_PER_INT32)]
 
     def npu_fused_infer_attention_score(self, query, key, value, atten_mask=None, **kwargs):
         if kwargs.get("softmax_lse_flag") or query.dim() != 4 or not query.is_contiguous() \

@@ -352,19 +352,10 @@ def comm_per_step(config, raw: dict, layout, image_size, tp_rank: int = 0) -> di
 
 
 def adapter_bytes(adapters: tuple, config, layout, tp_rank: int) -> int:
-    """Bytes tp rank `tp_rank` holds of `--lora-modules`' adapters ((name, Adapter), ...): their halves cut
-    as the weights are (weights/lora.py: per_request_pairs), the routed experts' stacked for every local
-    expert (zeros where an adapter leaves one alone: per_request_expert_pairs), in the decoder's bf16
-    (lora_rows.py)."""
-    from adaptor_patches.weights.lora import per_request_expert_pairs, per_request_pairs
-    bf16 = 2
-    total = 0
-    for _, adapter in adapters:
-        total += sum(bf16 * (a.numel() + b.numel()) for a, b in per_request_pairs(adapter, config, layout, tp_rank).values())
-        for local_experts, pairs in per_request_expert_pairs(adapter, config, layout, tp_rank).values():
-            a, b = next(iter(pairs.values()))
-            total += bf16 * local_experts * (a.numel() + b.numel())
-    return total
+    """Bytes tp rank `tp_rank` holds of `--lora-modules`' adapters ((name, Adapter), ...): lora_rows.planned_bytes,
+    their halves cut as the weights are and the experts' stacked per local expert, in the decoder's bf16."""
+    from adaptor_patches.lora_rows import planned_bytes
+    return planned_bytes(adapters, config, layout, tp_rank)
 
 
 def plan(model_dir, layout, image_size, device_kind: str = "npu", quantize=None, quant_compute=None,
